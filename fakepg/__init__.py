@@ -1,0 +1,41 @@
+"""fakepg: an in-memory world of N ranks on threads that implements ``reducer.ProcessGroup``.
+
+Collectives are truly asynchronous (data moves on the world's worker threads once the last rank
+joined), deterministic (dense SUM adds in ascending rank order, every rank gets the same bits),
+and fail loudly: timeouts name the ranks that never joined, ranks that disagree on a collective
+see both sides, and a failure on one rank wakes every other.
+
+    import fakepg, torch
+    def step(pg):
+        t = torch.full((4,), float(pg.rank()))
+        pg.allreduce([t]).wait()
+        return t
+    fakepg.run(step, world_size=4)   # four tensors of 0+1+2+3
+"""
+
+from __future__ import annotations
+
+from .faults import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    FakePGError,
+    RankExited,
+    WorldAborted,
+)
+from .netmodel import FixedLatency, NetworkModel
+from .work import Work
+from .world import FakeProcessGroup, World, run
+
+__all__ = [
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "FakePGError",
+    "FakeProcessGroup",
+    "FixedLatency",
+    "NetworkModel",
+    "RankExited",
+    "Work",
+    "World",
+    "WorldAborted",
+    "run",
+]

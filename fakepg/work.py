@@ -1,0 +1,229 @@
+"""A collective shared by all ranks (:class:`Collective`) and each rank's handle (:class:`Work`).
+
+# Guarantees: a Collective finishes exactly once, successfully or with an error, from whichever
+# thread gets there first (the executor after the last kernel task, a rank whose wait timed
+# out, an abort). ``finish`` is safe from any thread and never blocks on the world's lock, so it
+# may be called with that lock held. Done-callbacks run after the state is published, outside
+# every lock, on the finishing thread. Work methods are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .collectives import Fingerprint, Task
+from .faults import FakePGError
+
+if TYPE_CHECKING:
+    from .world import World
+
+__all__ = ["Work"]
+
+ErrorFactory = Callable[[int], BaseException]
+
+
+class Collective:
+    """The k-th collective of a world: who joined with what, and how it ended."""
+
+    def __init__(self, world: World, seq: int, fingerprint: Fingerprint) -> None:
+        self.world = world
+        self.seq = seq
+        self.fingerprint = fingerprint
+        # Membership fields below are guarded by the world's lock (World._lock).
+        self.fingerprints: dict[int, Fingerprint] = {}
+        self.payloads: dict[int, Any] = {}
+        self.launched_ns: dict[int, int] = {}
+        # Timings, written before `done` is set, so readers after `done` see them.
+        self.started_ns: int | None = None
+        self.completed_ns: int | None = None
+        self.done = threading.Event()
+        # _lock guards _error_for, _parts_left and _callbacks: the first finish wins.
+        self._lock = threading.Lock()
+        self._error_for: ErrorFactory | None = None
+        self._parts_left = 0
+        self._due = 0.0  # time.monotonic() before which it must not finish (network model)
+        self._callbacks: list[Callable[[], None]] = []
+
+    def describe(self) -> str:
+        """``allreduce #3 (op=SUM)``: how errors name this collective."""
+        fp = self.fingerprint
+        extra = f" (op={fp.op.name})" if fp.op is not None else ""
+        if fp.root is not None:
+            extra = f" (root={fp.root})"
+        return f"{fp.kind} #{self.seq}{extra}"
+
+    @property
+    def failed(self) -> bool:
+        return self._error_for is not None
+
+    def error_for(self, rank: int) -> BaseException | None:
+        """A fresh exception for ``rank`` (threads must not share one object), or None."""
+        factory = self._error_for
+        return None if factory is None else factory(rank)
+
+    def start(self, tasks: list[Task], network_time_s: float = 0.0) -> None:
+        """Run ``tasks`` on the executor; finish when the last is done and, with a network
+        model, not before ``network_time_s`` after the start."""
+        self.started_ns = time.perf_counter_ns()
+        self._due = time.monotonic() + network_time_s
+        if not tasks:
+            self._parts_done()
+            return
+        with self._lock:
+            self._parts_left = len(tasks)
+        for task in tasks:
+            self.world.executor.submit(self._wrap(task))
+
+    def _wrap(self, task: Task) -> Task:
+        def run() -> None:
+            if self.failed:  # an abort or timeout already ended it: stop moving data
+                self._part_finished()
+                return
+            try:
+                task()
+            except BaseException as exc:
+                self.finish(_internal_error(self, exc))
+            self._part_finished()
+
+        return run
+
+    def _part_finished(self) -> None:
+        with self._lock:
+            self._parts_left -= 1
+            last = self._parts_left == 0
+        if last:
+            self._parts_done()
+
+    def _parts_done(self) -> None:
+        remaining = self._due - time.monotonic()
+        if remaining > 0:
+            self.world.timer.call_later(remaining, self._finish_ok)
+        else:
+            self.finish(None)
+
+    def _finish_ok(self) -> None:
+        self.finish(None)
+
+    def finish(
+        self, error_for: ErrorFactory | None, *, defer: list[Callable[[], None]] | None = None
+    ) -> bool:
+        """End the collective (with an error if ``error_for``); False if it had already ended.
+
+        Callbacks run on this thread, or are appended to ``defer`` for a caller that holds a
+        lock and must run them after releasing it (a callback may issue a collective).
+        """
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self._error_for = error_for
+            self.completed_ns = time.perf_counter_ns()
+            callbacks, self._callbacks = self._callbacks, []
+            self.done.set()
+        if defer is not None:
+            defer.extend(callbacks)
+        else:
+            for callback in callbacks:
+                callback()
+        return True
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once finished: now, on this thread, if it already is."""
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
+def _internal_error(collective: Collective, exc: BaseException) -> ErrorFactory:
+    what = collective.describe()
+
+    def make(rank: int) -> BaseException:
+        error = FakePGError(
+            f"fakepg: {what} failed while moving data on rank {rank}'s behalf: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        return error
+
+    return make
+
+
+class Work:
+    """One rank's handle on a collective: wait for it, test it, read its result."""
+
+    def __init__(self, collective: Collective, rank: int, outputs: list[Tensor]) -> None:
+        self._collective = collective
+        self._rank = rank
+        self._outputs = outputs
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done; raise the collective's error, or a timeout naming missing ranks."""
+        c = self._collective
+        limit = c.world.timeout if timeout is None else timeout
+        if not c.done.wait(limit):
+            c.world._wait_timed_out(c, self._rank, limit)
+        error = c.error_for(self._rank)
+        if error is not None:
+            raise error
+
+    def is_completed(self) -> bool:
+        return self._collective.done.is_set()
+
+    def is_success(self) -> bool:
+        """True once completed without error."""
+        return self._collective.done.is_set() and not self._collective.failed
+
+    def exception(self) -> BaseException | None:
+        """The error this rank's ``wait`` raises, or None (also while not yet completed)."""
+        return self._collective.error_for(self._rank) if self.is_completed() else None
+
+    def result(self) -> list[Tensor]:
+        return list(self._outputs)
+
+    def get_future(self) -> torch.futures.Future[list[Tensor]]:
+        """A torch Future that completes with :meth:`result` (or the error) when done."""
+        future: torch.futures.Future[list[Tensor]] = torch.futures.Future()
+
+        def complete() -> None:
+            error = self._collective.error_for(self._rank)
+            if error is not None:
+                # torch's stub types the argument as the result type; it takes an exception.
+                future.set_exception(error)  # type: ignore[arg-type]
+            else:
+                future.set_result(self.result())
+
+        self._collective.add_done_callback(complete)
+        return future
+
+    # Timings on the perf_counter_ns clock, for overlap checks and traces.
+
+    @property
+    def launched_ns(self) -> int:
+        """When this rank issued the collective."""
+        return self._collective.launched_ns[self._rank]
+
+    @property
+    def started_ns(self) -> int | None:
+        """When the last rank joined and data started to move (None before that)."""
+        return self._collective.started_ns
+
+    @property
+    def completed_ns(self) -> int | None:
+        """When the collective finished (None before that)."""
+        return self._collective.completed_ns
+
+    @property
+    def seq(self) -> int:
+        """The collective's sequence number in its world (the k-th collective of each rank)."""
+        return self._collective.seq
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<fakepg.Work {self._collective.describe()} rank={self._rank} {state}>"

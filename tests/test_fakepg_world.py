@@ -1,0 +1,119 @@
+"""The world itself: run, isolation between worlds, threads, the network hook."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import fakepg
+from fakepg import FakeProcessGroup
+from reducer import ProcessGroup, ReduceOp, Work
+
+
+def rank_sum(pg: FakeProcessGroup) -> torch.Tensor:
+    t = torch.full((5,), float(pg.rank() + 1))
+    pg.allreduce([t]).wait()
+    return t
+
+
+@pytest.mark.parametrize("world_size", range(1, 17))
+def test_run_returns_results_in_rank_order(world_size: int, no_leaked_threads: None) -> None:
+    results = fakepg.run(lambda pg: (pg.rank(), pg.size(), rank_sum(pg)), world_size)
+    total = world_size * (world_size + 1) / 2
+    for rank, (got_rank, size, t) in enumerate(results):
+        assert (got_rank, size) == (rank, world_size)
+        assert torch.equal(t, torch.full((5,), total))
+
+
+def test_groups_implement_the_protocols() -> None:
+    with fakepg.World(2) as world:
+        pg = world.group(1)
+        assert isinstance(pg, ProcessGroup)
+        work = pg.barrier()
+        assert isinstance(work, Work)
+        world.group(0).barrier().wait()
+
+
+def test_two_worlds_run_at_once_without_interfering(no_leaked_threads: None) -> None:
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def one_world(size: int) -> None:
+        results[size] = fakepg.run(
+            lambda pg: [rank_sum(pg) for _ in range(20)][-1], size, timeout=30
+        )
+
+    threads = [threading.Thread(target=one_world, args=(n,)) for n in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert torch.equal(results[3][0], torch.full((5,), 6.0))
+    assert torch.equal(results[4][0], torch.full((5,), 10.0))
+
+
+def test_worlds_nest(no_leaked_threads: None) -> None:
+    """A rank of one world can run a world of its own (no global state is shared)."""
+
+    def outer(pg: FakeProcessGroup) -> float:
+        inner = fakepg.run(rank_sum, 2)  # 1 + 2 on each inner rank
+        t = inner[0].clone()
+        pg.allreduce([t]).wait()
+        return float(t[0])
+
+    assert fakepg.run(outer, 3) == [9.0, 9.0, 9.0]
+
+
+def test_no_threads_are_left_after_a_failure(no_leaked_threads: None) -> None:
+    def fn(pg: FakeProcessGroup) -> None:
+        rank_sum(pg)
+        if pg.rank() == 0:
+            raise RuntimeError("fail after one step")
+        rank_sum(pg)
+
+    with pytest.raises(RuntimeError, match="fail after one step"):
+        fakepg.run(fn, 4)
+
+
+def test_world_validates_its_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        fakepg.World(0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        fakepg.World(2, timeout=0)
+    with (
+        fakepg.World(2) as world,
+        pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"),
+    ):
+        world.group(2)
+
+
+def test_fixed_latency_delays_completion_not_the_data() -> None:
+    with fakepg.World(2, network=fakepg.FixedLatency(0.3)) as world:
+        tensors = [torch.ones(3), torch.ones(3)]
+        start = time.monotonic()
+        works = [world.group(r).allreduce([tensors[r]], ReduceOp.SUM) for r in (0, 1)]
+        assert not works[0].is_completed()
+        for w in works:
+            w.wait(timeout=10)
+        assert time.monotonic() - start >= 0.3
+        assert torch.equal(tensors[0], torch.full((3,), 2.0))
+
+
+def test_a_wait_shorter_than_the_network_time_says_so() -> None:
+    with fakepg.World(1, network=fakepg.FixedLatency(5.0)) as world:
+        work = world.group(0).barrier()
+        with pytest.raises(fakepg.CollectiveTimeout, match="every rank issued it"):
+            work.wait(timeout=0.05)
+
+
+def test_fixed_latency_rejects_negative_time() -> None:
+    with pytest.raises(ValueError, match="seconds must be >= 0"):
+        fakepg.FixedLatency(-1.0)
+
+
+def test_the_api_is_exactly_what_init_exports() -> None:
+    public = {name for name in dir(fakepg) if not name.startswith("_")}
+    modules = {"collectives", "executor", "faults", "netmodel", "work", "world", "annotations"}
+    assert set(fakepg.__all__) == public - modules
