@@ -24,8 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fakepg
 from _common import human_bytes, machine, median_ms, table
+
+import fakepg
 
 
 def parse_size(text: str) -> int:
@@ -137,15 +138,25 @@ def main(argv: list[str] | None = None) -> None:
             numel = nbytes // 4
             repeats = args.repeats or (5 if nbytes >= 32 << 20 else 11 if nbytes >= 1 << 20 else 51)
             ours = bench_fakepg(world_size, numel, repeats)
-            theirs = float("nan") if args.skip_threaded else bench_threaded(
-                world_size, numel, max(3, repeats // 2)
+            theirs = (
+                float("nan")
+                if args.skip_threaded
+                else bench_threaded(world_size, numel, max(3, repeats // 2))
             )
             floor = bench_floor(world_size, numel, repeats)
             moved = 2 * world_size * nbytes  # every input read once, every output written once
-            rows.append([
-                world_size, human_bytes(nbytes), ours * 1e3, theirs * 1e3, theirs / ours,
-                floor * 1e3, ours / floor, moved / ours / 1e9,
-            ])
+            rows.append(
+                [
+                    world_size,
+                    human_bytes(nbytes),
+                    ours * 1e3,
+                    theirs * 1e3,
+                    theirs / ours,
+                    floor * 1e3,
+                    ours / floor,
+                    moved / ours / 1e9,
+                ]
+            )
             print(table(headers, rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(table(headers, rows))

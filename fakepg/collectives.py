@@ -285,7 +285,11 @@ def sparse_allreduce_tasks(contributions: list[Tensor], op: ReduceOp) -> list[Ta
 
     def run() -> None:
         with torch.no_grad():
-            parts = [t.coalesce() for t in contributions]
+            # Contributions with no entries add nothing; skipping them also lets a rank that
+            # has no gradient send an empty tensor whose sparse/dense split differs.
+            parts = [t.coalesce() for t in contributions if t._nnz() > 0] or [
+                contributions[0].coalesce()
+            ]
             indices = torch.cat([p.indices() for p in parts], dim=1)
             values = torch.cat([p.values() for p in parts], dim=0)
             total = torch.sparse_coo_tensor(indices, values, contributions[0].shape).coalesce()

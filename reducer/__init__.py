@@ -1,8 +1,36 @@
-"""reducer: PyTorch's DDP gradient reducer in Python, against an abstract process group."""
+"""reducer: PyTorch's DDP gradient reducer in Python, against an abstract process group.
+
+import fakepg, reducer, torch
+
+def train_step(pg):
+    torch.manual_seed(0)                       # the same model on every rank
+    model = torch.nn.Linear(8, 2)
+    params = list(model.parameters())
+    buckets = reducer.compute_bucket_assignment_by_size(params, [1 << 20])
+    with reducer.Reducer([params], buckets, pg) as r:
+        r.prepare_for_backward([])
+        model(torch.randn(4, 8) * (pg.rank() + 1)).sum().backward()
+    return model.weight.grad                   # the average over ranks, on every rank
+
+fakepg.run(train_step, world_size=4)
+"""
 
 from __future__ import annotations
 
-from .errors import ReducerError
+from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from .errors import BucketAssignmentError, InvalidArgument, ReducerError, ReductionError
 from .process_group import ProcessGroup, ReduceOp, Work
+from .reducer import Reducer
 
-__all__ = ["ProcessGroup", "ReduceOp", "ReducerError", "Work"]
+__all__ = [
+    "BucketAssignmentError",
+    "InvalidArgument",
+    "ProcessGroup",
+    "ReduceOp",
+    "Reducer",
+    "ReducerError",
+    "ReductionError",
+    "Work",
+    "compute_bucket_assignment_by_size",
+    "ddp_bucket_assignment",
+]

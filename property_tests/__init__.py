@@ -1,0 +1,1 @@
+"""Hypothesis strategies and properties that prove the reducer averages exactly."""

@@ -1,0 +1,314 @@
+"""Which parameters share a bucket, and each bucket's flat layout.
+
+``compute_bucket_assignment_by_size`` groups parameters into buckets by byte size, per dtype
+and device, as torch's ``_compute_bucket_assignment_by_size`` does. ``build_buckets`` turns a
+bucket assignment into the reducer's buckets: per model replica, one flat tensor holding the
+gradients of its parameters back to back, and a view of it per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .errors import BucketAssignmentError, InvalidArgument, describe_param
+from .process_group import Work
+
+__all__ = ["compute_bucket_assignment_by_size", "ddp_bucket_assignment"]
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[Tensor] | Tensor,
+    bucket_size_limits: Sequence[int],
+    expect_sparse_gradient: Sequence[bool] | None = None,
+) -> list[list[int]]:
+    """Group ``tensors`` (indices into it) into buckets of about ``bucket_size_limits`` bytes.
+
+    Buckets are keyed by (dtype, device), so a bucket never mixes them. A bucket closes as soon
+    as its size reaches the current limit of its key; that key then moves on to the next
+    limit, and the last limit repeats (torch's DDP passes a small first bucket, then its cap).
+    A tensor expecting a sparse gradient gets a bucket of its own. The result is sorted by the
+    smallest index in each bucket: parameters come in forward order, so buckets become ready
+    in index order during backward.
+    """
+    if isinstance(tensors, Tensor) or not tensors:
+        raise InvalidArgument("compute_bucket_assignment_by_size: pass a non-empty list of tensors")
+    limits = [int(limit) for limit in bucket_size_limits]
+    if not limits or any(limit < 0 for limit in limits):
+        raise InvalidArgument(
+            f"compute_bucket_assignment_by_size: bucket_size_limits must be a non-empty list "
+            f"of byte counts >= 0, got {list(bucket_size_limits)!r}"
+        )
+    if expect_sparse_gradient is not None and len(expect_sparse_gradient) not in (
+        0,
+        len(tensors),
+    ):
+        raise InvalidArgument(
+            f"compute_bucket_assignment_by_size: expect_sparse_gradient has "
+            f"{len(expect_sparse_gradient)} entries for {len(tensors)} tensors; give one per "
+            "tensor or none"
+        )
+    sparse = list(expect_sparse_gradient or [False] * len(tensors))
+
+    result: list[list[int]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    limit_index: dict[tuple[torch.dtype, torch.device], int] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor.is_sparse:
+            raise InvalidArgument(
+                f"compute_bucket_assignment_by_size: tensor {i} is sparse; bucket the "
+                "parameters (dense), and mark sparse gradients with expect_sparse_gradient"
+            )
+        if sparse[i]:
+            result.append([i])
+            continue
+        key = (tensor.dtype, tensor.device)
+        indices, size = open_buckets.get(key, ([], 0))
+        indices.append(i)
+        size += tensor.numel() * tensor.element_size()
+        current = limit_index.setdefault(key, 0)
+        if size >= limits[current]:
+            result.append(indices)
+            open_buckets[key] = ([], 0)
+            limit_index[key] = min(current + 1, len(limits) - 1)
+        else:
+            open_buckets[key] = (indices, size)
+    result.extend(indices for indices, _ in open_buckets.values() if indices)
+    result.sort(key=min)
+    return result
+
+
+def ddp_bucket_assignment(
+    params: Sequence[Tensor],
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    expect_sparse_gradient: Sequence[bool] | None = None,
+) -> list[list[int]]:
+    """The assignment torch's DDP starts with: by size, in reverse parameter order.
+
+    Gradients of the last layers are ready first in backward, so bucketing the parameters in
+    reverse makes bucket 0 ready first. The first bucket is small (``first_bucket_mb``) so
+    that communication starts early; the others hold up to ``bucket_cap_mb``.
+    """
+    if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
+        raise InvalidArgument(
+            f"bucket sizes must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb!r}, "
+            f"first_bucket_mb={first_bucket_mb!r}"
+        )
+    reverse = list(reversed(range(len(params))))
+    sparse = (
+        None if expect_sparse_gradient is None else [expect_sparse_gradient[i] for i in reverse]
+    )
+    limits = [int(first_bucket_mb * (1 << 20)), int(bucket_cap_mb * (1 << 20))]
+    buckets = compute_bucket_assignment_by_size([params[i] for i in reverse], limits, sparse)
+    return [[reverse[i] for i in bucket] for bucket in buckets]
+
+
+# --------------------------------------------------------------------------------------------
+# The reducer's bucket layout.
+
+
+@dataclass(frozen=True, slots=True)
+class Locator:
+    """Where a parameter's gradient lives: its bucket, and its position within that bucket."""
+
+    bucket_index: int
+    intra_bucket_index: int
+
+
+# Note [Division fused into the copy]
+# A bucket replica's contents are divided by the world size once complete. For a large
+# parameter that is a second pass over its bytes, so its gradient is instead divided while it
+# is copied in (``torch.div(grad, W, out=view)``: the same bits as a copy then ``div_``). Runs of
+# small parameters are copied as they are and divided together when the replica completes:
+# one op for a run beats one op per parameter. ``fused[i]`` says which way parameter i goes;
+# ``scale_runs`` are the views that still need dividing at completion.
+FUSED_DIVISION_MIN_NUMEL = 1 << 16
+
+
+@dataclass(slots=True)
+class BucketReplica:
+    """One model replica's part of a bucket.
+
+    Dense: ``contents`` is one flat tensor; parameter ``i`` of the bucket occupies
+    ``contents[offsets[i] : offsets[i] + lengths[i]]``, seen with its own shape as ``views[i]``.
+    Sparse (one parameter): ``contents`` is set each iteration to the scaled sparse gradient.
+    ``pending`` counts the parameters not yet ready in the current iteration.
+    """
+
+    variables: list[Tensor]
+    contents: Tensor
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    views: list[Tensor] = field(default_factory=list)
+    fused: list[bool] = field(default_factory=list)
+    scale_runs: list[Tensor] = field(default_factory=list)
+    pending: int = 0
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Parameters reduced together by one allreduce (of every replica's contents)."""
+
+    index: int
+    variable_indices: list[int]
+    replicas: list[BucketReplica]
+    expect_sparse_gradient: bool
+    pending: int = 0  # replicas not yet complete in the current iteration
+    work: Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one replica's dense contents (0 for a sparse bucket)."""
+        if self.expect_sparse_gradient:
+            return 0
+        contents = self.replicas[0].contents
+        return contents.numel() * contents.element_size()
+
+
+def validate_bucket_indices(
+    bucket_indices: object, variable_count: int, names: Sequence[str] | None
+) -> list[list[int]]:
+    """``bucket_indices`` as lists of ints, each parameter in exactly one non-empty bucket."""
+    if isinstance(bucket_indices, Tensor | str) or not isinstance(bucket_indices, Sequence):
+        raise BucketAssignmentError(
+            f"bucket_indices must be a list of lists of parameter indices, got "
+            f"{type(bucket_indices).__name__}"
+        )
+    owner: dict[int, int] = {}
+    result = []
+    for b, bucket in enumerate(bucket_indices):
+        if isinstance(bucket, Tensor | str) or not isinstance(bucket, Sequence) or not bucket:
+            raise BucketAssignmentError(
+                f"bucket {b} is empty or not a list; every bucket needs at least one parameter "
+                "index (drop empty buckets)"
+            )
+        indices = []
+        for raw in bucket:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise BucketAssignmentError(
+                    f"bucket {b} holds {raw!r}, not a parameter index (an int)"
+                )
+            if not 0 <= raw < variable_count:
+                raise BucketAssignmentError(
+                    f"bucket {b} holds parameter index {raw}, out of range: the model has "
+                    f"{variable_count} parameters (0 to {variable_count - 1})"
+                )
+            if raw in owner:
+                where = "twice in" if owner[raw] == b else f"in bucket {owner[raw]} and"
+                raise BucketAssignmentError(
+                    f"{describe_param(raw, names)} is {where} bucket {b}; each parameter must "
+                    "be in exactly one bucket"
+                )
+            owner[raw] = b
+            indices.append(raw)
+        result.append(indices)
+    missing = [i for i in range(variable_count) if i not in owner]
+    if missing:
+        shown = ", ".join(describe_param(i, names) for i in missing[:10])
+        raise BucketAssignmentError(
+            f"{shown}{' and more' if len(missing) > 10 else ''} "
+            f"{'is' if len(missing) == 1 else 'are'} in no bucket; every parameter must be in "
+            "exactly one (compute_bucket_assignment_by_size gives a valid assignment)"
+        )
+    return result
+
+
+def build_buckets(
+    replicas: list[list[Tensor]],
+    bucket_indices: list[list[int]],
+    expect_sparse: list[bool],
+    names: Sequence[str] | None,
+    *,
+    fuse_division: bool = True,
+) -> tuple[list[Bucket], list[Locator]]:
+    """Allocate each bucket's per-replica contents and views; locate every parameter.
+
+    ``fuse_division=False`` divides every bucket as a whole (gradients that already live in
+    the bucket, as with gradient_as_bucket_view, are not copied, so there is nothing to fuse).
+    """
+    buckets: list[Bucket] = []
+    locators: list[Locator | None] = [None] * len(replicas[0])
+    for b, indices in enumerate(bucket_indices):
+        sparse = [i for i in indices if expect_sparse[i]]
+        if sparse and len(indices) > 1:
+            raise BucketAssignmentError(
+                f"bucket {b} holds {describe_param(sparse[0], names)}, which expects a sparse "
+                f"gradient, together with {len(indices) - 1} other parameter(s); a parameter "
+                "with a sparse gradient needs a bucket of its own"
+            )
+        bucket_replicas = [
+            _sparse_replica(replica, indices[0])
+            if sparse
+            else _dense_replica(replica, indices, b, names, fuse_division)
+            for replica in replicas
+        ]
+        buckets.append(Bucket(b, list(indices), bucket_replicas, bool(sparse)))
+        for intra, i in enumerate(indices):
+            locators[i] = Locator(b, intra)
+    assert all(loc is not None for loc in locators)  # validate_bucket_indices guarantees it
+    return buckets, [loc for loc in locators if loc is not None]
+
+
+def _dense_replica(
+    replica: list[Tensor],
+    indices: list[int],
+    bucket: int,
+    names: Sequence[str] | None,
+    fuse_division: bool,
+) -> BucketReplica:
+    first = replica[indices[0]]
+    for i in indices[1:]:
+        param = replica[i]
+        for what, mine, theirs in (
+            ("dtype", param.dtype, first.dtype),
+            ("device", param.device, first.device),
+        ):
+            if mine != theirs:
+                raise BucketAssignmentError(
+                    f"bucket {bucket} mixes {what}s: {describe_param(indices[0], names)} is "
+                    f"{theirs} but {describe_param(i, names)} is {mine}; a bucket holds one "
+                    "dtype on one device (compute_bucket_assignment_by_size keys buckets so)"
+                )
+    offsets, lengths = [], []
+    offset = 0
+    for i in indices:
+        offsets.append(offset)
+        lengths.append(replica[i].numel())
+        offset += replica[i].numel()
+    contents = torch.zeros(offset, dtype=first.dtype, device=first.device)
+    views = [
+        contents[o : o + n].view(replica[i].shape)
+        for o, n, i in zip(offsets, lengths, indices, strict=True)
+    ]
+    # See Note [Division fused into the copy].
+    fused = [fuse_division and n >= FUSED_DIVISION_MIN_NUMEL for n in lengths]
+    scale_runs = []
+    start: int | None = None
+    for o, is_fused in zip([*offsets, offset], [*fused, True], strict=True):
+        if not is_fused and start is None:
+            start = o
+        elif is_fused and start is not None:
+            scale_runs.append(contents[start:o])
+            start = None
+    return BucketReplica(
+        [replica[i] for i in indices], contents, offsets, lengths, views, fused, scale_runs
+    )
+
+
+def _sparse_replica(replica: list[Tensor], index: int) -> BucketReplica:
+    return BucketReplica([replica[index]], empty_sparse_like(replica[index]))
+
+
+def empty_sparse_like(param: Tensor) -> Tensor:
+    """A sparse gradient with no entries, laid out as nn.Embedding's (one sparse dimension)."""
+    sparse_dims = min(1, param.dim())
+    return torch.sparse_coo_tensor(
+        torch.empty((sparse_dims, 0), dtype=torch.int64, device=param.device),
+        torch.empty((0, *param.shape[sparse_dims:]), dtype=param.dtype, device=param.device),
+        param.shape,
+    )

@@ -1,0 +1,714 @@
+"""The reducer: averages gradients across ranks while backward is still running.
+
+The happy path, one iteration:
+
+1. ``prepare_for_backward(outputs)`` resets the per-iteration counters and, given outputs,
+   searches their autograd graph for parameters that will get no gradient (unused).
+2. During backward, autograd calls a hook after each parameter's gradient is accumulated
+   (``_autograd_hook``). The parameter is marked ready; when the last parameter of a bucket
+   replica is ready, its gradients are copied into the bucket's flat tensor and divided by
+   the world size; when every replica of the bucket is ready, and every earlier bucket has
+   launched, one asynchronous ``allreduce`` of the bucket starts (``_mark_bucket_ready``).
+3. Once the last bucket has launched, a finalize step is queued on the autograd engine. It runs
+   when backward ends, waits for every allreduce and writes the averages into ``.grad``.
+
+Communication of early buckets thus overlaps with the computation of later gradients.
+
+# Guarantees: hooks run on autograd threads (one per device); every state transition happens
+# under ``_lock``, so hooks of replicas on different devices may run concurrently. Public
+# methods may be called from the thread that runs forward and backward.
+
+# Note [Buckets launch in index order]
+# Collectives match across ranks by the order in which each rank issues them, but gradients
+# become ready in an order that can differ between ranks (unused parameters, timing). So a
+# bucket that is ready waits until every bucket before it has launched: ``_next_bucket`` is
+# the first bucket not launched yet, and only it may launch, followed by any ready run of
+# buckets after it. Every rank thus issues bucket 0, 1, 2, ... and then the used map.
+
+# Note [Unused parameters]
+# A parameter whose accumulator the outputs' graph does not reach gets no hook call this
+# iteration. It is marked ready at the first hook call (not in prepare_for_backward: the
+# outputs may never see a backward). It contributes zeros, unless it got a gradient during
+# local accumulation since the last synced step (see Note [Locally used]). When every rank
+# found it unused, its ``.grad`` is left exactly as it was: the ranks agree on that through
+# an allreduce of the per-parameter "locally used" map, issued after the last bucket.
+
+# Note [Gradients as bucket views]
+# With gradient_as_bucket_view, each dense .grad is a view of its bucket: autograd accumulates
+# straight into the bucket, the division and the allreduce happen in place, and nothing is
+# copied in or out. A fresh gradient (after zero_grad(set_to_none=True)) is copied in once
+# and .grad is pointed back at the view. A locally unused parameter must contribute zeros
+# without losing its .grad, which may stay untouched if it is unused on every rank: its old
+# values move to a detached copy that stays as .grad, and finalize points .grad back at the
+# view only if some rank used it.
+
+# Note [Locally used]
+# ``_used[replica][param]`` is set by every hook call since the last synced step, including
+# calls while hooks are not expected (gradient accumulation, no_sync): a gradient a rank
+# accumulated locally is contributed on the next synced step even if the parameter is unused
+# in that step's forward. Nothing a rank computed is lost. Finalize clears it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
+
+from .buckets import (
+    Bucket,
+    BucketReplica,
+    build_buckets,
+    empty_sparse_like,
+    validate_bucket_indices,
+)
+from .errors import InvalidArgument, ReductionError, describe_param, describe_params
+from .graph import gradient_accumulator, reached_accumulators
+from .process_group import ProcessGroup, Work
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """Averages the gradients of ``replicas`` over ``process_group`` during backward.
+
+    ``replicas`` holds one list of parameters per model replica in this process (usually
+    one); replicas must agree in parameter count, shapes, dtypes and sparsity.
+    ``bucket_indices`` partitions parameter indices into buckets, e.g. from
+    :func:`reducer.compute_bucket_assignment_by_size`. ``expect_sparse_gradients[r][i]`` marks
+    parameters with sparse gradients (each needs a bucket of its own). ``param_names`` (one
+    per parameter) makes error messages name parameters. With ``gradient_as_bucket_view``,
+    each dense ``.grad`` is a view into its bucket (see Note [Gradients as bucket views]).
+    """
+
+    def __init__(
+        self,
+        replicas: list[list[Tensor]],
+        bucket_indices: list[list[int]],
+        process_group: ProcessGroup,
+        expect_sparse_gradients: list[list[bool]] | None = None,
+        *,
+        param_names: Sequence[str] | None = None,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        self._replicas = _check_replicas(replicas)
+        self._as_view = bool(gradient_as_bucket_view)
+        count = len(self._replicas[0])
+        self._names = _check_names(param_names, count)
+        self._expect_sparse = _check_sparse(expect_sparse_gradients, self._replicas, self._names)
+        self._process_group = process_group
+        self._world_size = _check_process_group(process_group)
+        self._lock = threading.Lock()
+
+        # The state machine. Transitions: prepare_for_backward, _mark_variable_ready,
+        # _mark_bucket_ready, _finalize_backward.
+        # Between prepare_for_backward and finalize: hooks mark parameters ready.
+        self._expect_autograd_hooks = False
+        # Some parameter was marked ready: finalize must run before the next iteration.
+        self._require_finalize = False
+        # The first bucket not yet launched. See Note [Buckets launch in index order].
+        self._next_bucket = 0
+        self._finalize_queued = False
+        # See Note [Unused parameters].
+        self._find_unused = False
+        self._unused: list[tuple[int, int]] = []
+        self._has_marked_unused = False
+        self._used_map: tuple[Work, Tensor] | None = None
+        # See Note [Locally used].
+        self._used = [[False] * count for _ in self._replicas]
+        self._ready = [[False] * count for _ in self._replicas]
+        self._backward_stats = [[0] * count for _ in self._replicas]
+        self._backward_stats_base = 0
+        self._bucket_launch_ns: list[int] = []
+        # An error raised during an iteration leaves the ranks out of step; the reducer then
+        # refuses further use until it is closed and replaced.
+        self._failure: BaseException | None = None
+        self._closed = False
+
+        # Bucket views: gradients kept apart from their view for a locally unused parameter.
+        self._detached: dict[tuple[int, int], Tensor] = {}
+        self._buckets: list[Bucket] = []
+        # Per replica and parameter: its bucket, bucket replica and position there.
+        self._slots: list[list[tuple[Bucket, BucketReplica, int]]] = []
+        self.initialize_buckets(bucket_indices)
+
+        # Keep each parameter's accumulator alive, so the graph search recognizes it.
+        self._accumulators: dict[Node, tuple[int, int]] = {}
+        self._hook_handles: list[RemovableHandle] = []
+        this = weakref.ref(self)
+        for r, replica in enumerate(self._replicas):
+            for i, param in enumerate(replica):
+                self._accumulators[gradient_accumulator(param)] = (r, i)
+                hook = functools.partial(_grad_ready_hook, this, r, i)
+                # torch leaves this method unannotated.
+                handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                self._hook_handles.append(handle)
+        # A reducer dropped without close() must not leave hooks on the model.
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
+
+    # ---------------------------------------------------------------------------------------
+    # 1. Before backward.
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        """Expect hooks for a new iteration; with ``outputs``, find unused parameters.
+
+        With no outputs every parameter's hook is expected. With outputs, the parameters their
+        autograd graph does not reach count as unused (see Note [Unused parameters]). Every
+        rank must make the same choice, since the search adds a collective.
+        """
+        with self._lock:
+            self._check_usable("prepare_for_backward")
+            if self._require_finalize:
+                raise self._fail(self._unfinished_error())
+            outputs = _check_outputs(outputs)
+            if self._as_view:
+                self._check_views_kept()
+            self._expect_autograd_hooks = True
+            self._next_bucket = 0
+            self._finalize_queued = False
+            self._backward_stats_base = time.perf_counter_ns()
+            self._bucket_launch_ns = [0] * len(self._buckets)
+            for bucket in self._buckets:
+                for replica in bucket.replicas:
+                    replica.pending = len(replica.variables)
+                bucket.pending = len(bucket.replicas)
+            count = len(self._replicas[0])
+            self._ready = [[False] * count for _ in self._replicas]
+            self._has_marked_unused = False
+            self._find_unused = bool(outputs)
+            self._unused = []
+            if outputs:
+                reached = reached_accumulators(outputs, self._accumulators)
+                self._unused = sorted(set(self._accumulators.values()) - reached)
+
+    # ---------------------------------------------------------------------------------------
+    # 2. During backward.
+
+    def _autograd_hook(self, replica_index: int, index: int) -> None:
+        """Called by autograd after ``param.grad`` of (replica, index) was accumulated."""
+        with self._lock:
+            self._used[replica_index][index] = True  # See Note [Locally used]
+            if not self._expect_autograd_hooks:
+                # Accumulating locally; the next synced step reduces the sum.
+                if self._as_view:
+                    self._move_into_view(replica_index, index)
+                return
+            if not self._has_marked_unused:
+                self._has_marked_unused = True
+                for unused in self._unused:
+                    self._mark_variable_ready(*unused)
+            self._mark_variable_ready(replica_index, index)
+
+    def _mark_variable_ready(self, replica_index: int, index: int) -> None:
+        ready = self._ready[replica_index]
+        if ready[index]:
+            raise self._fail(self._marked_twice_error(replica_index, index))
+        ready[index] = True
+        self._backward_stats[replica_index][index] = (
+            time.perf_counter_ns() - self._backward_stats_base
+        )
+        self._require_finalize = True
+        bucket, replica, intra = self._slots[replica_index][index]
+        if bucket.expect_sparse_gradient:
+            self._set_sparse_contents(replica_index, index, replica)
+        else:
+            self._copy_into_bucket(replica_index, index, replica, intra)
+        replica.pending -= 1
+        if replica.pending == 0:
+            # The replica's last gradient: finish prescaling, so that the sum over ranks is
+            # the average. See Note [Division fused into the copy].
+            for run in replica.scale_runs:
+                run.div_(self._world_size)
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._mark_bucket_ready(bucket.index)
+        if self._next_bucket == len(self._buckets) and not self._finalize_queued:
+            self._finalize_queued = True
+            if self._find_unused:
+                self._launch_used_map()
+            _at_backward_end(self._finalize_from_engine)
+
+    def _copy_into_bucket(
+        self, replica_index: int, index: int, replica: BucketReplica, intra: int
+    ) -> None:
+        """Copy the gradient into its bucket view, or zeros where it contributes none."""
+        view = replica.views[intra]
+        param = replica.variables[intra]
+        grad = param.grad
+        used = self._used[replica_index][index]
+        if grad is view:  # autograd accumulated into the bucket already (bucket views)
+            if not used:
+                # See Note [Gradients as bucket views]: keep the old values as .grad.
+                param.grad = self._detached[(replica_index, index)] = view.clone()
+                view.zero_()
+            return
+        if grad is None or not used:
+            view.zero_()  # unused here: see Note [Unused parameters]
+        elif grad.layout != torch.strided:
+            raise self._fail(self._layout_error(replica_index, index, expected="dense"))
+        elif replica.fused[intra]:
+            torch.div(grad, self._world_size, out=view)
+        else:
+            view.copy_(grad)
+        if self._as_view and grad is not None and used:
+            param.grad = view  # a fresh gradient (after set_to_none): the bucket holds it now
+            self._detached.pop((replica_index, index), None)
+
+    def _move_into_view(self, replica_index: int, index: int) -> None:
+        """Bucket views: a gradient autograd created afresh (after set_to_none) moves into
+        its view, so that .grad is the view again. See Note [Gradients as bucket views]."""
+        bucket, replica, intra = self._slots[replica_index][index]
+        if bucket.expect_sparse_gradient:
+            return
+        param, view = replica.variables[intra], replica.views[intra]
+        if param.grad is not None and param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+            self._detached.pop((replica_index, index), None)
+
+    def _set_sparse_contents(self, replica_index: int, index: int, replica: BucketReplica) -> None:
+        """A sparse bucket's contents are the scaled gradient itself (a copy: .grad stays)."""
+        param = replica.variables[0]
+        grad = param.grad
+        if grad is None or not self._used[replica_index][index]:
+            replica.contents = empty_sparse_like(param)
+        elif not grad.is_sparse:
+            raise self._fail(self._layout_error(replica_index, index, expected="sparse"))
+        else:
+            replica.contents = grad.clone()
+            replica.contents.div_(self._world_size)
+
+    def _mark_bucket_ready(self, bucket_index: int) -> None:
+        """Launch this bucket and every ready one after it, if it is next in line."""
+        if bucket_index > self._next_bucket:
+            return  # See Note [Buckets launch in index order]
+        while (
+            self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0
+        ):
+            bucket = self._buckets[self._next_bucket]
+            bucket.work = self._process_group.allreduce([r.contents for r in bucket.replicas])
+            self._bucket_launch_ns[bucket.index] = (
+                time.perf_counter_ns() - self._backward_stats_base
+            )
+            self._next_bucket += 1
+
+    def _launch_used_map(self) -> None:
+        """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters]."""
+        used = torch.tensor(
+            [any(per_replica) for per_replica in zip(*self._used, strict=True)],
+            dtype=torch.int32,
+        )
+        self._used_map = (self._process_group.allreduce([used]), used)
+
+    # ---------------------------------------------------------------------------------------
+    # 3. When backward ends.
+
+    def _finalize_from_engine(self) -> None:
+        with self._lock:
+            try:
+                self._finalize_backward()
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+
+    def _finalize_backward(self) -> None:
+        """Wait for every bucket and write the averaged gradients into ``.grad``."""
+        self._expect_autograd_hooks = False
+        self._require_finalize = False
+        globally_used: list[int] | None = None
+        if self._used_map is not None:
+            work, used = self._used_map
+            self._used_map = None
+            work.wait()
+            globally_used = used.tolist()
+        with torch.no_grad():
+            for bucket in self._buckets:
+                assert bucket.work is not None  # every bucket launched before finalize queued
+                work, bucket.work = bucket.work, None
+                work.wait()
+                if bucket.expect_sparse_gradient:
+                    _write_sparse(bucket, work.result(), globally_used)
+                elif self._as_view:
+                    self._point_grads_at_views(bucket, globally_used)
+                else:
+                    _write_dense(bucket, globally_used)
+        count = len(self._replicas[0])
+        self._used = [[False] * count for _ in self._replicas]
+
+    def _point_grads_at_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        """Bucket views: the average is in the bucket; make every used .grad that view."""
+        for r, replica in enumerate(bucket.replicas):
+            for index, param, view in zip(
+                bucket.variable_indices, replica.variables, replica.views, strict=True
+            ):
+                if globally_used is not None and not globally_used[index]:
+                    continue  # unused on every rank: .grad stays as it was
+                if param.grad is not view:
+                    param.grad = view
+                    self._detached.pop((r, index), None)
+
+    # ---------------------------------------------------------------------------------------
+    # Setup, inspection, teardown.
+
+    def initialize_buckets(self, bucket_indices: list[list[int]]) -> None:
+        """Replace the bucket assignment (between iterations only)."""
+        with self._lock:
+            self._check_usable("initialize_buckets")
+            if self._expect_autograd_hooks:
+                raise ReductionError(
+                    "initialize_buckets was called after prepare_for_backward and before "
+                    "backward finished; change the bucket assignment between iterations"
+                )
+            indices = validate_bucket_indices(bucket_indices, len(self._replicas[0]), self._names)
+            buckets, locators = build_buckets(
+                self._replicas,
+                indices,
+                self._expect_sparse,
+                self._names,
+                fuse_division=not self._as_view,
+            )
+            self._buckets = buckets
+            self._slots = [
+                [
+                    (
+                        buckets[loc.bucket_index],
+                        buckets[loc.bucket_index].replicas[r],
+                        loc.intra_bucket_index,
+                    )
+                    for loc in locators
+                ]
+                for r in range(len(self._replicas))
+            ]
+            if self._as_view:
+                self._attach_views()
+
+    def _attach_views(self) -> None:
+        """Move existing dense gradients into their bucket views and make .grad the view."""
+        self._detached = {}
+        with torch.no_grad():
+            for bucket in self._buckets:
+                if bucket.expect_sparse_gradient:
+                    continue
+                for replica in bucket.replicas:
+                    for param, view in zip(replica.variables, replica.views, strict=True):
+                        if param.grad is not None and param.grad is not view:
+                            view.copy_(param.grad)
+                            param.grad = view
+
+    @property
+    def backward_stats(self) -> list[list[int]]:
+        """Per replica and parameter: ns from prepare_for_backward until it was ready."""
+        return [list(stats) for stats in self._backward_stats]
+
+    @property
+    def bucket_launch_stats(self) -> list[int]:
+        """Per bucket: ns from prepare_for_backward until its allreduce was issued."""
+        return list(self._bucket_launch_ns)
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        """The current bucket assignment (parameter indices per bucket)."""
+        return [list(b.variable_indices) for b in self._buckets]
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of one replica's contents per bucket (0 for sparse buckets)."""
+        return [b.nbytes for b in self._buckets]
+
+    @property
+    def unused_parameters(self) -> list[tuple[int, int]]:
+        """(replica, parameter) pairs found unused by the last prepare_for_backward."""
+        return list(self._unused)
+
+    def close(self) -> None:
+        """Remove every hook this reducer put on the parameters. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._expect_autograd_hooks = False
+        _remove_hooks(self._hook_handles)
+
+    def __enter__(self) -> Reducer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<reducer.Reducer {len(self._replicas[0])} parameters x {len(self._replicas)} "
+            f"replica(s), {len(self._buckets)} buckets, world size {self._world_size}>"
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Errors.
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            raise ReductionError(f"{what} on a closed Reducer; build a new Reducer")
+        if self._failure is not None:
+            raise ReductionError(
+                f"{what}: this Reducer failed in an earlier iteration "
+                f"({type(self._failure).__name__}: {self._failure}); the ranks are out of "
+                "step. close() it and build a new Reducer (the model can be reused)"
+            ) from self._failure
+
+    def _fail(self, error: BaseException) -> BaseException:
+        self._failure = error
+        self._expect_autograd_hooks = False
+        return error
+
+    def _check_views_kept(self) -> None:
+        """Bucket views: a .grad replaced by user code would silently stop being reduced."""
+        for bucket in self._buckets:
+            if bucket.expect_sparse_gradient:
+                continue
+            for r, replica in enumerate(bucket.replicas):
+                for index, param, view in zip(
+                    bucket.variable_indices, replica.variables, replica.views, strict=True
+                ):
+                    grad = param.grad
+                    if grad is None or grad is view or grad is self._detached.get((r, index)):
+                        continue
+                    raise ReductionError(
+                        f"{describe_param(index, self._names)}: its .grad was replaced by a "
+                        "tensor that is not its bucket view, but gradient_as_bucket_view=True "
+                        "reduces the bucket in place. Change .grad in place (zero_(), mul_(), "
+                        "copy_()) or set it to None (zero_grad(set_to_none=True)) instead."
+                    )
+
+    def _rank(self) -> int:
+        return self._process_group.rank()
+
+    def _unfinished_error(self) -> ReductionError:
+        per_replica = []
+        for r, ready in enumerate(self._ready):
+            missing = [i for i, is_ready in enumerate(ready) if not is_ready]
+            if missing:
+                prefix = f"replica {r}: " if len(self._replicas) > 1 else ""
+                per_replica.append(prefix + describe_params(missing, self._names))
+        return ReductionError(
+            "prepare_for_backward started a new iteration before the previous one finished "
+            f"its reduction: on rank {self._rank()}, these parameters never got a gradient: "
+            f"{'; '.join(per_replica)}. They were not used to compute the loss, so their "
+            "buckets never launched. Pass the forward outputs to prepare_for_backward so "
+            "unused parameters are found (find_unused_parameters=True), or make every output "
+            "take part in the loss. If you already pass the outputs, the loss depends on a "
+            "tensor that is not among them."
+        )
+
+    def _marked_twice_error(self, replica_index: int, index: int) -> ReductionError:
+        what = describe_param(index, self._names)
+        where = f" of replica {replica_index}" if len(self._replicas) > 1 else ""
+        if (replica_index, index) in self._unused:
+            cause = (
+                "It was found unused (its accumulator is not in the graph of the outputs given "
+                "to prepare_for_backward) and marked ready, then got a gradient anyway: it was "
+                "used outside the forward pass, in a tensor not among the outputs, or inside "
+                "reentrant activation checkpointing (which hides it from the search; use "
+                "torch.utils.checkpoint with use_reentrant=False). Use it inside forward and "
+                "return what depends on it, or do not search for unused parameters "
+                "(find_unused_parameters=False)."
+            )
+        else:
+            cause = (
+                "Its gradient hook fired twice in one backward pass: reentrant activation "
+                "checkpointing (use torch.utils.checkpoint with use_reentrant=False), or a "
+                "second backward through the same graph before the reduction finished."
+            )
+        return ReductionError(
+            f"{what}{where} was marked ready twice in one iteration on rank {self._rank()}. {cause}"
+        )
+
+    def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
+        got = "dense" if expected == "sparse" else "sparse"
+        flag = "True" if expected == "sparse" else "False"
+        return ReductionError(
+            f"{describe_param(index, self._names)} got a {got} gradient but its bucket expects "
+            f"a {expected} one; pass expect_sparse_gradients[{replica_index}][{index}]={flag} "
+            "(nn.Embedding(sparse=True) gives sparse gradients)"
+        )
+
+
+# -------------------------------------------------------------------------------------------
+# Hooks and the engine.
+
+
+def _grad_ready_hook(
+    reducer_ref: weakref.ReferenceType[Reducer], replica_index: int, index: int, _param: Tensor
+) -> None:
+    # Through a weak reference: the model must not keep a dropped reducer alive.
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._autograd_hook(replica_index, index)
+
+
+def _remove_hooks(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends, on the thread that runs it.
+
+    torch has no public API for this; the engine's ``queue_callback`` (what torch's own DDP
+    uses) is the only way, so it is isolated here. It must be called from inside backward.
+    """
+    engine: Any = torch.autograd.Variable._execution_engine
+    engine.queue_callback(callback)
+
+
+# -------------------------------------------------------------------------------------------
+# Writing results into .grad.
+
+
+def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
+    for replica in bucket.replicas:
+        for index, param, view in zip(
+            bucket.variable_indices, replica.variables, replica.views, strict=True
+        ):
+            if globally_used is not None and not globally_used[index]:
+                continue  # unused on every rank: .grad stays as it was
+            if param.grad is None:
+                param.grad = torch.empty_like(param, memory_format=torch.preserve_format)
+            param.grad.copy_(view)
+
+
+def _write_sparse(bucket: Bucket, results: list[Tensor], globally_used: list[int] | None) -> None:
+    index = bucket.variable_indices[0]
+    if globally_used is not None and not globally_used[index]:
+        return
+    for replica, result in zip(bucket.replicas, results, strict=True):
+        replica.variables[0].grad = result
+
+
+# -------------------------------------------------------------------------------------------
+# Argument validation (construction time: InvalidArgument, a ValueError).
+
+
+def _check_replicas(replicas: object) -> list[list[Tensor]]:
+    if isinstance(replicas, Tensor) or not isinstance(replicas, Sequence) or not replicas:
+        raise InvalidArgument(
+            "replicas must be a non-empty list of parameter lists, one per model replica "
+            "(usually [list(model.parameters())])"
+        )
+    checked: list[list[Tensor]] = []
+    seen: dict[int, tuple[int, int]] = {}
+    for r, replica in enumerate(replicas):
+        if isinstance(replica, Tensor) or not isinstance(replica, Sequence) or not replica:
+            raise InvalidArgument(
+                f"replica {r} must be a non-empty list of parameters, got {type(replica).__name__}"
+            )
+        params = list(replica)
+        for i, p in enumerate(params):
+            what = f"parameter {i} of replica {r}"
+            if not isinstance(p, Tensor):
+                raise InvalidArgument(f"{what} is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad:
+                raise InvalidArgument(
+                    f"{what} does not require grad; pass only parameters that are trained "
+                    "(filter with p.requires_grad)"
+                )
+            if not p.is_leaf:
+                raise InvalidArgument(
+                    f"{what} is not a leaf tensor (it has a grad_fn); pass the module's "
+                    "parameters themselves, not tensors computed from them"
+                )
+            if id(p) in seen:
+                r0, i0 = seen[id(p)]
+                raise InvalidArgument(
+                    f"{what} is the same tensor as parameter {i0} of replica {r0}; list each "
+                    "parameter once (shared parameters appear once in module.parameters())"
+                )
+            seen[id(p)] = (r, i)
+        checked.append(params)
+    first = checked[0]
+    for r, params in enumerate(checked[1:], start=1):
+        if len(params) != len(first):
+            raise InvalidArgument(
+                f"replica {r} has {len(params)} parameters but replica 0 has {len(first)}; "
+                "model replicas must have the same parameters"
+            )
+        for i, (p, q) in enumerate(zip(params, first, strict=True)):
+            if p.shape != q.shape or p.dtype != q.dtype:
+                raise InvalidArgument(
+                    f"parameter {i} of replica {r} is {p.dtype} {tuple(p.shape)} but replica 0 "
+                    f"has {q.dtype} {tuple(q.shape)}; replicas must match in shape and dtype"
+                )
+    return checked
+
+
+def _check_names(names: Sequence[str] | None, count: int) -> list[str] | None:
+    if names is None:
+        return None
+    names = list(names)
+    if len(names) != count or not all(isinstance(n, str) for n in names):
+        raise InvalidArgument(
+            f"param_names must be {count} strings, one per parameter, got {len(names)} entries"
+        )
+    return names
+
+
+def _check_sparse(
+    expect: object, replicas: list[list[Tensor]], names: list[str] | None
+) -> list[bool]:
+    count = len(replicas[0])
+    if expect is None:
+        return [False] * count
+    if not isinstance(expect, Sequence) or len(expect) != len(replicas):
+        raise InvalidArgument(
+            f"expect_sparse_gradients must have one list per replica ({len(replicas)})"
+        )
+    rows = []
+    for r, row in enumerate(expect):
+        if not isinstance(row, Sequence) or len(row) != count:
+            raise InvalidArgument(
+                f"expect_sparse_gradients[{r}] must have one bool per parameter ({count})"
+            )
+        rows.append([bool(x) for x in row])
+    for r, row in enumerate(rows[1:], start=1):
+        for i, (mine, first) in enumerate(zip(row, rows[0], strict=True)):
+            if mine != first:
+                raise InvalidArgument(
+                    f"expect_sparse_gradients disagree for {describe_param(i, names)}: "
+                    f"replica {r} says {mine}, replica 0 says {first}; replicas must agree"
+                )
+    return rows[0]
+
+
+def _check_process_group(process_group: object) -> int:
+    size = getattr(process_group, "size", None)
+    if not callable(size) or not callable(getattr(process_group, "allreduce", None)):
+        raise InvalidArgument(
+            f"process_group must implement reducer.ProcessGroup (size, allreduce, ...), got "
+            f"{type(process_group).__name__}"
+        )
+    world_size = size()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgument(f"process_group.size() must be an int >= 1, got {world_size!r}")
+    return world_size
+
+
+def _check_outputs(outputs: object) -> list[Tensor]:
+    if isinstance(outputs, Tensor):
+        return [outputs]
+    if not isinstance(outputs, Sequence):
+        raise InvalidArgument(
+            f"prepare_for_backward takes a list of output tensors, got {type(outputs).__name__}"
+        )
+    checked = list(outputs)
+    for i, t in enumerate(checked):
+        if not isinstance(t, Tensor):
+            raise InvalidArgument(
+                f"prepare_for_backward: output {i} is a {type(t).__name__}, not a tensor; pass "
+                "the tensors found in the forward's return value"
+            )
+    return checked

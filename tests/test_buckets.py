@@ -1,0 +1,123 @@
+"""Bucket assignment (equal to torch's) and the bucket layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reducer
+from reducer.buckets import FUSED_DIVISION_MIN_NUMEL, build_buckets, validate_bucket_indices
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]
+
+
+@st.composite
+def bucketing_inputs(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[int], list[bool]]:
+    count = draw(st.integers(1, 24))
+    tensors = [
+        torch.empty(draw(st.integers(0, 3000)), dtype=draw(st.sampled_from(DTYPES)))
+        for _ in range(count)
+    ]
+    limits = draw(st.lists(st.integers(0, 12000), min_size=1, max_size=4))
+    sparse = draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    return tensors, limits, sparse
+
+
+@given(bucketing_inputs(), st.booleans())
+def test_assignment_equals_torchs(
+    inputs: tuple[list[torch.Tensor], list[int], list[bool]], pass_sparse: bool
+) -> None:
+    tensors, limits, sparse = inputs
+    if pass_sparse:
+        ours = reducer.compute_bucket_assignment_by_size(tensors, limits, sparse)
+        theirs = dist._compute_bucket_assignment_by_size(tensors, limits, sparse)[0]
+    else:
+        ours = reducer.compute_bucket_assignment_by_size(tensors, limits)
+        theirs = dist._compute_bucket_assignment_by_size(tensors, limits)[0]
+    assert ours == [list(b) for b in theirs]
+
+
+def test_limits_advance_per_key_and_the_last_repeats() -> None:
+    f32 = [torch.empty(10) for _ in range(6)]  # 40 bytes each
+    # First bucket closes at >= 40 bytes, later ones at >= 80.
+    assert reducer.compute_bucket_assignment_by_size(f32, [40, 80]) == [[0], [1, 2], [3, 4], [5]]
+
+
+def test_buckets_never_mix_dtypes_and_sparse_parameters_stand_alone() -> None:
+    tensors = [torch.empty(4), torch.empty(4, dtype=torch.float64), torch.empty(4), torch.empty(4)]
+    got = reducer.compute_bucket_assignment_by_size(tensors, [1 << 20], [False, False, True, False])
+    assert got == [[0, 3], [1], [2]]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (([], [10]), "non-empty list of tensors"),
+        (([torch.empty(2)], []), "bucket_size_limits must be a non-empty list"),
+        (([torch.empty(2)], [-1]), "byte counts >= 0"),
+        (([torch.empty(2)], [10], [True, False]), "2 entries for 1 tensors"),
+        (([torch.empty(2).to_sparse()], [10]), "tensor 0 is sparse"),
+    ],
+)
+def test_assignment_rejects_bad_input(args: tuple[object, ...], match: str) -> None:
+    with pytest.raises(reducer.InvalidArgument, match=match):
+        reducer.compute_bucket_assignment_by_size(*args)  # type: ignore[arg-type]
+
+
+NAMES = ["a.weight", "a.bias", "b.weight"]
+
+
+@pytest.mark.parametrize(
+    ("indices", "match"),
+    [
+        ([[0, 1], []], "bucket 1 is empty"),
+        ([[0, 1, 5], [2]], "parameter index 5, out of range: the model has 3 parameters"),
+        ([[0, 1, 1], [2]], r"parameter 1 \('a.bias'\) is twice in bucket 0"),
+        ([[0, 1], [1, 2]], r"parameter 1 \('a.bias'\) is in bucket 0 and bucket 1"),
+        ([[0, 1]], r"parameter 2 \('b.weight'\) is in no bucket"),
+        ([[0, "1"], [2]], "holds '1', not a parameter index"),
+        ([[0, True], [2]], "holds True"),
+        ("01", "must be a list of lists"),
+        (["01", [2]], "bucket 0 is empty or not a list"),
+    ],
+)
+def test_bucket_indices_are_validated(indices: object, match: str) -> None:
+    with pytest.raises(reducer.BucketAssignmentError, match=match):
+        validate_bucket_indices(indices, 3, NAMES)
+
+
+def test_a_bucket_holds_one_dtype_and_device() -> None:
+    params = [torch.zeros(2), torch.zeros(2, dtype=torch.float64)]
+    with pytest.raises(reducer.BucketAssignmentError, match=r"bucket 0 mixes dtypes"):
+        build_buckets([params], [[0, 1]], [False, False], ["x", "y"])
+
+
+def test_a_sparse_parameter_needs_its_own_bucket() -> None:
+    params = [torch.zeros(2), torch.zeros(3, 2)]
+    with pytest.raises(reducer.BucketAssignmentError, match=r"parameter 1 \('e'\), which expects"):
+        build_buckets([params], [[0, 1]], [False, True], ["w", "e"])
+
+
+def test_layout_views_alias_the_contents() -> None:
+    big = FUSED_DIVISION_MIN_NUMEL
+    params = [torch.zeros(3, 4), torch.zeros(big), torch.zeros(5), torch.zeros(7)]
+    buckets, locators = build_buckets([params], [[2, 1, 0], [3]], [False] * 4, None)
+    first = buckets[0].replicas[0]
+    assert first.offsets == [0, 5, 5 + big]
+    assert first.lengths == [5, big, 12]
+    assert [tuple(v.shape) for v in first.views] == [(5,), (big,), (3, 4)]
+    for view, offset in zip(first.views, first.offsets, strict=True):
+        assert view.data_ptr() == first.contents.data_ptr() + 4 * offset
+    assert first.fused == [False, True, False]
+    # The runs divided at completion cover exactly the parameters not divided while copied.
+    assert [(r.data_ptr() - first.contents.data_ptr()) // 4 for r in first.scale_runs] == [
+        0,
+        5 + big,
+    ]
+    assert [r.numel() for r in first.scale_runs] == [5, 12]
+    assert locators[0] == reducer.buckets.Locator(0, 2)
+    assert locators[3] == reducer.buckets.Locator(1, 0)
+    assert buckets[0].nbytes == 4 * (17 + big)
