@@ -2,8 +2,8 @@
 
 The fake world moves data at memory speed. A network model adds, per collective, the time a
 real interconnect would need, so that overlap of communication with backward can be seen and
-measured on one machine. The world finishes a collective that much later than its data moved
-(never earlier), off every rank's thread.
+measured on one machine. Once every rank has joined, the world waits that long (off every
+rank's thread) before the data lands in the ranks' tensors and the collective completes.
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ class Collective:
         self._lock = threading.Lock()
         self._error_for: ErrorFactory | None = None
         self._parts_left = 0
-        self._due = 0.0  # time.monotonic() before which it must not finish (network model)
         self._callbacks: list[Callable[[], None]] = []
 
     def describe(self) -> str:
@@ -68,12 +67,21 @@ class Collective:
         return None if factory is None else factory(rank)
 
     def start(self, tasks: list[Task], network_time_s: float = 0.0) -> None:
-        """Run ``tasks`` on the executor; finish when the last is done and, with a network
-        model, not before ``network_time_s`` after the start."""
+        """Move the data (``tasks``, on the executor), then finish.
+
+        With a simulated network, the data lands when the transfer would end: the tasks are
+        submitted ``network_time_s`` after the start, so a rank that reads its tensors before
+        ``wait`` returns sees the old values, as it would on a real network.
+        """
         self.started_ns = time.perf_counter_ns()
-        self._due = time.monotonic() + network_time_s
+        if network_time_s > 0:
+            self.world.timer.call_later(network_time_s, lambda: self._submit(tasks))
+        else:
+            self._submit(tasks)
+
+    def _submit(self, tasks: list[Task]) -> None:
         if not tasks:
-            self._parts_done()
+            self.finish(None)
             return
         with self._lock:
             self._parts_left = len(tasks)
@@ -98,17 +106,7 @@ class Collective:
             self._parts_left -= 1
             last = self._parts_left == 0
         if last:
-            self._parts_done()
-
-    def _parts_done(self) -> None:
-        remaining = self._due - time.monotonic()
-        if remaining > 0:
-            self.world.timer.call_later(remaining, self._finish_ok)
-        else:
             self.finish(None)
-
-    def _finish_ok(self) -> None:
-        self.finish(None)
 
     def finish(
         self, error_for: ErrorFactory | None, *, defer: list[Callable[[], None]] | None = None

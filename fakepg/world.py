@@ -178,6 +178,76 @@ class World:
             callback()
 
     # ---------------------------------------------------------------------------------------
+    # Running one thread per rank.
+
+    def run(self, fn: Callable[[FakeProcessGroup], T]) -> list[T]:
+        """Call ``fn(pg)`` on one thread per rank of this world; results in rank order.
+
+        The semantics of :func:`fakepg.run`, on a world that lives on between calls (models and
+        reducers built on its groups keep working). A rank that returns early counts as gone
+        only until every rank of this call has returned. If the ranks end the call having
+        issued different numbers of collectives, they are out of step for good: the world is
+        aborted, and the next call says so.
+        """
+        if not callable(fn):
+            raise ValueError(f"World.run: fn must be callable, got {fn!r}")
+        if self._abort is not None or self._closed:
+            raise self._aborted_error(0, "World.run")
+        results: list[Any] = [None] * self.world_size
+        # lock guards failures: the first failure recorded is the one re-raised.
+        lock = threading.Lock()
+        failures: list[tuple[int, BaseException]] = []
+        changed = threading.Event()  # set whenever a rank ends or fails
+
+        def rank_main(rank: int) -> None:
+            try:
+                results[rank] = fn(self.group(rank))
+            except BaseException as exc:
+                with lock:
+                    failures.append((rank, exc))
+                self.abort(exc, rank=rank)
+            else:
+                self._depart(rank)
+            finally:
+                changed.set()
+
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), name=f"fakepg-rank-{r}", daemon=True)
+            for r in range(self.world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
+        self._end_run()
+        if failures:
+            rank, exc = failures[0]
+            _add_note(exc, f"raised on rank {rank} of {self.world_size} in fakepg.run")
+            others = sorted({r for r, _ in failures[1:]})
+            if others:
+                _add_note(exc, f"{format_ranks(others)} failed after it (see the world's abort)")
+            if stuck:
+                _add_note(
+                    exc,
+                    f"{format_ranks(stuck)} did not stop after the abort (blocked outside any "
+                    "collective, in a C call or a lock of its own); left behind as daemon threads",
+                )
+            raise exc
+        return results
+
+    def _end_run(self) -> None:
+        with self._lock:
+            self._departed.clear()
+            counts = list(self._next_seq)
+        if len(set(counts)) > 1 and self._abort is None:
+            per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+            self.abort(
+                RankExited(
+                    f"fakepg: the ranks ended a run having issued different numbers of "
+                    f"collectives ({per_rank}); their sequence numbers no longer match"
+                )
+            )
+
+    # ---------------------------------------------------------------------------------------
     # Abort and close: every failure wakes every rank.
 
     def abort(self, reason: BaseException, *, rank: int | None = None) -> None:
@@ -389,57 +459,24 @@ class _Stop(BaseException):
     """Delivered to a rank thread that is still running after the world was aborted."""
 
 
-def run(fn: Callable[[FakeProcessGroup], T], world_size: int, *, timeout: float = 60.0) -> list[T]:
-    """Call ``fn(pg)`` on one thread per rank; return the results in rank order.
+def run(
+    fn: Callable[[FakeProcessGroup], T],
+    world_size: int,
+    *,
+    timeout: float = 60.0,
+    network: NetworkModel | None = None,
+) -> list[T]:
+    """Call ``fn(pg)`` on one thread per rank of a new world; return the results in rank order.
 
     If any rank raises (any ``BaseException``), the world is aborted: every rank blocked in a
     collective wakes at once with an error naming the failed rank, and ``run`` re-raises the
-    first failure with a note naming its rank. ``timeout`` is each collective's default wait.
-    A rank that returns while its peers wait for it makes their collectives fail at once. Every
-    thread started here has ended when ``run`` returns or raises (see ``_join_ranks``).
+    first failure with a note naming its rank. ``timeout`` is each collective's default wait;
+    ``network`` simulates transfer time (see :mod:`fakepg.netmodel`). A rank that returns while
+    its peers wait for it makes their collectives fail at once. Every thread started here has
+    ended when ``run`` returns or raises (see ``World.run``).
     """
-    if not callable(fn):
-        raise ValueError(f"fakepg.run: fn must be callable, got {fn!r}")
-    results: list[Any] = [None] * world_size
-    # _lock guards failures: the first failure recorded is the one re-raised.
-    lock = threading.Lock()
-    failures: list[tuple[int, BaseException]] = []
-    with World(world_size, timeout=timeout) as world:
-        changed = threading.Event()  # set whenever a rank ends or fails
-
-        def rank_main(rank: int) -> None:
-            try:
-                results[rank] = fn(world.group(rank))
-            except BaseException as exc:
-                with lock:
-                    failures.append((rank, exc))
-                world.abort(exc, rank=rank)
-            else:
-                world._depart(rank)
-            finally:
-                changed.set()
-
-        threads = [
-            threading.Thread(target=rank_main, args=(r,), name=f"fakepg-rank-{r}", daemon=True)
-            for r in range(world_size)
-        ]
-        for thread in threads:
-            thread.start()
-        stuck = _join_ranks(world, threads, changed, grace_s=min(timeout, 5.0))
-    if failures:
-        rank, exc = failures[0]
-        _add_note(exc, f"raised on rank {rank} of {world_size} in fakepg.run")
-        others = sorted({r for r, _ in failures[1:]})
-        if others:
-            _add_note(exc, f"{format_ranks(others)} failed after it (see the world's abort)")
-        if stuck:
-            _add_note(
-                exc,
-                f"{format_ranks(stuck)} did not stop after the abort (blocked outside any "
-                "collective, in a C call or a lock of its own); left behind as daemon threads",
-            )
-        raise exc
-    return results
+    with World(world_size, timeout=timeout, network=network) as world:
+        return world.run(fn)
 
 
 def _join_ranks(

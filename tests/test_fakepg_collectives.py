@@ -240,9 +240,10 @@ def test_collectives_return_before_peers_join_and_data_moves_off_the_callers_thr
         work0 = world.group(0).allreduce([tensors[0]])
         assert not work0.is_completed()  # returned at once, before rank 1 joined
         finisher: list[str] = []
-        work0.get_future().then(lambda _: finisher.append(_thread_name()))
+        chained = work0.get_future().then(lambda _: finisher.append(_thread_name()))
         world.group(1).allreduce([tensors[1]]).wait(timeout=5)
         work0.wait(timeout=5)
+        chained.wait()  # the callback may still be running when wait() returns
         assert torch.equal(tensors[0], torch.full((1 << 16,), 2.0))
         # The future's callback runs on the thread that finished the collective: a worker.
         assert finisher and "worker" in finisher[0], finisher
