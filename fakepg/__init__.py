@@ -23,6 +23,7 @@ from .faults import (
     WorldAborted,
 )
 from .netmodel import FixedLatency, NetworkModel
+from .torch_backend import register_torch_backend, run_torch
 from .work import Work
 from .world import FakeProcessGroup, World, run
 
@@ -37,5 +38,7 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "register_torch_backend",
     "run",
+    "run_torch",
 ]

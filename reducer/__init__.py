@@ -18,19 +18,38 @@ fakepg.run(train_step, world_size=4)
 from __future__ import annotations
 
 from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from .comm_hooks import (
+    CommHook,
+    GradBucket,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
+from .ddp import DDPLoggingData, DistributedDataParallel
 from .errors import BucketAssignmentError, InvalidArgument, ReducerError, ReductionError
 from .process_group import ProcessGroup, ReduceOp, Work
 from .reducer import Reducer
+from .stats import IterationStats
+from .torch_backend import TorchProcessGroup
 
 __all__ = [
     "BucketAssignmentError",
+    "CommHook",
+    "DDPLoggingData",
+    "DistributedDataParallel",
+    "GradBucket",
     "InvalidArgument",
+    "IterationStats",
     "ProcessGroup",
     "ReduceOp",
     "Reducer",
     "ReducerError",
     "ReductionError",
+    "TorchProcessGroup",
     "Work",
+    "allreduce_hook",
+    "bf16_compress_hook",
     "compute_bucket_assignment_by_size",
     "ddp_bucket_assignment",
+    "fp16_compress_hook",
 ]

@@ -42,6 +42,14 @@ Communication of early buckets thus overlaps with the computation of later gradi
 # values move to a detached copy that stays as .grad, and finalize points .grad back at the
 # view only if some rank used it.
 
+# Note [Static graph]
+# With static_graph=True the reducer trusts that every iteration runs the same graph. The
+# first iteration only counts how often each parameter's hook fires (reentrant checkpointing
+# fires some several times) and reduces everything once backward has ended, without overlap.
+# Later iterations skip the graph search: the parameters unused in the first iteration are
+# marked ready at the first hook call, and a parameter is ready when its hook has fired as
+# often as it did in the first iteration. The first iteration's used map is kept.
+
 # Note [Locally used]
 # ``_used[replica][param]`` is set by every hook call since the last synced step, including
 # calls while hooks are not expected (gradient accumulation, no_sync): a gradient a rank
@@ -70,9 +78,18 @@ from .buckets import (
     empty_sparse_like,
     validate_bucket_indices,
 )
+from .comm_hooks import CommHook, FutureWork, GradBucket
 from .errors import InvalidArgument, ReductionError, describe_param, describe_params
 from .graph import gradient_accumulator, reached_accumulators
 from .process_group import ProcessGroup, Work
+from .stats import IterationStats
+from .validation import (
+    check_names,
+    check_outputs,
+    check_process_group,
+    check_replicas,
+    check_sparse,
+)
 
 __all__ = ["Reducer"]
 
@@ -87,6 +104,8 @@ class Reducer:
     parameters with sparse gradients (each needs a bucket of its own). ``param_names`` (one
     per parameter) makes error messages name parameters. With ``gradient_as_bucket_view``,
     each dense ``.grad`` is a view into its bucket (see Note [Gradients as bucket views]).
+    ``static_graph`` promises the same graph every iteration (see Note [Static graph]).
+    ``timeout`` bounds the wait for a comm hook's future (collectives have their own).
     """
 
     def __init__(
@@ -98,14 +117,16 @@ class Reducer:
         *,
         param_names: Sequence[str] | None = None,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        timeout: float = 300.0,
     ) -> None:
-        self._replicas = _check_replicas(replicas)
+        self._replicas = check_replicas(replicas)
         self._as_view = bool(gradient_as_bucket_view)
         count = len(self._replicas[0])
-        self._names = _check_names(param_names, count)
-        self._expect_sparse = _check_sparse(expect_sparse_gradients, self._replicas, self._names)
+        self._names = check_names(param_names, count)
+        self._expect_sparse = check_sparse(expect_sparse_gradients, self._replicas, self._names)
         self._process_group = process_group
-        self._world_size = _check_process_group(process_group)
+        self._world_size = check_process_group(process_group)
         self._lock = threading.Lock()
 
         # The state machine. Transitions: prepare_for_backward, _mark_variable_ready,
@@ -116,10 +137,13 @@ class Reducer:
         self._require_finalize = False
         # The first bucket not yet launched. See Note [Buckets launch in index order].
         self._next_bucket = 0
-        self._finalize_queued = False
+        self._all_launched = False
         # See Note [Unused parameters].
         self._find_unused = False
         self._unused: list[tuple[int, int]] = []
+        self._unused_set: set[tuple[int, int]] = set()
+        # Reached by the outputs, but not by the loss: hook calls without a gradient.
+        self._no_gradient: set[tuple[int, int]] = set()
         self._has_marked_unused = False
         self._used_map: tuple[Work, Tensor] | None = None
         # See Note [Locally used].
@@ -132,6 +156,21 @@ class Reducer:
         # refuses further use until it is closed and replaced.
         self._failure: BaseException | None = None
         self._closed = False
+        # A comm hook replaces the allreduce; the hook divides, so buckets are not prescaled.
+        self._comm_hook: tuple[object, CommHook] | None = None
+        self._prescale = True
+        self._timeout = float(timeout)
+        # See Note [Static graph]: hook calls counted in the first iteration, then expected.
+        self._static_graph = bool(static_graph)
+        self._recording = False
+        self._delayed_queued = False
+        self._counting: list[list[int]] = []
+        self._hook_counts: list[list[int]] | None = None
+        self._remaining: list[list[int]] | None = None
+        self._static_globally_used: list[int] | None = None
+        # The record of the last synced iteration, for logging and traces.
+        self._iterations = 0
+        self._last_iteration: IterationStats | None = None
 
         # Bucket views: gradients kept apart from their view for a locally unused parameter.
         self._detached: dict[tuple[int, int], Tensor] = {}
@@ -168,12 +207,12 @@ class Reducer:
             self._check_usable("prepare_for_backward")
             if self._require_finalize:
                 raise self._fail(self._unfinished_error())
-            outputs = _check_outputs(outputs)
+            outputs = check_outputs(outputs)
             if self._as_view:
                 self._check_views_kept()
             self._expect_autograd_hooks = True
             self._next_bucket = 0
-            self._finalize_queued = False
+            self._all_launched = False
             self._backward_stats_base = time.perf_counter_ns()
             self._bucket_launch_ns = [0] * len(self._buckets)
             for bucket in self._buckets:
@@ -184,23 +223,71 @@ class Reducer:
             self._ready = [[False] * count for _ in self._replicas]
             self._has_marked_unused = False
             self._find_unused = bool(outputs)
-            self._unused = []
-            if outputs:
+            self._unused_set = set()
+            self._no_gradient = set()
+            self._recording = False
+            self._remaining = None
+            if self._static_graph and self._hook_counts is not None:
+                # See Note [Static graph]: no search, the first iteration's record applies.
+                self._find_unused = False
+                self._unused_set = {
+                    (r, i)
+                    for r, counts in enumerate(self._hook_counts)
+                    for i, calls in enumerate(counts)
+                    if calls == 0
+                }
+                self._remaining = [list(counts) for counts in self._hook_counts]
+            elif self._static_graph:
+                self._recording, self._delayed_queued = True, False
+                self._find_unused = True  # the used map of this iteration is kept for good
+                self._counting = [[0] * count for _ in self._replicas]
+            elif outputs:
                 reached = reached_accumulators(outputs, self._accumulators)
-                self._unused = sorted(set(self._accumulators.values()) - reached)
+                self._unused_set = set(self._accumulators.values()) - reached
+            self._unused = sorted(self._unused_set)
 
     # ---------------------------------------------------------------------------------------
     # 2. During backward.
 
+    def _expect_no_gradient(self, outputs_with_grad: Sequence[Tensor]) -> None:
+        """Backward found outputs the loss did not use; ``outputs_with_grad`` are the others.
+
+        Called before any hook (from the DDP wrapper's output sink). Parameters that only the
+        unused outputs reach get hook calls without a gradient: they count as unused, not as
+        used with zeros. See Note [Outputs not used in the loss] in reducer.ddp.
+        """
+        with self._lock:
+            if not self._expect_autograd_hooks:
+                return
+            reached = reached_accumulators(outputs_with_grad, self._accumulators)
+            self._no_gradient = set(self._accumulators.values()) - reached - self._unused_set
+
     def _autograd_hook(self, replica_index: int, index: int) -> None:
         """Called by autograd after ``param.grad`` of (replica, index) was accumulated."""
         with self._lock:
-            self._used[replica_index][index] = True  # See Note [Locally used]
+            if not (self._no_gradient and (replica_index, index) in self._no_gradient):
+                self._used[replica_index][index] = True  # See Note [Locally used]
             if not self._expect_autograd_hooks:
                 # Accumulating locally; the next synced step reduces the sum.
                 if self._as_view:
                     self._move_into_view(replica_index, index)
                 return
+            if self._recording:  # static graph, first iteration: count, reduce at the end
+                self._counting[replica_index][index] += 1
+                if not self._delayed_queued:
+                    self._delayed_queued = True
+                    _at_backward_end(self._finalize_recorded_from_engine)
+                return
+            if self._remaining is not None:  # static graph: ready after the recorded calls
+                left = self._remaining[replica_index][index] - 1
+                self._remaining[replica_index][index] = left
+                if left > 0:
+                    return
+                if left < 0:
+                    raise self._fail(self._not_static_error(replica_index, index))
+            if self._unused and (replica_index, index) in self._unused_set:
+                # Found unused, yet here is its gradient: the search could not see its use.
+                raise self._fail(self._marked_twice_error(replica_index, index))
             if not self._has_marked_unused:
                 self._has_marked_unused = True
                 for unused in self._unused:
@@ -225,16 +312,18 @@ class Reducer:
         if replica.pending == 0:
             # The replica's last gradient: finish prescaling, so that the sum over ranks is
             # the average. See Note [Division fused into the copy].
-            for run in replica.scale_runs:
-                run.div_(self._world_size)
+            if self._prescale:
+                for run in replica.scale_runs:
+                    run.div_(self._world_size)
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
-        if self._next_bucket == len(self._buckets) and not self._finalize_queued:
-            self._finalize_queued = True
+        if self._next_bucket == len(self._buckets) and not self._all_launched:
+            self._all_launched = True
             if self._find_unused:
                 self._launch_used_map()
-            _at_backward_end(self._finalize_from_engine)
+            if not self._recording:  # the recording iteration finalizes by itself
+                _at_backward_end(self._finalize_from_engine)
 
     def _copy_into_bucket(
         self, replica_index: int, index: int, replica: BucketReplica, intra: int
@@ -254,7 +343,7 @@ class Reducer:
             view.zero_()  # unused here: see Note [Unused parameters]
         elif grad.layout != torch.strided:
             raise self._fail(self._layout_error(replica_index, index, expected="dense"))
-        elif replica.fused[intra]:
+        elif replica.fused[intra] and self._prescale:
             torch.div(grad, self._world_size, out=view)
         else:
             view.copy_(grad)
@@ -284,7 +373,8 @@ class Reducer:
             raise self._fail(self._layout_error(replica_index, index, expected="sparse"))
         else:
             replica.contents = grad.clone()
-            replica.contents.div_(self._world_size)
+            if self._prescale:
+                replica.contents.div_(self._world_size)
 
     def _mark_bucket_ready(self, bucket_index: int) -> None:
         """Launch this bucket and every ready one after it, if it is next in line."""
@@ -293,12 +383,34 @@ class Reducer:
         while (
             self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0
         ):
-            bucket = self._buckets[self._next_bucket]
-            bucket.work = self._process_group.allreduce([r.contents for r in bucket.replicas])
-            self._bucket_launch_ns[bucket.index] = (
-                time.perf_counter_ns() - self._backward_stats_base
-            )
+            self._launch(self._buckets[self._next_bucket])
             self._next_bucket += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the allreduce of every replica's contents of ``bucket``, as one collective
+        (or hand the bucket to the comm hook)."""
+        if self._comm_hook is None:
+            bucket.work = self._process_group.allreduce([r.contents for r in bucket.replicas])
+        else:
+            state, hook = self._comm_hook
+            grad_bucket = GradBucket(
+                bucket.index,
+                bucket.replicas[0],
+                is_last=bucket.index == len(self._buckets) - 1,
+                process_group=self._process_group,
+            )
+            future = hook(state, grad_bucket)
+            if not isinstance(future, torch.futures.Future):
+                raise self._fail(
+                    ReductionError(
+                        f"the comm hook {getattr(hook, '__name__', hook)!r} returned a "
+                        f"{type(future).__name__} for bucket {bucket.index}, not a "
+                        "torch.futures.Future; return the future of the reduction, e.g. "
+                        "work.get_future().then(lambda f: f.value()[0])"
+                    )
+                )
+            bucket.work = FutureWork(future, bucket.index, self._timeout)
+        self._bucket_launch_ns[bucket.index] = time.perf_counter_ns() - self._backward_stats_base
 
     def _launch_used_map(self) -> None:
         """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters]."""
@@ -319,29 +431,81 @@ class Reducer:
                 self._fail(exc)
                 raise
 
+    def _finalize_recorded_from_engine(self) -> None:
+        """Static graph, first iteration: backward has ended, every gradient is complete.
+
+        A parameter whose hook never fired is unused; all are marked ready now, in index
+        order, which launches every bucket; then finalize as usual. See Note [Static graph].
+        """
+        with self._lock:
+            try:
+                self._hook_counts = self._counting
+                self._unused_set = {
+                    (r, i)
+                    for r, counts in enumerate(self._counting)
+                    for i, calls in enumerate(counts)
+                    if calls == 0
+                }
+                self._unused = sorted(self._unused_set)
+                for r, counts in enumerate(self._counting):
+                    for i in range(len(counts)):
+                        self._mark_variable_ready(r, i)
+                self._finalize_backward()
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+
     def _finalize_backward(self) -> None:
         """Wait for every bucket and write the averaged gradients into ``.grad``."""
+        finalize_start = time.perf_counter_ns()
         self._expect_autograd_hooks = False
         self._require_finalize = False
-        globally_used: list[int] | None = None
+        globally_used: list[int] | None = self._static_globally_used
         if self._used_map is not None:
             work, used = self._used_map
             self._used_map = None
             work.wait()
             globally_used = used.tolist()
+            if self._recording:
+                self._static_globally_used = globally_used
+        done = []
         with torch.no_grad():
             for bucket in self._buckets:
                 assert bucket.work is not None  # every bucket launched before finalize queued
                 work, bucket.work = bucket.work, None
                 work.wait()
+                done.append(self._completion_ns(work))
                 if bucket.expect_sparse_gradient:
                     _write_sparse(bucket, work.result(), globally_used)
-                elif self._as_view:
+                    continue
+                if self._comm_hook is not None:
+                    _adopt_hook_result(bucket, work.result())
+                if self._as_view:
                     self._point_grads_at_views(bucket, globally_used)
                 else:
                     _write_dense(bucket, globally_used)
+        self._recording = False
         count = len(self._replicas[0])
         self._used = [[False] * count for _ in self._replicas]
+        self._iterations += 1
+        base = self._backward_stats_base
+        self._last_iteration = IterationStats(
+            start_ns=base,
+            ready_ns=tuple(tuple(stats) for stats in self._backward_stats),
+            launch_ns=tuple(self._bucket_launch_ns),
+            done_ns=tuple(done),
+            finalize_start_ns=finalize_start - base,
+            finalize_end_ns=time.perf_counter_ns() - base,
+            bucket_nbytes=tuple(b.nbytes for b in self._buckets),
+            unused_parameters=len(self._unused),
+        )
+
+    def _completion_ns(self, work: Work) -> int:
+        """When ``work`` completed, as an offset from this iteration's start."""
+        completed = getattr(work, "completed_ns", None)
+        now = time.perf_counter_ns()
+        when = completed if isinstance(completed, int) and completed <= now else now
+        return when - self._backward_stats_base
 
     def _point_grads_at_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
         """Bucket views: the average is in the bucket; make every used .grad that view."""
@@ -402,6 +566,43 @@ class Reducer:
                         if param.grad is not None and param.grad is not view:
                             view.copy_(param.grad)
                             param.grad = view
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` instead of allreduce.
+
+        The hook gets a :class:`reducer.GradBucket` whose buffer holds the bucket's gradients,
+        not divided by the world size (the hook divides, as the built-in hooks do), and returns
+        a future of the reduced flat tensor. Register once, before the first backward.
+        """
+        with self._lock:
+            self._check_usable("register_comm_hook")
+            if not callable(hook):
+                raise InvalidArgument(f"register_comm_hook: hook must be callable, got {hook!r}")
+            if self._comm_hook is not None:
+                raise ReductionError(
+                    "register_comm_hook: a comm hook is already registered; register one, once"
+                )
+            if self._iterations > 0 or self._expect_autograd_hooks:
+                raise ReductionError(
+                    "register_comm_hook must be called before the first backward pass"
+                )
+            if len(self._replicas) > 1:
+                raise InvalidArgument(
+                    f"register_comm_hook: comm hooks take one replica per process, this "
+                    f"reducer has {len(self._replicas)}"
+                )
+            self._comm_hook = (state, hook)
+            self._prescale = False
+
+    @property
+    def last_iteration(self) -> IterationStats | None:
+        """Timings of the last synced iteration (None before the first finished)."""
+        return self._last_iteration
+
+    @property
+    def iterations(self) -> int:
+        """How many synced iterations finished."""
+        return self._iterations
 
     @property
     def backward_stats(self) -> list[list[int]]:
@@ -507,7 +708,7 @@ class Reducer:
     def _marked_twice_error(self, replica_index: int, index: int) -> ReductionError:
         what = describe_param(index, self._names)
         where = f" of replica {replica_index}" if len(self._replicas) > 1 else ""
-        if (replica_index, index) in self._unused:
+        if (replica_index, index) in self._unused_set:
             cause = (
                 "It was found unused (its accumulator is not in the graph of the outputs given "
                 "to prepare_for_backward) and marked ready, then got a gradient anyway: it was "
@@ -525,6 +726,16 @@ class Reducer:
             )
         return ReductionError(
             f"{what}{where} was marked ready twice in one iteration on rank {self._rank()}. {cause}"
+        )
+
+    def _not_static_error(self, replica_index: int, index: int) -> ReductionError:
+        assert self._hook_counts is not None
+        recorded = self._hook_counts[replica_index][index]
+        return ReductionError(
+            f"{describe_param(index, self._names)} got more gradient hook calls in this "
+            f"iteration than the {recorded} recorded in the first one, on rank {self._rank()}; "
+            "static_graph=True needs the same graph every iteration (the same parameters used "
+            "the same number of times). Build the reducer with static_graph=False."
         )
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
@@ -582,133 +793,24 @@ def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
             param.grad.copy_(view)
 
 
+def _adopt_hook_result(bucket: Bucket, results: list[Tensor]) -> None:
+    """A comm hook returns the reduced flat tensor; bring it into the bucket's contents."""
+    contents = bucket.replicas[0].contents
+    result = results[0]
+    if result is contents:
+        return
+    if result.shape != contents.shape:
+        raise ReductionError(
+            f"the comm hook returned a tensor of shape {tuple(result.shape)} for bucket "
+            f"{bucket.index}, whose buffer has shape {tuple(contents.shape)}; return the "
+            "reduced buffer (same shape), e.g. bucket.buffer() after copying into it"
+        )
+    contents.copy_(result)
+
+
 def _write_sparse(bucket: Bucket, results: list[Tensor], globally_used: list[int] | None) -> None:
     index = bucket.variable_indices[0]
     if globally_used is not None and not globally_used[index]:
         return
     for replica, result in zip(bucket.replicas, results, strict=True):
         replica.variables[0].grad = result
-
-
-# -------------------------------------------------------------------------------------------
-# Argument validation (construction time: InvalidArgument, a ValueError).
-
-
-def _check_replicas(replicas: object) -> list[list[Tensor]]:
-    if isinstance(replicas, Tensor) or not isinstance(replicas, Sequence) or not replicas:
-        raise InvalidArgument(
-            "replicas must be a non-empty list of parameter lists, one per model replica "
-            "(usually [list(model.parameters())])"
-        )
-    checked: list[list[Tensor]] = []
-    seen: dict[int, tuple[int, int]] = {}
-    for r, replica in enumerate(replicas):
-        if isinstance(replica, Tensor) or not isinstance(replica, Sequence) or not replica:
-            raise InvalidArgument(
-                f"replica {r} must be a non-empty list of parameters, got {type(replica).__name__}"
-            )
-        params = list(replica)
-        for i, p in enumerate(params):
-            what = f"parameter {i} of replica {r}"
-            if not isinstance(p, Tensor):
-                raise InvalidArgument(f"{what} is a {type(p).__name__}, not a tensor")
-            if not p.requires_grad:
-                raise InvalidArgument(
-                    f"{what} does not require grad; pass only parameters that are trained "
-                    "(filter with p.requires_grad)"
-                )
-            if not p.is_leaf:
-                raise InvalidArgument(
-                    f"{what} is not a leaf tensor (it has a grad_fn); pass the module's "
-                    "parameters themselves, not tensors computed from them"
-                )
-            if id(p) in seen:
-                r0, i0 = seen[id(p)]
-                raise InvalidArgument(
-                    f"{what} is the same tensor as parameter {i0} of replica {r0}; list each "
-                    "parameter once (shared parameters appear once in module.parameters())"
-                )
-            seen[id(p)] = (r, i)
-        checked.append(params)
-    first = checked[0]
-    for r, params in enumerate(checked[1:], start=1):
-        if len(params) != len(first):
-            raise InvalidArgument(
-                f"replica {r} has {len(params)} parameters but replica 0 has {len(first)}; "
-                "model replicas must have the same parameters"
-            )
-        for i, (p, q) in enumerate(zip(params, first, strict=True)):
-            if p.shape != q.shape or p.dtype != q.dtype:
-                raise InvalidArgument(
-                    f"parameter {i} of replica {r} is {p.dtype} {tuple(p.shape)} but replica 0 "
-                    f"has {q.dtype} {tuple(q.shape)}; replicas must match in shape and dtype"
-                )
-    return checked
-
-
-def _check_names(names: Sequence[str] | None, count: int) -> list[str] | None:
-    if names is None:
-        return None
-    names = list(names)
-    if len(names) != count or not all(isinstance(n, str) for n in names):
-        raise InvalidArgument(
-            f"param_names must be {count} strings, one per parameter, got {len(names)} entries"
-        )
-    return names
-
-
-def _check_sparse(
-    expect: object, replicas: list[list[Tensor]], names: list[str] | None
-) -> list[bool]:
-    count = len(replicas[0])
-    if expect is None:
-        return [False] * count
-    if not isinstance(expect, Sequence) or len(expect) != len(replicas):
-        raise InvalidArgument(
-            f"expect_sparse_gradients must have one list per replica ({len(replicas)})"
-        )
-    rows = []
-    for r, row in enumerate(expect):
-        if not isinstance(row, Sequence) or len(row) != count:
-            raise InvalidArgument(
-                f"expect_sparse_gradients[{r}] must have one bool per parameter ({count})"
-            )
-        rows.append([bool(x) for x in row])
-    for r, row in enumerate(rows[1:], start=1):
-        for i, (mine, first) in enumerate(zip(row, rows[0], strict=True)):
-            if mine != first:
-                raise InvalidArgument(
-                    f"expect_sparse_gradients disagree for {describe_param(i, names)}: "
-                    f"replica {r} says {mine}, replica 0 says {first}; replicas must agree"
-                )
-    return rows[0]
-
-
-def _check_process_group(process_group: object) -> int:
-    size = getattr(process_group, "size", None)
-    if not callable(size) or not callable(getattr(process_group, "allreduce", None)):
-        raise InvalidArgument(
-            f"process_group must implement reducer.ProcessGroup (size, allreduce, ...), got "
-            f"{type(process_group).__name__}"
-        )
-    world_size = size()
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgument(f"process_group.size() must be an int >= 1, got {world_size!r}")
-    return world_size
-
-
-def _check_outputs(outputs: object) -> list[Tensor]:
-    if isinstance(outputs, Tensor):
-        return [outputs]
-    if not isinstance(outputs, Sequence):
-        raise InvalidArgument(
-            f"prepare_for_backward takes a list of output tensors, got {type(outputs).__name__}"
-        )
-    checked = list(outputs)
-    for i, t in enumerate(checked):
-        if not isinstance(t, Tensor):
-            raise InvalidArgument(
-                f"prepare_for_backward: output {i} is a {type(t).__name__}, not a tensor; pass "
-                "the tensors found in the forward's return value"
-            )
-    return checked

@@ -89,12 +89,13 @@ def test_world_validates_its_arguments() -> None:
         world.group(2)
 
 
-def test_fixed_latency_delays_completion_not_the_data() -> None:
+def test_fixed_latency_delays_the_data_and_the_completion() -> None:
     with fakepg.World(2, network=fakepg.FixedLatency(0.3)) as world:
         tensors = [torch.ones(3), torch.ones(3)]
         start = time.monotonic()
         works = [world.group(r).allreduce([tensors[r]], ReduceOp.SUM) for r in (0, 1)]
         assert not works[0].is_completed()
+        assert torch.equal(tensors[0], torch.ones(3))  # still in flight: the old values
         for w in works:
             w.wait(timeout=10)
         assert time.monotonic() - start >= 0.3
@@ -115,5 +116,8 @@ def test_fixed_latency_rejects_negative_time() -> None:
 
 def test_the_api_is_exactly_what_init_exports() -> None:
     public = {name for name in dir(fakepg) if not name.startswith("_")}
-    modules = {"collectives", "executor", "faults", "netmodel", "work", "world", "annotations"}
+    modules = {
+        "collectives", "executor", "faults", "netmodel", "torch_backend", "work", "world",
+        "annotations",
+    }  # fmt: skip
     assert set(fakepg.__all__) == public - modules

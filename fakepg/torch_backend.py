@@ -1,0 +1,466 @@
+"""The fake world as a torch.distributed backend, so that torch's own code runs on it.
+
+After :func:`register_torch_backend`, each rank's thread may call
+``torch.distributed.init_process_group("fakepg", rank=r, world_size=W, store=store,
+pg_options=world)`` with a :class:`fakepg.World` of ``W`` ranks; ``dist.all_reduce``,
+``torch.nn.parallel.DistributedDataParallel`` and anything else written against
+``torch.distributed`` then run on the fake world: asynchronously (a torch ``Work`` completes
+when the fake collective does) and deterministically (see Note [Deterministic reduction order]
+in fakepg.collectives). :func:`run_torch` does all of it for you::
+
+    import fakepg, torch
+    fakepg.register_torch_backend()
+
+    def step(pg):                              # pg: this rank's fakepg.FakeProcessGroup
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        model(torch.randn(3, 4) * (pg.rank() + 1)).sum().backward()
+        return model.module.weight.grad        # the same bits on every rank
+
+    fakepg.run_torch(step, world_size=4)
+
+# Guarantees: ``register_torch_backend`` is safe from any thread and idempotent. A torch group
+# of this backend belongs to its rank's thread (torch.distributed state is per thread once the
+# backend is registered: see Note [Per-thread torch.distributed state]); its collectives may be
+# issued from that thread and from autograd's. Works are safe from any thread. Nothing here
+# holds state shared between worlds: each torch group refers to its own world's
+# FakeProcessGroup, and the per-thread state lives in each thread.
+
+# Note [Per-thread torch.distributed state]
+# torch.distributed keeps one default group per process: its Python state (the default group,
+# group names and ranks) lives in ``distributed_c10d._world``, and its C++ registry of groups by
+# name is process-wide. W rank threads each calling init_process_group would collide on both
+# (every thread's default group is named "0"). Registering the backend therefore
+# (1) replaces ``_world`` by a proxy that gives every thread its own world state, except the
+#     thread that registered, which keeps the state it had (groups it created before stay
+#     usable there), and
+# (2) turns on c10d's thread isolation mode, which makes the C++ registry per thread, and
+#     registers the registering thread's existing groups again in its own registry.
+# Both are process-wide and permanent (there is no safe moment to undo them while another
+# thread may hold a group), which is why registering is an explicit call, never an import side
+# effect. Threads then see only the groups they created themselves, as processes would.
+
+# Note [Errors in torch futures]
+# ``torch.futures.Future.set_exception`` (what fakepg.Work.get_future uses) stores the exception
+# as the future's *value*, with a Python-side hook that raises it: to C++ the future completed
+# successfully. torch's C++ DistributedDataParallel reads such a value as its result, which
+# crashes (it pickles the exception in search of tensors). A future whose callback raises is
+# marked failed in C++ too, so the backend hands torch ``fake_future.then(_value_or_raise)``:
+# a failed collective fails the C++ reducer's wait, and backward raises on every rank.
+
+# Note [How torch collectives map to the fake world]
+# Every torch collective of a rank becomes the next fake collective of that rank, in issue
+# order, so torch collectives and direct FakeProcessGroup calls on the same world interleave
+# consistently as long as every rank issues the same sequence. allreduce, broadcast, allgather
+# and barrier map one to one (a tensor list is one collective: its tensors are replicas, as in
+# reducer.ProcessGroup); all_gather_into_tensor gathers into views of the flat output;
+# allreduce_coalesced issues one fake allreduce per tensor. Other collectives raise a
+# RuntimeError that says what is supported.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import distributed_c10d as _c10d
+
+from reducer.process_group import ReduceOp
+
+from .netmodel import NetworkModel
+from .work import Work
+from .world import FakeProcessGroup, World
+
+__all__ = ["register_torch_backend", "run_torch"]
+
+T = TypeVar("T")
+
+_BACKEND = "fakepg"
+
+# Guards torch's process-wide state, not any world's: the first registration (two threads
+# registering at once install the per-thread state once) and sys.excepthook around
+# init_process_group (see _init_default_group).
+_PROCESS_LOCK = threading.Lock()
+
+_OPS: dict[Any, ReduceOp] = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVG,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+}
+
+
+def register_torch_backend() -> None:
+    """Register the ``"fakepg"`` backend with torch.distributed. Idempotent.
+
+    Makes torch.distributed's group state per thread (see Note [Per-thread torch.distributed
+    state]); call it before starting rank threads, from the thread that owns any group created
+    so far (usually the main thread).
+    """
+    with _PROCESS_LOCK:
+        _install_per_thread_worlds()
+        if not hasattr(dist.Backend, _BACKEND.upper()):
+            dist.Backend.register_backend(
+                _BACKEND, _create_backend, extended_api=True, devices=["cpu"]
+            )
+
+
+def run_torch(
+    fn: Callable[[FakeProcessGroup], T],
+    world_size: int,
+    *,
+    timeout: float = 60.0,
+    network: NetworkModel | None = None,
+) -> list[T]:
+    """Like :func:`fakepg.run`, with torch.distributed's default group on the fake world.
+
+    Registers the backend, starts a world of ``world_size`` ranks, and on each rank's thread
+    calls ``init_process_group("fakepg")``, then ``fn(pg)`` (``pg`` is the rank's
+    FakeProcessGroup, on the same world as the torch group), then ``destroy_process_group``.
+    Failures behave as in :func:`fakepg.run`: a failure anywhere aborts the world, every rank
+    blocked in a collective (a torch one included) wakes, and the first failure is re-raised
+    with a note naming its rank. Returns the results in rank order.
+    """
+    if not callable(fn):
+        raise ValueError(f"run_torch: fn must be callable, got {fn!r}")
+    register_torch_backend()
+    with World(world_size, timeout=timeout, network=network) as world:
+        # Unused by the backend, but init_process_group wants a store. (torch re-exports
+        # HashStore without listing it, hence the ignore.)
+        store = dist.HashStore()  # type: ignore[attr-defined]
+
+        def rank_main(pg: FakeProcessGroup) -> T:
+            _init_default_group(pg.rank(), world, store, timeout)
+            try:
+                return fn(pg)
+            finally:
+                dist.destroy_process_group()
+
+        return world.run(rank_main)
+
+
+def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> None:
+    """init_process_group("fakepg") for ``rank``, without torch's excepthook side effect.
+
+    Each init_process_group wraps ``sys.excepthook`` to prefix tracebacks with the rank: in a
+    process that runs worlds on threads again and again that chain would grow without end (and
+    print a wrong rank), so the hook is put back. The lock keeps two inits from interleaving
+    their save and restore.
+    """
+    with _PROCESS_LOCK:
+        hook = sys.excepthook
+        try:
+            dist.init_process_group(
+                _BACKEND,
+                rank=rank,
+                world_size=world.world_size,
+                store=store,
+                pg_options=world,
+                timeout=timedelta(seconds=timeout),
+            )
+        finally:
+            sys.excepthook = hook
+
+
+# -------------------------------------------------------------------------------------------
+# The backend: a torch ProcessGroup whose collectives are a FakeProcessGroup's.
+
+
+def _create_backend(options: Any, world: object) -> _TorchGroup:
+    """torch's backend constructor (extended API): ``world`` is init_process_group's
+    ``pg_options``; ``options`` carries the rank and size torch was given."""
+    rank, size = int(options.group_rank), int(options.group_size)
+    if not isinstance(world, World):
+        raise ValueError(
+            f"init_process_group('{_BACKEND}') needs the fake world the ranks share: pass "
+            f"pg_options=world, a fakepg.World({size}) created once for all rank threads (got "
+            f"pg_options={world!r}); fakepg.run_torch does this for you"
+        )
+    if size != world.world_size:
+        raise ValueError(
+            f"init_process_group('{_BACKEND}'): world_size={size} but the fake world has "
+            f"{world.world_size} ranks; pass world_size={world.world_size} (subgroups of a fake "
+            "world are not supported)"
+        )
+    if not 0 <= rank < size:
+        raise ValueError(
+            f"init_process_group('{_BACKEND}'): rank={rank} is not in [0, {size}); pass "
+            "each rank thread its own rank"
+        )
+    return _TorchGroup(world.group(rank))
+
+
+class _TorchGroup(dist.ProcessGroup):
+    """One rank's torch group over its FakeProcessGroup. See Note [How torch collectives map
+    to the fake world]."""
+
+    def __init__(self, fake: FakeProcessGroup) -> None:
+        # The (rank, size) constructor of Python backends; torch's stub lists only the other.
+        super().__init__(fake.rank(), fake.size())  # type: ignore[call-arg]
+        self._fake = fake
+
+    @property
+    def fake_group(self) -> FakeProcessGroup:
+        return self._fake
+
+    def getBackendName(self) -> str:
+        return _BACKEND
+
+    # torch passes its options objects positionally; defaults of None stand for "no options".
+    # The overrides ignore [override]: torch's stub overloads each method with the C++-only
+    # convenience forms, but a Python backend receives exactly these arguments.
+
+    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
+        op = _reduce_op(opts, "allreduce")
+        return self._work([self._fake.allreduce(list(tensors), op)], list(tensors))
+
+    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:
+        op = _reduce_op(opts, "allreduce_coalesced")
+        works = [self._fake.allreduce([t], op) for t in tensors]
+        return self._work(works, list(tensors))
+
+    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
+        root = 0 if opts is None else int(opts.rootRank)
+        return self._work([self._fake.broadcast(list(tensors), root)], list(tensors))
+
+    def allgather(  # type: ignore[override]
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        outputs = [list(out) for out in output_lists]
+        work = self._fake.allgather(outputs, list(inputs))
+        return self._work([work], [t for out in outputs for t in out])
+
+    def all_gather_single(
+        self, output: Tensor, input_tensor: Tensor, opts: Any = None
+    ) -> _TorchWork:
+        """all_gather_into_tensor: rank r's input lands in the r-th slice of the flat output."""
+        views = list(output.chunk(self._fake.size()))
+        return self._work([self._fake.allgather([views], [input_tensor])], [output])
+
+    def _allgather_base(self, output: Tensor, input_tensor: Tensor, opts: Any = None) -> _TorchWork:
+        return self.all_gather_single(output, input_tensor, opts)
+
+    def barrier(self, opts: Any = None) -> _TorchWork:
+        return self._work([self._fake.barrier()], [])
+
+    def _work(self, works: list[Work], outputs: list[Tensor]) -> _TorchWork:
+        return _TorchWork(works, outputs, self._fake.world.timeout)
+
+    def _unsupported(self, name: str) -> RuntimeError:
+        return RuntimeError(
+            f"the '{_BACKEND}' torch backend (rank {self._fake.rank()}) does not implement "
+            f"{name}; it supports all_reduce, all_gather, all_gather_into_tensor, broadcast and "
+            "barrier (and what torch builds on them: DistributedDataParallel, *_object)"
+        )
+
+    def reduce(self, *args: object) -> _TorchWork:
+        raise self._unsupported("reduce")
+
+    def reduce_scatter(self, *args: object) -> _TorchWork:
+        raise self._unsupported("reduce_scatter")
+
+    def _reduce_scatter_base(self, *args: object) -> _TorchWork:
+        raise self._unsupported("reduce_scatter_tensor")
+
+    def alltoall(self, *args: object) -> _TorchWork:
+        raise self._unsupported("all_to_all")
+
+    def alltoall_base(self, *args: object) -> _TorchWork:
+        raise self._unsupported("all_to_all_single")
+
+    def gather(self, *args: object) -> _TorchWork:
+        raise self._unsupported("gather")
+
+    def scatter(self, *args: object) -> _TorchWork:
+        raise self._unsupported("scatter")
+
+    def send(self, *args: object) -> _TorchWork:
+        raise self._unsupported("send")
+
+    def recv(self, *args: object) -> _TorchWork:
+        raise self._unsupported("recv")
+
+    def __repr__(self) -> str:
+        return f"<fakepg torch group rank={self._fake.rank()} size={self._fake.size()}>"
+
+
+def _reduce_op(opts: Any, what: str) -> ReduceOp:
+    if opts is None:
+        return ReduceOp.SUM
+    op = _OPS.get(opts.reduceOp.op)
+    if op is None:
+        raise ValueError(
+            f"{what} on the '{_BACKEND}' torch backend: reduce op {opts.reduceOp.op} is not "
+            "supported; use SUM, AVG, PRODUCT, MIN or MAX"
+        )
+    return op
+
+
+class _TorchWork(dist.Work):
+    """A torch Work over one or more fake works: complete when all of them are."""
+
+    def __init__(self, works: Sequence[Work], outputs: list[Tensor], timeout: float) -> None:
+        super().__init__()
+        self._works = list(works)
+        self._timeout = timeout  # the world's default, for waits without a timeout
+        self._outputs = outputs
+        self._future: torch.futures.Future[list[Tensor]] | None = None
+        self._future_done = threading.Event()
+        # _lock guards _future: torch may ask for the future from several threads.
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        # torch's "no timeout" is zero: then the world's default timeout bounds the wait.
+        seconds = timeout.total_seconds()
+        limit = seconds if seconds > 0 else None
+        for work in self._works:
+            work.wait(limit)
+        with self._lock:
+            future = self._future
+        if future is not None:
+            # The future completes in the fake world's done-callbacks, just after the works'
+            # Events are set: after wait() returns, the future must be done too.
+            bound = self._timeout if limit is None else limit
+            if not self._future_done.wait(bound):
+                raise RuntimeError(
+                    f"fakepg torch backend: the collective completed but its future did not "
+                    f"within {bound:g} s (a done-callback of it is blocked)"
+                )
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+    def result(self) -> list[Tensor]:
+        return list(self._outputs)
+
+    def get_future(self) -> torch.futures.Future[list[Tensor]]:
+        """Completes with the output tensors (or the first error) when every part is done."""
+        with self._lock:
+            if self._future is None:
+                self._future = self._make_future()
+                self._future.add_done_callback(lambda _f: self._future_done.set())
+            return self._future
+
+    def _make_future(self) -> torch.futures.Future[list[Tensor]]:
+        # See Note [Errors in torch futures]: the error must be raised in a callback.
+        if len(self._works) == 1:
+            return self._works[0].get_future().then(_value_or_raise)
+        outputs = self._outputs
+
+        def unpack(
+            all_done: torch.futures.Future[list[torch.futures.Future[list[Tensor]]]],
+        ) -> list[Tensor]:
+            for part in all_done.value():
+                part.value()  # raises the first part's error
+            return outputs
+
+        parts = [work.get_future() for work in self._works]
+        return torch.futures.collect_all(parts).then(unpack)
+
+
+def _value_or_raise(done: torch.futures.Future[list[Tensor]]) -> list[Tensor]:
+    return done.value()
+
+
+# -------------------------------------------------------------------------------------------
+# Per-thread torch.distributed state. See Note [Per-thread torch.distributed state].
+
+
+class _ThreadWorld(_c10d._World):
+    """torch's group state for one thread: torch's ``_World`` keeps some of it in module
+    globals shared by every instance, so those properties are given storage of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._own_pg_map: dict[Any, Any] = {}
+        self._own_pg_names: dict[Any, Any] = {}
+        self._own_pg_group_ranks: dict[Any, dict[int, int]] = {}
+        self._own_pg_backend_config: dict[Any, str] = {}
+        self._own_group_count = 0
+        self._own_tags_to_pg: dict[str, list[Any]] = {}
+        self._own_pg_to_tag: dict[Any, str] = {}
+
+    @property
+    def pg_map(self) -> dict[Any, Any]:
+        return self._own_pg_map
+
+    @property
+    def pg_names(self) -> dict[Any, Any]:
+        return self._own_pg_names
+
+    @property
+    def pg_group_ranks(self) -> dict[Any, dict[int, int]]:
+        return self._own_pg_group_ranks
+
+    @property
+    def pg_backend_config(self) -> dict[Any, str]:
+        return self._own_pg_backend_config
+
+    @property
+    def group_count(self) -> int:
+        return self._own_group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._own_group_count = value
+
+    @property
+    def tags_to_pg(self) -> dict[str, list[Any]]:
+        return self._own_tags_to_pg
+
+    @property
+    def pg_to_tag(self) -> dict[Any, str]:
+        return self._own_pg_to_tag
+
+
+class _PerThreadWorlds:
+    """Stands in for ``distributed_c10d._world``: every attribute is the calling thread's."""
+
+    def __init__(self, original: Any) -> None:
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_owner", threading.get_ident())
+        object.__setattr__(self, "_local", threading.local())
+
+    def _current(self) -> Any:
+        if threading.get_ident() == self._owner:
+            return self._original
+        world = getattr(self._local, "world", None)
+        if world is None:
+            world = self._local.world = _ThreadWorld()
+        return world
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._current(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._current(), name, value)
+
+
+def _install_per_thread_worlds() -> None:
+    """Make torch.distributed's group state per thread, once (later calls do nothing).
+
+    Private torch APIs, unavoidably: torch has no public switch for per-thread groups.
+    ``distributed_c10d._world`` is documented as an "extension point to override"; the thread
+    isolation mode and the registry functions are what torch's own threaded test backend uses.
+    """
+    original = _c10d._world
+    if isinstance(original, _PerThreadWorlds):
+        return
+    _c10d._world = _PerThreadWorlds(original)  # type: ignore[assignment]  # a duck-typed _World
+    c10d_ext: Any = torch._C._distributed_c10d
+    c10d_ext._set_thread_isolation_mode(True)
+    # Groups that exist were registered process-wide; isolation hides them even from the thread
+    # that made them, so register them again in this (the owner) thread's registry.
+    for group, name in list(original.pg_names.items()):
+        c10d_ext._register_process_group(name, group)

@@ -1,0 +1,7 @@
+"""``python -m reducer``: see reducer.cli."""
+
+import sys
+
+from reducer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,395 @@
+"""``DistributedDataParallel``: the module wrapper training scripts call, over any ProcessGroup.
+
+It keeps the argument names and meanings of ``torch.nn.parallel.DistributedDataParallel``:
+
+- construction checks that every rank holds the same parameters, broadcasts parameters and
+  buffers from rank 0, and buckets them (1 MiB first, then ``bucket_cap_mb``, in reverse
+  order, so the last layers' gradients, ready first, are reduced first);
+- ``forward`` syncs buffers (``broadcast_buffers``), runs the module and prepares the reducer
+  (searching the outputs for unused parameters with ``find_unused_parameters``);
+- after the first iteration the buckets are rebuilt once, in the order gradients actually
+  became ready on rank 0 (see Note [Rebuilding buckets]);
+- ``no_sync()``, or setting ``require_backward_grad_sync = False`` as nanoGPT does, accumulates
+  gradients locally; the next synced backward reduces the accumulated sum.
+
+# Note [Outputs not used in the loss]
+# With find_unused_parameters, the outputs pass through ``_OutputSink``, an identity whose
+# backward sees which outputs got no gradient because the loss did not use them. Parameters
+# reachable only from such outputs get their hook called with no gradient; the reducer is told
+# beforehand, so they count as unused (zeros here, .grad untouched if unused everywhere)
+# rather than as used with a zero gradient.
+
+# Note [Rebuilding buckets]
+# The initial buckets follow reverse parameter order, a guess at the order gradients become
+# ready. After the first synced iteration the reducer knows the real order (its backward
+# stats). Before the second forward, rank 0's order is broadcast so every rank agrees, and the
+# buckets are rebuilt in it. torch does not rebuild when searching for unused parameters (the
+# order may change every iteration), and neither does this wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from .comm_hooks import CommHook
+from .errors import InvalidArgument, describe_param
+from .process_group import ProcessGroup
+from .reducer import Reducer
+from .stats import IterationStats
+
+__all__ = ["DDPLoggingData", "DistributedDataParallel"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DDPLoggingData:
+    """What torch's ``_get_ddp_logging_data()`` reports, as a plain record.
+
+    Times are in milliseconds for the last synced iteration (0 before the first):
+    ``backward_compute_ms`` until the last gradient was ready, ``comm_ms`` from the first
+    bucket launch to the last completion, ``overlap_ms`` the part of it during backward.
+    """
+
+    rank: int
+    world_size: int
+    module_name: str
+    bucket_cap_mb: float
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    broadcast_buffers: bool
+    comm_hook: str | None
+    num_parameters: int
+    num_buckets: int
+    bucket_sizes: tuple[int, ...]
+    buckets_rebuilt: bool
+    iterations: int
+    forward_ms: float
+    backward_compute_ms: float
+    comm_ms: float
+    overlap_ms: float
+    unused_parameters: int
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module`` so that backward averages its gradients over ``process_group``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: ProcessGroup,
+        *,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        broadcast_buffers: bool = True,
+        static_graph: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise InvalidArgument(
+                f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
+            )
+        if not bucket_cap_mb > 0:
+            raise InvalidArgument(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self.module = module
+        self.process_group = process_group
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.static_graph = bool(static_graph)
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        # Toggled directly by training scripts (nanoGPT) for gradient accumulation.
+        self.require_backward_grad_sync = True
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise InvalidArgument(
+                "DistributedDataParallel: the module has no parameter that requires grad; "
+                "there is nothing to reduce"
+            )
+        self._param_names = [n for n, _ in named]
+        self._params: list[Tensor] = [p for _, p in named]
+        self._sparse = _expect_sparse(module, self._params)
+        _verify_same_parameters(self._param_names, self._params, process_group)
+        _broadcast_from_rank0([*self._params, *module.buffers()], process_group)
+        self._first_bucket_mb = min(1.0, self.bucket_cap_mb)
+        buckets = ddp_bucket_assignment(
+            self._params,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self._first_bucket_mb,
+            expect_sparse_gradient=self._sparse,
+        )
+        self.reducer = Reducer(
+            [self._params],
+            buckets,
+            process_group,
+            [self._sparse],
+            param_names=self._param_names,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+        )
+        self._buckets_rebuilt = False
+        self._comm_hook_name: str | None = None
+        self._forward_ns = 0
+
+    # ---------------------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced and self._should_rebuild():
+            self._rebuild_buckets()
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                _broadcast_from_rank0(buffers, self.process_group)
+        start = time.perf_counter_ns()
+        output = self.module(*inputs, **kwargs)
+        self._forward_ns = time.perf_counter_ns() - start
+        if not synced:
+            return output  # no_sync / eval: gradients accumulate locally
+        if self.find_unused_parameters and not self.static_graph:
+            tensors = _find_tensors(output)
+            self.reducer.prepare_for_backward(tensors)
+            # See Note [Outputs not used in the loss].
+            passed = [t for t in tensors if t.requires_grad]
+            if passed:
+                # torch leaves Function.apply unannotated.
+                sunk = _OutputSink.apply(weakref.ref(self.reducer), *passed)  # type: ignore[no-untyped-call]
+                replacement = dict(zip(map(id, passed), sunk, strict=True))
+                output = _replace_tensors(output, replacement)
+        else:
+            self.reducer.prepare_for_backward([])
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block; sugar for the attribute toggle."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce buckets with ``hook`` (see reducer.comm_hooks); before the first backward."""
+        self.reducer.register_comm_hook(state, hook)
+        self._comm_hook_name = getattr(hook, "__name__", type(hook).__name__)
+
+    # ---------------------------------------------------------------------------------------
+    # Rebuilding buckets. See Note [Rebuilding buckets].
+
+    def _should_rebuild(self) -> bool:
+        return (
+            not self._buckets_rebuilt
+            and self.reducer.iterations >= 1
+            and (self.static_graph or not self.find_unused_parameters)
+        )
+
+    def _rebuild_buckets(self) -> None:
+        stats = self.reducer.backward_stats[0]
+        local = sorted(range(len(self._params)), key=lambda i: (stats[i], i))
+        order = torch.tensor(local, dtype=torch.int64)
+        self.process_group.broadcast([order], 0).wait()
+        ready_order = [int(i) for i in order.tolist()]
+        in_order = compute_bucket_assignment_by_size(
+            [self._params[i] for i in ready_order],
+            [int(self._first_bucket_mb * (1 << 20)), int(self.bucket_cap_mb * (1 << 20))],
+            [self._sparse[i] for i in ready_order],
+        )
+        self.reducer.initialize_buckets([[ready_order[j] for j in b] for b in in_order])
+        self._buckets_rebuilt = True
+
+    # ---------------------------------------------------------------------------------------
+    # Logging.
+
+    def logging_data(self) -> DDPLoggingData:
+        """Configuration and the last synced iteration's timings."""
+        last: IterationStats | None = self.reducer.last_iteration
+        ms = 1e-6
+        return DDPLoggingData(
+            rank=self.process_group.rank(),
+            world_size=self.process_group.size(),
+            module_name=type(self.module).__name__,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            broadcast_buffers=self.broadcast_buffers,
+            comm_hook=self._comm_hook_name,
+            num_parameters=len(self._params),
+            num_buckets=len(self.reducer.bucket_indices),
+            bucket_sizes=tuple(self.reducer.bucket_nbytes),
+            buckets_rebuilt=self._buckets_rebuilt,
+            iterations=self.reducer.iterations,
+            forward_ms=self._forward_ns * ms,
+            backward_compute_ms=last.backward_ns * ms if last else 0.0,
+            comm_ms=last.comm_ns * ms if last else 0.0,
+            overlap_ms=last.overlap_ns * ms if last else 0.0,
+            unused_parameters=last.unused_parameters if last else 0,
+        )
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's name for :meth:`logging_data`, as a dict."""
+        return dataclasses.asdict(self.logging_data())
+
+
+# -------------------------------------------------------------------------------------------
+# Construction helpers.
+
+
+def _expect_sparse(module: nn.Module, params: Sequence[Tensor]) -> list[bool]:
+    """Parameters of ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``."""
+    sparse_ids = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+        for p in m.parameters(recurse=False)
+    }
+    return [id(p) in sparse_ids for p in params]
+
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_MAX_DIMS = 8
+
+
+def _fingerprint(p: Tensor) -> list[int]:
+    """dtype, rank and shape of a parameter as ints (shape padded), comparable across ranks."""
+    dtype = _DTYPES.index(p.dtype) if p.dtype in _DTYPES else len(_DTYPES)
+    shape = list(p.shape)[:_MAX_DIMS]
+    return [dtype, p.dim(), p.numel(), *shape, *([-1] * (_MAX_DIMS - len(shape)))]
+
+
+def _verify_same_parameters(names: list[str], params: list[Tensor], pg: ProcessGroup) -> None:
+    """Every rank must hold the same parameters, or gradients would be mixed up silently."""
+    world = pg.size()
+    if world == 1:
+        return
+    count = torch.tensor([len(params)], dtype=torch.int64)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    pg.allgather([counts], [count]).wait()
+    per_rank = [int(c.item()) for c in counts]
+    if len(set(per_rank)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+        raise InvalidArgument(
+            f"DistributedDataParallel: ranks hold different numbers of parameters that require "
+            f"grad ({listing}); every rank must build the same model (same modules, same "
+            "requires_grad) before wrapping it"
+        )
+    mine = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64)
+    theirs = [torch.empty_like(mine) for _ in range(world)]
+    pg.allgather([theirs], [mine]).wait()
+    for i in range(len(params)):
+        for r in range(1, world):
+            if not torch.equal(theirs[r][i], theirs[0][i]):
+                raise InvalidArgument(
+                    f"DistributedDataParallel: {describe_param(i, names)} differs between rank "
+                    f"0 ({_describe(theirs[0][i])}) and rank {r} ({_describe(theirs[r][i])}); "
+                    "every rank must build the same model"
+                )
+
+
+def _describe(row: Tensor) -> str:
+    dtype, ndim, _numel, *shape = (int(x) for x in row.tolist())
+    name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "other dtype"
+    return f"{name} {tuple(shape[:ndim])}"
+
+
+def _broadcast_from_rank0(tensors: Sequence[Tensor], pg: ProcessGroup) -> None:
+    """Copy rank 0's values into every rank's tensors: one flat broadcast per dtype/device."""
+    if pg.size() == 1 or not tensors:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        flats = {key: torch.cat([t.detach().reshape(-1) for t in ts]) for key, ts in groups.items()}
+        pg.broadcast(list(flats.values()), 0).wait()
+        for key, ts in groups.items():
+            offset = 0
+            for t in ts:
+                t.copy_(flats[key][offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+# -------------------------------------------------------------------------------------------
+# Outputs. See Note [Outputs not used in the loss].
+
+
+def _find_tensors(obj: Any) -> list[Tensor]:
+    """Every tensor in ``obj``: nested tuples, lists, dicts and dataclasses, in order."""
+    found: list[Tensor] = []
+    seen: set[int] = set()
+
+    def walk(o: Any) -> None:
+        if isinstance(o, Tensor):
+            if id(o) not in seen:
+                seen.add(id(o))
+                found.append(o)
+        elif isinstance(o, list | tuple):
+            for item in o:
+                walk(item)
+        elif isinstance(o, dict):
+            for item in o.values():
+                walk(item)
+        elif dataclasses.is_dataclass(o) and not isinstance(o, type):
+            for f in dataclasses.fields(o):
+                walk(getattr(o, f.name))
+
+    walk(obj)
+    return found
+
+
+def _replace_tensors(obj: Any, replacement: dict[int, Tensor]) -> Any:
+    """``obj`` with each tensor whose id is in ``replacement`` swapped, structure kept."""
+    if isinstance(obj, Tensor):
+        return replacement.get(id(obj), obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_replace_tensors(o, replacement) for o in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_replace_tensors(o, replacement) for o in obj)
+    if isinstance(obj, dict):
+        items = {k: _replace_tensors(v, replacement) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _replace_tensors(getattr(obj, f.name), replacement)
+                   for f in dataclasses.fields(obj) if f.init}  # fmt: skip
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+class _OutputSink(torch.autograd.Function):
+    """Identity on the outputs whose backward tells the reducer which outputs got no gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, reducer_ref: weakref.ReferenceType[Reducer], *outputs: Tensor) -> Any:
+        ctx.reducer_ref = reducer_ref
+        ctx.set_materialize_grads(False)  # an output the loss did not use gets None
+        ctx.save_for_backward(*outputs)
+        # Clones: returning an input as is would make it an alias, not an output of the sink.
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        outputs = ctx.saved_tensors
+        if any(g is None for g in grads):
+            reducer = ctx.reducer_ref()
+            if reducer is not None:
+                with_grad = [o for o, g in zip(outputs, grads, strict=True) if g is not None]
+                reducer._expect_no_gradient(with_grad)
+        return (None, *grads)

@@ -1,0 +1,339 @@
+"""fakepg as a torch.distributed backend: init from threads, torch's DDP on it, failures.
+
+torch's DDP on the "fakepg" backend is compared with torch's DDP on gloo (run on threads of this
+process, which the per-thread state of the backend makes possible) within rtol 1e-6 and atol
+1e-7: gloo may add in another order. Against the rank-order reference of DESIGN.md, and across
+ranks, the fakepg results must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TypeVar
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import seeded
+from torch import nn
+
+import fakepg
+import reducer
+from property_tests.reference import rank_order_average
+
+T = TypeVar("T")
+
+RTOL, ATOL = 1e-6, 1e-7  # fakepg vs gloo: the same sums, perhaps added in another order
+
+
+@pytest.fixture(autouse=True)
+def _registered() -> Iterator[None]:
+    fakepg.register_torch_backend()
+    # init_process_group chains sys.excepthook; tests that call it directly put it back.
+    hook = sys.excepthook
+    yield
+    sys.excepthook = hook
+
+
+def model() -> nn.Module:
+    return seeded(lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), seed=3)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def ddp_grads(world_size: int) -> Callable[[int], list[list[torch.Tensor]]]:
+    """Per step, the gradients torch's DDP gives on ``rank`` (two steps, small buckets)."""
+
+    def fn(rank: int) -> list[list[torch.Tensor]]:
+        net = model()
+        ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-4)
+        steps = []
+        for step in range(2):
+            ddp.zero_grad(set_to_none=True)
+            ddp(batch(rank, step)).pow(2).sum().backward()
+            steps.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        return steps
+
+    return fn
+
+
+def run_gloo_threads(fn: Callable[[int], T], world_size: int, timeout: float = 30.0) -> list[T]:
+    """``fn(rank)`` on one thread per rank, each with a gloo default group (one process)."""
+    store = dist.HashStore()
+    results: list[T | None] = [None] * world_size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group(
+                "gloo",
+                rank=rank,
+                world_size=world_size,
+                store=store,
+                timeout=timedelta(seconds=timeout),
+            )
+            try:
+                results[rank] = fn(rank)
+            finally:
+                dist.destroy_process_group()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a gloo rank thread did not finish"
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def test_init_process_group_from_each_rank_thread() -> None:
+    with fakepg.World(3, timeout=20.0) as world:
+        store = dist.HashStore()
+
+        def fn(pg: fakepg.FakeProcessGroup) -> tuple[int, int, str, torch.Tensor]:
+            dist.init_process_group(
+                "fakepg", rank=pg.rank(), world_size=3, store=store, pg_options=world
+            )
+            try:
+                t = torch.full((4,), float(pg.rank() + 1))
+                dist.all_reduce(t)
+                return dist.get_rank(), dist.get_world_size(), dist.get_backend(), t
+            finally:
+                dist.destroy_process_group()
+
+        results = world.run(fn)
+    for rank, (r, size, backend, t) in enumerate(results):
+        assert (r, size, backend) == (rank, 3, "fakepg")
+        assert torch.equal(t, torch.full((4,), 6.0))
+    assert not dist.is_initialized()  # this thread's state was never touched
+
+
+def test_init_without_the_world_says_how_to_pass_it() -> None:
+    with pytest.raises(ValueError, match="pass pg_options=world"):
+        dist.init_process_group("fakepg", rank=0, world_size=1, store=dist.HashStore())
+    assert not dist.is_initialized()
+
+
+def ddp_reference(contributions: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """What torch's DDP computes on a rank-order SUM: each bucket scaled by 1/W (a multiply by
+    the reciprocal, which differs from a division by W in the last bit for W=3), then summed
+    in rank order."""
+    acc = contributions[0] * (1 / world_size)
+    for g in contributions[1:]:
+        acc = acc + g * (1 / world_size)
+    return acc
+
+
+def test_ddp_on_fakepg_is_bit_identical_across_ranks_and_matches_the_reference() -> None:
+    world_size = 3
+    per_rank = fakepg.run_torch(
+        lambda pg: ddp_grads(world_size)(pg.rank()), world_size, timeout=20.0
+    )
+    for step in range(2):
+        local = []
+        for rank in range(world_size):
+            net = model()  # no optimizer step in ddp_grads: the same parameters every step
+            net(batch(rank, step)).pow(2).sum().backward()
+            local.append([p.grad for p in net.parameters() if p.grad is not None])
+        for i in range(len(local[0])):
+            want = ddp_reference([local[r][i] for r in range(world_size)], world_size)
+            for rank in range(world_size):
+                got = per_rank[rank][step][i]
+                assert torch.equal(got, per_rank[0][step][i]), f"rank {rank} differs from rank 0"
+                assert torch.equal(got, want), f"parameter {i}, step {step}"
+
+
+def test_ddp_on_fakepg_matches_ddp_on_gloo() -> None:
+    world_size = 3
+    fake = fakepg.run_torch(lambda pg: ddp_grads(world_size)(pg.rank()), world_size)
+    gloo = run_gloo_threads(ddp_grads(world_size), world_size)
+    for rank in range(world_size):
+        for step in range(2):
+            for got, want in zip(fake[rank][step], gloo[rank][step], strict=True):
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_collectives_are_asynchronous() -> None:
+    rank1_may_issue = threading.Event()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[bool, torch.Tensor]:
+        t = torch.full((3,), float(pg.rank() + 1))
+        if pg.rank() == 1:
+            assert rank1_may_issue.wait(10.0)
+            dist.all_reduce(t)
+            return True, t
+        work = dist.all_reduce(t, async_op=True)
+        assert work is not None
+        future = work.get_future()
+        # Returned before rank 1 even issued its part: nothing has moved yet.
+        pending = not work.is_completed() and not future.done() and torch.equal(t, torch.ones(3))
+        rank1_may_issue.set()
+        work.wait()
+        assert work.is_completed() and future.done()
+        assert future.value()[0] is t  # the future completes with the output tensors
+        return pending, t
+
+    results = fakepg.run_torch(fn, 2, timeout=20.0)
+    assert results[0][0], "rank 0's all_reduce completed before rank 1 issued it"
+    for _, t in results:
+        assert torch.equal(t, torch.full((3,), 3.0))
+
+
+def test_wait_with_a_timeout_names_the_missing_rank() -> None:
+    timed_out = threading.Event()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        if pg.rank() == 1:
+            assert timed_out.wait(10.0)
+            with pytest.raises(fakepg.CollectiveTimeout):  # it failed for every rank
+                dist.all_reduce(torch.ones(2))
+            return ""
+        work = dist.all_reduce(torch.ones(2), async_op=True)
+        assert work is not None
+        with pytest.raises(fakepg.CollectiveTimeout) as info:
+            work.wait(timedelta(seconds=0.2))
+        timed_out.set()
+        return str(info.value)
+
+    message = fakepg.run_torch(fn, 2, timeout=20.0)[0]
+    assert "allreduce #0" in message and "timed out after 0.2 s" in message
+    assert "rank 1" in message
+
+
+def test_two_worlds_at_once() -> None:
+    both_initialized = threading.Barrier(4, timeout=20.0)  # 2 worlds x 2 ranks
+
+    def in_world(offset: float) -> Callable[[fakepg.FakeProcessGroup], torch.Tensor]:
+        def fn(pg: fakepg.FakeProcessGroup) -> torch.Tensor:
+            both_initialized.wait()  # every rank of both worlds holds a default group "0" now
+            t = torch.full((2,), offset + pg.rank())
+            dist.all_reduce(t)
+            both_initialized.wait()
+            return t
+
+        return fn
+
+    results: dict[float, list[torch.Tensor]] = {}
+
+    def run_world(offset: float) -> None:
+        results[offset] = fakepg.run_torch(in_world(offset), 2, timeout=20.0)
+
+    threads = [threading.Thread(target=run_world, args=(o,)) for o in (10.0, 100.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    assert not any(t.is_alive() for t in threads)
+    assert [t.tolist() for t in results[10.0]] == [[21.0, 21.0]] * 2
+    assert [t.tolist() for t in results[100.0]] == [[201.0, 201.0]] * 2
+
+
+@pytest.mark.parametrize("where", ["all_reduce", "ddp_backward"])
+def test_a_failing_rank_wakes_the_others(where: str) -> None:
+    woke: list[str] = []
+
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        net = model()
+        ddp = nn.parallel.DistributedDataParallel(net)
+        if pg.rank() == 1:
+            time.sleep(0.2)  # let the others block first
+            raise KeyError("rank 1 fails on purpose")
+        try:
+            if where == "all_reduce":
+                dist.all_reduce(torch.ones(2))
+            else:
+                ddp(batch(pg.rank(), 0)).sum().backward()
+        except Exception as exc:
+            woke.append(str(exc))
+            raise
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="fails on purpose") as info:
+        fakepg.run_torch(fn, 3, timeout=30.0)
+    assert time.monotonic() - start < 15.0  # woken by the abort, not by the 30 s timeout
+    assert "raised on rank 1 of 3 in fakepg.run" in info.value.__notes__
+    assert len(woke) == 2 and all("rank 1 failed" in m for m in woke)
+
+
+def test_unsupported_collectives_say_what_is_supported() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        with pytest.raises(RuntimeError, match="does not implement reduce_scatter") as info:
+            dist.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)])
+        return str(info.value)
+
+    assert all("all_reduce" in m for m in fakepg.run_torch(fn, 2, timeout=20.0))
+
+
+def test_torch_collectives_and_objects_on_fakepg() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[object, ...]:
+        r = pg.rank()
+        avg = torch.full((2,), float(r))
+        dist.all_reduce(avg, op=dist.ReduceOp.AVG)
+        top = torch.tensor([float(r)])
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        flat = torch.empty(6)
+        dist.all_gather_single(flat, torch.full((2,), float(r)))
+        b = torch.full((2,), float(r))
+        dist.broadcast(b, src=2)
+        objects: list[object] = [None] * 3
+        dist.all_gather_object(objects, {"rank": r})
+        dist.barrier()
+        return avg.tolist(), top.item(), flat.tolist(), b.tolist(), objects
+
+    for avg, top, flat, b, objects in fakepg.run_torch(fn, 3, timeout=20.0):
+        assert avg == [1.0, 1.0] and top == 2.0 and b == [2.0, 2.0]
+        assert flat == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+        assert objects == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+
+
+def test_reducer_through_torch_process_group_on_the_fakepg_backend() -> None:
+    """The adapter works on any registered backend: the reducer over TorchProcessGroup over
+    the fakepg torch backend still gives the bit-exact rank-order average."""
+    world_size = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[torch.Tensor]:
+        net = model()
+        params = list(net.parameters())
+        tpg = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
+        buckets = reducer.ddp_bucket_assignment(params, bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+        with reducer.Reducer([params], buckets, tpg) as red:
+            red.prepare_for_backward([])
+            net(batch(pg.rank(), 0)).pow(2).sum().backward()
+        return [p.grad.clone() for p in params if p.grad is not None]
+
+    per_rank = fakepg.run_torch(fn, world_size, timeout=20.0)
+    local = []
+    for rank in range(world_size):
+        net = model()
+        net(batch(rank, 0)).pow(2).sum().backward()
+        local.append([p.grad for p in net.parameters()])
+    for i in range(len(local[0])):
+        want = rank_order_average([local[r][i] for r in range(world_size)], world_size)
+        for rank in range(world_size):
+            assert want is not None and torch.equal(per_rank[rank][i], want)
+
+
+def test_importing_fakepg_registers_nothing() -> None:
+    code = (
+        "import fakepg, torch.distributed as dist\n"
+        "before = hasattr(dist.Backend, 'FAKEPG')\n"
+        "fakepg.register_torch_backend(); fakepg.register_torch_backend()\n"
+        "print(before, hasattr(dist.Backend, 'FAKEPG'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]
