@@ -1,0 +1,228 @@
+"""Run a training scenario through a reducer on the fake world, and compute its exact reference.
+
+A :class:`Scenario` is plain data: a model spec, a world size, replicas per rank, a bucket
+assignment, and the steps (local accumulation steps, then one synced step) with each rank's
+active branches. :func:`run_reducer` plays it on ``fakepg`` with any reducer class (the real
+one, or a deliberately broken one); :func:`reference` computes what every gradient must be from
+plain local autograd, independently of any reducer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import fakepg
+import reducer
+
+from .model import ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
+from .reference import rank_order_average, sparse_average
+
+ReducerFactory = Callable[..., reducer.Reducer]
+PRESET = 0.25  # the value pre-set into .grad when a scenario asks for existing gradients
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One synced iteration, after ``len(steps) - 1`` local (no-sync) accumulation steps.
+
+    ``steps[k][r]`` is the set of optional branches active on rank ``r`` in step ``k`` (the
+    non-optional branches always run). ``find_unused`` passes the outputs to
+    ``prepare_for_backward``. ``preset_grads`` starts every dense parameter with a ``.grad``
+    of ``PRESET`` (so "untouched" is observable), else with None.
+    """
+
+    model: ModelSpec
+    world_size: int
+    replicas: int
+    buckets: tuple[tuple[int, ...], ...]
+    steps: tuple[tuple[frozenset[int], ...], ...]
+    find_unused: bool
+    preset_grads: bool = False
+    as_view: bool = False
+
+    def active(self, step: int, rank: int) -> frozenset[int]:
+        return active_branches(self.model, self.steps[step][rank])
+
+    def input_seed(self, rank: int, replica: int, step: int) -> int:
+        return (self.model.seed * 1_000_003 + rank * 1009 + replica * 101 + step) % (2**31)
+
+
+def active_branches(spec: ModelSpec, optional: frozenset[int]) -> frozenset[int]:
+    """The branches that run: every non-optional one, and the ``optional`` ones picked."""
+    return frozenset({i for i, b in enumerate(spec.branches) if not b.optional} | optional)
+
+
+def snapshot(grad: Tensor | None) -> Tensor | None:
+    """A copy of ``grad`` that later steps cannot change (sparse: coalesced)."""
+    if grad is None:
+        return None
+    # coalesce() returns the tensor itself when already coalesced: clone in both cases.
+    return grad.coalesce().clone() if grad.is_sparse else grad.detach().clone()
+
+
+GradLists = list[list[Tensor | None]]  # [replica][parameter]
+
+
+def run_reducer(
+    scenario: Scenario,
+    make_reducer: ReducerFactory = reducer.Reducer,
+    *,
+    network: fakepg.NetworkModel | None = None,
+) -> list[GradLists]:
+    """Play ``scenario`` on a fake world; per rank, the gradients every replica ends with."""
+    s = scenario
+    last = len(s.steps) - 1
+
+    def rank_fn(pg: fakepg.FakeProcessGroup) -> GradLists:
+        rank = pg.rank()
+        models = [build_model(s.model) for _ in range(s.replicas)]
+        params = [list(m.parameters()) for m in models]
+        sparse = sparse_flags(models[0])
+        if s.preset_grads:
+            _preset(params, sparse)
+        red = make_reducer(
+            params,
+            [list(b) for b in s.buckets],
+            pg,
+            [sparse] * s.replicas,
+            gradient_as_bucket_view=s.as_view,
+        )
+        try:
+            for step in range(len(s.steps)):
+                outputs: list[Tensor] = []
+                for d, model in enumerate(models):
+                    inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
+                    outputs += model(inputs, s.active(step, rank))
+                if step == last:
+                    red.prepare_for_backward(outputs if s.find_unused else [])
+                loss_of(outputs).backward()
+            return [[snapshot(p.grad) for p in replica] for replica in params]
+        finally:
+            red.close()
+
+    return fakepg.run(rank_fn, s.world_size, timeout=20.0, network=network)
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What one parameter's ``.grad`` must be after the synced step, on every rank and replica.
+
+    ``value`` is the exact dense average (``sparse`` False), the dense image of the sparse
+    average (``sparse`` True, compared with a tolerance), or, when ``untouched``, the ``.grad``
+    the parameter started with (None or the preset), because no rank used it.
+    """
+
+    value: Tensor | None
+    sparse: bool
+    untouched: bool
+
+
+def reference(scenario: Scenario) -> list[Expected]:
+    """Per parameter, the expectation from plain local autograd (no reducer, no threads)."""
+    s = scenario
+    contributions: list[list[Tensor | None]] = []  # [contribution][parameter]
+    sparse: list[bool] = []
+    for rank in range(s.world_size):
+        for d in range(s.replicas):
+            model = build_model(s.model)
+            params = list(model.parameters())
+            sparse = sparse_flags(model)
+            if s.preset_grads:
+                _preset([params], sparse)
+            used = [False] * len(params)
+            handles = [
+                p.register_post_accumulate_grad_hook(
+                    lambda _p, i=i, used=used: used.__setitem__(i, True)
+                )
+                for i, p in enumerate(params)
+            ]
+            for step in range(len(s.steps)):
+                inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
+                loss_of(model(inputs, s.active(step, rank))).backward()
+            for handle in handles:
+                handle.remove()
+            # A parameter this contribution did not use since the last sync adds zeros, even
+            # if it holds an older .grad (the preset).
+            contributions.append(
+                [snapshot(p.grad) if used[i] else None for i, p in enumerate(params)]
+            )
+    expected = []
+    for i, is_sparse in enumerate(sparse):
+        column = [c[i] for c in contributions]
+        if all(g is None for g in column):
+            start = None if (is_sparse or not s.preset_grads) else _preset_value(s, i)
+            expected.append(Expected(start, is_sparse, untouched=True))
+        elif is_sparse:
+            expected.append(Expected(sparse_average(column, s.world_size), True, False))
+        else:
+            expected.append(Expected(rank_order_average(column, s.world_size), False, False))
+    return expected
+
+
+def check_against_reference(
+    scenario: Scenario,
+    make_reducer: ReducerFactory = reducer.Reducer,
+    *,
+    network: fakepg.NetworkModel | None = None,
+) -> None:
+    """The core property: every gradient on every rank and replica equals the reference.
+
+    Dense gradients bit for bit (``torch.equal``); sparse ones within 1e-6 relative (the
+    coalescing order is not fixed); untouched ones exactly as they started; and every rank
+    and replica holds the same bits.
+    """
+    got = run_reducer(scenario, make_reducer, network=network)
+    want = reference(scenario)
+    first = got[0][0]
+    for rank, per_replica in enumerate(got):
+        for d, grads in enumerate(per_replica):
+            for i, (grad, exp) in enumerate(zip(grads, want, strict=True)):
+                where = f"parameter {i}, rank {rank}, replica {d}"
+                _check_one(grad, exp, where)
+                _check_same(grad, first[i], where)
+
+
+def _check_one(grad: Tensor | None, exp: Expected, where: str) -> None:
+    if exp.value is None:
+        assert grad is None, f"{where}: unused on every rank, .grad must stay None; got {grad}"
+        return
+    assert grad is not None, f"{where}: expected a gradient, got None"
+    if exp.sparse and not exp.untouched:
+        assert grad.is_sparse, f"{where}: expected a sparse gradient"
+        dense = grad.to_dense()
+        scale = float(exp.value.abs().max()) if exp.value.numel() else 0.0
+        torch.testing.assert_close(
+            dense, exp.value, rtol=1e-6, atol=1e-6 * scale, msg=lambda m: f"{where}: {m}"
+        )
+        return
+    assert not grad.is_sparse, f"{where}: expected a dense gradient"
+    what = "must stay exactly as it was" if exp.untouched else "must equal the rank-order average"
+    assert torch.equal(grad, exp.value), (
+        f"{where}: {what}; max abs difference "
+        f"{(grad.double() - exp.value.double()).abs().max().item():.3g}"
+    )
+
+
+def _check_same(grad: Tensor | None, first: Tensor | None, where: str) -> None:
+    if grad is None or first is None:
+        assert grad is None and first is None, f"{where}: ranks disagree on having a gradient"
+        return
+    a = grad.to_dense() if grad.is_sparse else grad
+    b = first.to_dense() if first.is_sparse else first
+    assert torch.equal(a, b), f"{where}: differs from rank 0 replica 0 (ranks must agree bitwise)"
+
+
+def _preset(params: Sequence[Sequence[Tensor]], sparse: list[bool]) -> None:
+    for replica in params:
+        for p, is_sparse in zip(replica, sparse, strict=True):
+            if not is_sparse:
+                p.grad = torch.full_like(p, PRESET)
+
+
+def _preset_value(scenario: Scenario, index: int) -> Tensor:
+    param = list(build_model(scenario.model).parameters())[index]
+    return torch.full_like(param, PRESET).detach()

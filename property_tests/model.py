@@ -1,0 +1,140 @@
+"""Random models described by plain data, built the same way on every rank and in the reference.
+
+A model is a set of *branches*, each a small stack of layers fed by an input of its own; the
+loss adds up every active branch. A branch marked optional can be switched off per rank and per
+step, which is how parameters go unused. A branch may reuse the layers of an earlier branch
+(shared parameters). Parameters are initialized from a local generator seeded by the spec, so
+building is deterministic and safe from any thread (torch's global generator is shared by all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+KINDS = ("linear", "mlp", "layernorm", "conv1d", "conv2d", "embedding")
+EMBEDDING_ROWS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class BranchSpec:
+    """One branch: ``kind`` of layers, in ``dtype``, mapping ``width`` features to ``out``.
+
+    ``sparse`` (embedding only) gives the embedding a sparse gradient. ``optional`` branches
+    can be switched off. ``shared_with`` names an earlier branch whose layers this one reuses
+    (on an input of its own), so their parameters get gradients from both.
+    """
+
+    kind: str
+    dtype: torch.dtype = torch.float32
+    width: int = 3
+    out: int = 2
+    sparse: bool = False
+    optional: bool = False
+    shared_with: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A whole model: its branches and the seed of its initial parameters."""
+
+    branches: tuple[BranchSpec, ...]
+    seed: int = 0
+
+    @property
+    def optional_branches(self) -> list[int]:
+        return [i for i, b in enumerate(self.branches) if b.optional]
+
+    def owner(self, branch: int) -> int:
+        """The branch whose layers ``branch`` runs (itself unless shared)."""
+        shared = self.branches[branch].shared_with
+        return branch if shared is None else shared
+
+
+def _layers(spec: BranchSpec) -> nn.Module:
+    w, o, dt = spec.width, spec.out, spec.dtype
+    if spec.kind == "linear":
+        return nn.Linear(w, o, dtype=dt)
+    if spec.kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(w, o, dtype=dt), nn.Tanh(), nn.Linear(o, o, bias=False, dtype=dt)
+        )
+    if spec.kind == "layernorm":
+        return nn.Sequential(nn.Linear(w, o, dtype=dt), nn.LayerNorm(o, dtype=dt))
+    if spec.kind == "conv1d":
+        return nn.Conv1d(w, o, kernel_size=2, dtype=dt)
+    if spec.kind == "conv2d":
+        return nn.Conv2d(w, o, kernel_size=2, bias=False, dtype=dt)
+    if spec.kind == "embedding":
+        return nn.Embedding(EMBEDDING_ROWS, o, sparse=spec.sparse, dtype=dt)
+    raise ValueError(f"unknown branch kind {spec.kind!r}; expected one of {KINDS}")
+
+
+class GeneratedModel(nn.Module):
+    """The module a :class:`ModelSpec` describes. ``forward`` returns one output per branch."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        owned: list[nn.Module] = []
+        for i, branch in enumerate(spec.branches):
+            owned.append(
+                owned[spec.owner(i)] if branch.shared_with is not None else _layers(branch)
+            )
+        self.branches = nn.ModuleList(owned)
+        # One draw for all parameters, split in parameter order: the same values every build.
+        params = list(self.parameters())
+        gen = torch.Generator().manual_seed(spec.seed)
+        values = torch.randn(sum(p.numel() for p in params), generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.copy_(values[offset : offset + p.numel()].view(p.shape) * 0.5)
+                offset += p.numel()
+
+    def forward(self, inputs: Sequence[Tensor], active: frozenset[int]) -> list[Tensor]:
+        return [self.branches[i](inputs[i]) for i in range(len(self.spec.branches)) if i in active]
+
+
+def build_model(spec: ModelSpec) -> GeneratedModel:
+    return GeneratedModel(spec)
+
+
+def branch_inputs(spec: ModelSpec, seed: int, batch: int = 2) -> list[Tensor]:
+    """One input per branch, from a local generator: the same on every call with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for i in range(len(spec.branches)):
+        owner = spec.branches[spec.owner(i)]  # a shared branch takes its owner's input format
+        kind, w, dtype = owner.kind, owner.width, owner.dtype
+        if kind == "embedding":
+            inputs.append(torch.randint(0, EMBEDDING_ROWS, (batch, 3), generator=gen))
+        elif kind == "conv1d":
+            inputs.append(torch.randn(batch, w, 4, generator=gen, dtype=dtype))
+        elif kind == "conv2d":
+            inputs.append(torch.randn(batch, w, 3, 3, generator=gen, dtype=dtype))
+        else:
+            inputs.append(torch.randn(batch, w, generator=gen, dtype=dtype))
+    return inputs
+
+
+def loss_of(outputs: Sequence[Tensor]) -> Tensor:
+    """The scalar every rank differentiates: sum of squares of every output, in float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for out in outputs:
+        total = total + out.double().pow(2).sum()
+    return total
+
+
+def sparse_flags(model: nn.Module) -> list[bool]:
+    """Per parameter: does it get a sparse gradient?"""
+    flags = []
+    for module in model.modules():
+        sparse = isinstance(module, nn.Embedding) and module.sparse
+        flags += [sparse] * len(list(module.parameters(recurse=False)))
+    # Shared modules appear once in model.parameters(); modules() also dedups, same order.
+    assert len(flags) == len(list(model.parameters()))
+    return flags
