@@ -77,7 +77,9 @@ def time_ranks(world_size: int, setup: Callable[[int], Callable[[], None]], repe
 
 def bench_fakepg(world_size: int, numel: int, repeats: int) -> float:
     world = fakepg.World(world_size)
-    tensors = [torch.rand(numel) for _ in range(world_size)]
+    # Zeros: repeated in-place sums stay finite (rand would overflow to inf after a few
+    # rounds at W=32); adding zeros costs the same as adding any other floats.
+    tensors = [torch.zeros(numel) for _ in range(world_size)]
 
     def setup(rank: int) -> Callable[[], None]:
         pg = world.group(rank)
@@ -96,7 +98,9 @@ def bench_threaded(world_size: int, numel: int, repeats: int) -> float:
     mtpg._install_threaded_pg()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     store = dist.HashStore()
-    tensors = [torch.rand(numel) for _ in range(world_size)]
+    # Zeros: repeated in-place sums stay finite (rand would overflow to inf after a few
+    # rounds at W=32); adding zeros costs the same as adding any other floats.
+    tensors = [torch.zeros(numel) for _ in range(world_size)]
 
     def setup(rank: int) -> Callable[[], None]:
         dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
