@@ -158,7 +158,8 @@ class Reducer:
         self._closed = False
         # A comm hook replaces the allreduce; the hook divides, so buckets are not prescaled.
         self._comm_hook: tuple[object, CommHook] | None = None
-        self._prescale = True
+        # On one rank the division is by 1, the identity bit for bit: skip that pass.
+        self._prescale = self._world_size > 1
         self._timeout = float(timeout)
         # See Note [Static graph]: hook calls counted in the first iteration, then expected.
         self._static_graph = bool(static_graph)
@@ -782,6 +783,8 @@ def _at_backward_end(callback: Callable[[], None]) -> None:
 
 
 def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
+    grads: list[Tensor] = []
+    views: list[Tensor] = []
     for replica in bucket.replicas:
         for index, param, view in zip(
             bucket.variable_indices, replica.variables, replica.views, strict=True
@@ -790,7 +793,24 @@ def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
                 continue  # unused on every rank: .grad stays as it was
             if param.grad is None:
                 param.grad = torch.empty_like(param, memory_format=torch.preserve_format)
-            param.grad.copy_(view)
+            grads.append(param.grad)
+            views.append(view)
+    _copy_all(grads, views)
+
+
+def _copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
+    """``d.copy_(s)`` for every pair, as one call.
+
+    A bucket of many small parameters costs one op dispatch per ``copy_``, which dominates
+    the write-back; torch's multi-tensor ``_foreach_copy_`` (what its optimizers use) does
+    them all in one dispatch, with the same bits. It is not public API, hence the fallback.
+    """
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None and len(destinations) > 1:
+        foreach_copy(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources, strict=True):
+        destination.copy_(source)
 
 
 def _adopt_hook_result(bucket: Bucket, results: list[Tensor]) -> None:
