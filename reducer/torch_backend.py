@@ -18,23 +18,35 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 # Guarantees: a TorchProcessGroup may be used from the rank's threads (the one that runs
 # forward and backward, and autograd's); issuing collectives is serialized by a lock so that
 # their sequence numbers (used in error messages) follow issue order. TorchWork methods are
-# safe from any thread; its post-processing (division for an emulated AVG, copies to the other
-# tensors of a list) runs exactly once, on the thread that completes the backend's future,
-# before the work counts as completed.
+# safe from any thread; its post-processing on the collective's device (division for an
+# emulated AVG, copies to the other tensors of a list) runs exactly once, on the thread that
+# completes the backend's future, before the work counts as completed; copying a staged result
+# back to the CPU (see Note [CPU tensors on a GPU-only backend]) runs once, in the first wait.
 
 # Note [Tensor lists on real backends]
 # The protocol's allreduce takes a list of tensors (one per model replica) and combines every
 # tensor of every rank. torch's gloo and NCCL groups take one tensor per process, so a list is
-# first combined locally, in list order, into its first tensor ((t0 op t1) op t2 ...), that
-# tensor is allreduced, and the result is copied into the others once it arrives. For SUM this
-# adds each rank's replicas before the ranks' sums; on dyadic data (see reducer.validate) the
-# order makes no difference. allgather and broadcast of a list issue one torch call per tensor.
+# first combined locally, in list order, into its first tensor ((t0 op t1) op t2 ...; replicas
+# on other devices are brought to the first one's), that tensor is allreduced, and the result
+# is copied into the others once it arrives. For SUM this adds each rank's replicas before the
+# ranks' sums; on dyadic data (see reducer.validate) the order makes no difference. allgather
+# and broadcast of a list issue one torch call per tensor.
 
 # Note [AVG where the backend lacks it]
 # reducer.ReduceOp.AVG is the sum divided by the number of contributions, ranks times tensors
 # per rank. NCCL (and the fakepg torch backend) average natively; gloo does not. There the
 # adapter allreduces the SUM and divides by size() * len(tensors) when the sum arrives. With
 # native AVG and a list of n tensors, the backend divides by size() and the adapter by n.
+# Which backend applies is decided per device ("cpu:gloo,cuda:nccl" groups have both).
+
+# Note [CPU tensors on a GPU-only backend]
+# The reducer keeps small bookkeeping tensors on the CPU (the per-rank used map of
+# find-unused-parameters; the DDP wrapper's parameter counts). NCCL takes CUDA tensors only,
+# so a CPU tensor on a group without a CPU backend is staged: copied to the group's device
+# (its bound device, else the current CUDA device), reduced there, and copied back to the CPU
+# tensor in the first successful wait (or when get_future's value is produced). Copying back
+# in wait keeps the issuing call asynchronous: NCCL completes its future as soon as the
+# kernel is queued, so a blocking device-to-host copy in its callback would block the issuer.
 
 # Note [Waiting with a deadline]
 # torch's Work.wait(timeout) is honoured differently by each backend. The adapter waits on the
@@ -42,6 +54,17 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 # caller asked for, on every backend; then it calls the backend's own wait (which, on NCCL,
 # orders the current CUDA stream after the collective) and raises the collective's error, if
 # any. After a timeout the collective may still be in flight: the group is no longer usable.
+# On NCCL the future completes once the collective is queued on the GPU, so the deadline
+# bounds the CPU side only; a collective that never completes on the GPU is NCCL's watchdog's
+# to catch (init_process_group's timeout), as for torch's own DDP. is_completed() asks the
+# backend's works too, so on NCCL it turns True only when the GPU has finished.
+
+# Note [Failures when issuing]
+# A backend may refuse a collective in the call itself (a communicator that was aborted, a
+# peer already gone). The protocol surfaces collective failures through Work.wait, on every
+# rank that waits, so such an error is caught and returned as a failed TorchWork. Invalid
+# arguments, found by the adapter before torch is called, still raise InvalidArgument (a
+# ValueError) from the call itself.
 """
 
 from __future__ import annotations
@@ -90,6 +113,13 @@ _COMBINE: dict[ReduceOp, Callable[..., Tensor]] = {
 }
 # Backends known to implement ReduceOp.AVG themselves. See Note [AVG where the backend lacks it].
 _NATIVE_AVG = frozenset({"nccl", "fakepg"})
+# Backends known to have no sparse allreduce (stock NCCL builds).
+_NO_SPARSE = frozenset({"nccl"})
+
+# What a finished TorchWork does with the backend's future value (on the completing thread),
+# and what it does once in the first successful wait (on the waiting thread).
+_Finish = Callable[[object], list[Tensor]]
+_Settle = Callable[[], None]
 
 
 class TorchProcessGroup:
@@ -116,6 +146,9 @@ class TorchProcessGroup:
         self._rank = torch_pg.rank()
         self._size = torch_pg.size()
         self._backend = str(torch_pg.name()).lower()
+        # Device type -> backend name; None where torch does not say (a group that
+        # init_process_group or new_group did not create): then nothing is staged.
+        self._device_backends = _device_backends(torch_pg, self._backend)
         self.timeout = float(timeout)
         # _lock guards _seq and makes issuing a collective atomic, so sequence numbers follow
         # the order in which the backend saw the calls.
@@ -149,61 +182,106 @@ class TorchProcessGroup:
         if tensors[0].is_sparse:
             return self._sparse_allreduce(tensors, op)
         first, count = tensors[0], len(tensors)
-        native = op is not ReduceOp.AVG or self._backend in _NATIVE_AVG
+        stage = self._stage_device(first, "allreduce")
+        target = first if stage is None else torch.empty_like(first, device=stage)
+        native = op is not ReduceOp.AVG or self._backend_of(target) in _NATIVE_AVG
         torch_op = _TORCH_OPS[op] if native else dist.ReduceOp.SUM
         divisor = 1 if op is not ReduceOp.AVG else count if native else count * self._size
 
         def finish(_value: object) -> list[Tensor]:
             with torch.no_grad():
                 if divisor != 1:
-                    first.div_(divisor)
-                for t in tensors[1:]:
-                    t.copy_(first)
+                    target.div_(divisor)
+                if stage is None:
+                    for t in tensors[1:]:
+                        t.copy_(first)
             return tensors
 
-        with self._lock:
-            seq = self._next()
+        def settle() -> None:
+            with torch.no_grad():
+                first.copy_(target)
+                for t in tensors[1:]:
+                    t.copy_(first)
+
+        def issue() -> list[dist.Work]:
             with torch.no_grad():
                 for t in tensors[1:]:
-                    _COMBINE[op](first, t, out=first)
-            work = dist.all_reduce(first, torch_op, group=self._pg, async_op=True)
-        return TorchWork(self, _describe("allreduce", seq, op, tensors), [work], tensors, finish)
+                    _COMBINE[op](first, t.to(first.device), out=first)
+                if stage is not None:
+                    target.copy_(first)
+            return [_issued(dist.all_reduce(target, torch_op, group=self._pg, async_op=True))]
+
+        what = ("allreduce", op, tensors, "")
+        return self._issue(what, issue, tensors, finish, None if stage is None else settle)
 
     def _sparse_allreduce(self, tensors: list[Tensor], op: ReduceOp) -> TorchWork:
         count = len(tensors)
-        with self._lock:
-            seq = self._next()
-            with torch.no_grad():
-                total = tensors[0]
-                for t in tensors[1:]:
-                    total = total + t
-            work = dist.all_reduce(total, dist.ReduceOp.SUM, group=self._pg, async_op=True)
+        backend = self._backend_of(tensors[0])
+        if backend in _NO_SPARSE:
+            raise InvalidArgument(
+                f"allreduce: the {backend} backend (rank {self._rank}) has no sparse allreduce; "
+                "reduce sparse gradients over a gloo group (init_process_group("
+                "'cpu:gloo,cuda:nccl') gives both), or make them dense (e.g. "
+                "nn.Embedding(sparse=False))"
+            )
+        self._stage_device(tensors[0], "allreduce")  # only checks: sparse tensors stay put
+        total = tensors[0]
 
         def finish(value: object) -> list[Tensor]:
-            # gloo's future holds the sum as a new tensor (the input keeps its entries).
+            # gloo's future holds the sum as a new tensor (the input may keep its entries).
             result = value[0] if isinstance(value, list) and value else total
             with torch.no_grad():
                 if op is ReduceOp.AVG:
                     result = result / (count * self._size)
                 for t in tensors:
-                    # In place on the input itself, as the protocol says; see fakepg's sparse
-                    # kernel for why not through .detach().
-                    t.copy_(result)
+                    if t is not result:
+                        # In place on the input itself, as the protocol says; see fakepg's
+                        # sparse kernel for why not through .detach().
+                        t.copy_(result)
             return tensors
 
-        return TorchWork(self, _describe("allreduce", seq, op, tensors), [work], tensors, finish)
+        def issue() -> list[dist.Work]:
+            nonlocal total
+            with torch.no_grad():
+                for t in tensors[1:]:
+                    total = total + t.to(total.device)
+            return [
+                _issued(dist.all_reduce(total, dist.ReduceOp.SUM, group=self._pg, async_op=True))
+            ]
+
+        return self._issue(("allreduce", op, tensors, ""), issue, tensors, finish, None)
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> TorchWork:
         """``output_lists[i][r]`` = rank r's ``inputs[i]``; one torch all_gather per input."""
         outputs, inputs = _check_allgather(output_lists, inputs, self._size)
-        with self._lock:
-            seq = self._next()
-            works = [
-                dist.all_gather(out, inp, group=self._pg, async_op=True)
-                for out, inp in zip(outputs, inputs, strict=True)
-            ]
+        stage = self._stage_device(inputs[0], "allgather")
+        for t in [*inputs, *(t for out in outputs for t in out)]:
+            if self._stage_device(t, "allgather") != stage:
+                raise InvalidArgument(
+                    f"allgather on rank {self._rank}: inputs and outputs mix devices that the "
+                    f"{self._backend} backend handles differently ({inputs[0].device} and "
+                    f"{t.device}); put them all on one device"
+                )
         flat = [t for out in outputs for t in out]
-        return TorchWork(self, _describe("allgather", seq, None, inputs), works, flat, None)
+        if stage is None:
+            staged_in, staged_out = inputs, outputs
+        else:
+            staged_in = [t.to(stage) for t in inputs]
+            staged_out = [[torch.empty_like(t, device=stage) for t in out] for out in outputs]
+
+        def issue() -> list[dist.Work]:
+            return [
+                _issued(dist.all_gather(out, inp, group=self._pg, async_op=True))
+                for out, inp in zip(staged_out, staged_in, strict=True)
+            ]
+
+        def settle() -> None:
+            for out, staged in zip(outputs, staged_out, strict=True):
+                for t, s in zip(out, staged, strict=True):
+                    t.copy_(s)
+
+        what = ("allgather", None, inputs, "")
+        return self._issue(what, issue, flat, None, None if stage is None else settle)
 
     def broadcast(self, tensors: list[Tensor], root: int) -> TorchWork:
         """Rank ``root``'s tensors into everyone's; one torch broadcast per tensor."""
@@ -212,27 +290,114 @@ class TorchProcessGroup:
             raise InvalidArgument(
                 f"broadcast: root must be a rank in [0, {self._size}), got {root!r}"
             )
-        with self._lock:
-            seq = self._next()
-            works = [
-                dist.broadcast(t, group=self._pg, async_op=True, group_src=root) for t in tensors
+        stages = [self._stage_device(t, "broadcast") for t in tensors]
+        staged = [t if s is None else t.to(s) for t, s in zip(tensors, stages, strict=True)]
+
+        def issue() -> list[dist.Work]:
+            return [
+                _issued(dist.broadcast(t, group=self._pg, async_op=True, group_src=root))
+                for t in staged
             ]
-        what = _describe("broadcast", seq, None, tensors, extra=f"root={root}")
-        return TorchWork(self, what, works, tensors, None)
+
+        def settle() -> None:
+            for t, s in zip(tensors, staged, strict=True):
+                if s is not t:
+                    t.copy_(s)
+
+        needs_settle = any(s is not None for s in stages)
+        what = ("broadcast", None, tensors, f"root={root}")
+        return self._issue(what, issue, tensors, None, settle if needs_settle else None)
 
     def barrier(self) -> TorchWork:
-        with self._lock:
-            seq = self._next()
-            work = dist.barrier(group=self._pg, async_op=True)
-        return TorchWork(self, f"barrier #{seq}", [work], [], None)
+        def issue() -> list[dist.Work]:
+            return [_issued(dist.barrier(group=self._pg, async_op=True))]
 
-    def _next(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
+        return self._issue(("barrier", None, [], ""), issue, [], None, None)
+
+    # ---------------------------------------------------------------------------------------
+    # Issuing.
+
+    def _issue(
+        self,
+        what: tuple[str, ReduceOp | None, Sequence[Tensor], str],
+        issue: Callable[[], list[dist.Work]],
+        outputs: list[Tensor],
+        finish: _Finish | None,
+        settle: _Settle | None,
+    ) -> TorchWork:
+        """Issue under the lock, numbering the collective; a backend's refusal becomes a
+        failed work. See Note [Failures when issuing]."""
+        kind, op, tensors, extra = what
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            launched_ns = time.perf_counter_ns()
+            try:
+                works = issue()
+            except InvalidArgument:
+                raise
+            except Exception as exc:
+                failed: torch.futures.Future[object] = torch.futures.Future()
+                failed.set_exception(exc)
+                description = _describe(kind, seq, op, tensors, extra)
+                return TorchWork(self, description, [], failed, outputs, None, None, launched_ns)
+        if len(works) == 1:
+            future: torch.futures.Future[object] = works[0].get_future()
+        else:
+            future = torch.futures.collect_all([w.get_future() for w in works])  # type: ignore[assignment]
+        description = _describe(kind, seq, op, tensors, extra)
+        return TorchWork(self, description, works, future, outputs, finish, settle, launched_ns)
+
+    def _backend_of(self, tensor: Tensor) -> str:
+        """The backend that handles ``tensor``'s device in this group."""
+        if self._device_backends is None:
+            return self._backend
+        return self._device_backends.get(tensor.device.type, self._backend)
+
+    def _stage_device(self, tensor: Tensor, what: str) -> torch.device | None:
+        """Where ``tensor`` must be copied for this group's backend, or None if it can stay.
+        See Note [CPU tensors on a GPU-only backend]."""
+        backends = self._device_backends
+        if backends is None or tensor.device.type in backends:
+            return None
+        if tensor.device.type == "cpu" and "cuda" in backends:
+            bound = getattr(self._pg, "bound_device_id", None)
+            if isinstance(bound, torch.device):
+                return bound
+            return torch.device("cuda", torch.cuda.current_device())
+        handled = ", ".join(sorted(backends))
+        raise InvalidArgument(
+            f"{what} on rank {self._rank}: a tensor on {tensor.device}, but this group "
+            f"({self._backend}) has backends for {handled} only; move the tensor there"
+        )
 
     def __repr__(self) -> str:
         return f"<reducer.TorchProcessGroup {self._backend} rank={self._rank} size={self._size}>"
+
+
+def _issued(work: dist.Work | None) -> dist.Work:
+    """torch's async collectives return None for a rank outside the group."""
+    if work is None:
+        raise InvalidArgument(
+            "torch.distributed returned no work: this process is not a member of the group; "
+            "wrap only groups that this rank belongs to"
+        )
+    return work
+
+
+def _device_backends(pg: dist.ProcessGroup, name: str) -> dict[str, str] | None:
+    """Device type -> backend name for ``pg``, from torch's public backend config
+    (``"cpu:gloo,cuda:nccl"``); for a plain ``"nccl"`` group that torch does not know, CUDA."""
+    try:
+        config = dist.get_backend_config(pg)
+    except Exception:  # a group torch's registry does not hold: fall back on the name
+        return {"cuda": "nccl"} if name == "nccl" else None
+    backends = {}
+    for entry in config.split(","):
+        device, sep, backend = entry.strip().partition(":")
+        if sep and device and backend:
+            backends[device.lower()] = backend.lower()
+    return backends or None
 
 
 class TorchWork:
@@ -249,34 +414,34 @@ class TorchWork:
         group: TorchProcessGroup,
         what: str,
         works: list[dist.Work],
+        future: torch.futures.Future[object],
         outputs: list[Tensor],
-        finish: Callable[[object], list[Tensor]] | None,
+        finish: _Finish | None,
+        settle: _Settle | None,
+        launched_ns: int,
     ) -> None:
         self._group = group
         self._what = what
         self._works = works
         self._outputs = outputs
-        if len(works) == 1:
-            base: torch.futures.Future[object] = works[0].get_future()
-        else:
-            base = torch.futures.collect_all([w.get_future() for w in works])  # type: ignore[assignment]
-        self._future: torch.futures.Future[list[Tensor]] = base.then(
-            lambda done: self._complete(done, finish)
-        )
-        self.launched_ns = time.perf_counter_ns()
+        self.launched_ns = launched_ns
         self.completed_ns: int | None = None  # written before _done is set
+        # _settle_lock guards _settle: it runs once, in the first successful wait.
+        self._settle_lock = threading.Lock()
+        self._settle = settle
         # Set once the future (with its post-processing) completed. See Note [Waiting with a
         # deadline].
         self._done = threading.Event()
+        self._future: torch.futures.Future[list[Tensor]] = future.then(
+            lambda done: self._complete(done, finish)
+        )
         self._future.add_done_callback(self._on_done)
 
     def _on_done(self, _future: torch.futures.Future[list[Tensor]]) -> None:
         self.completed_ns = time.perf_counter_ns()
         self._done.set()
 
-    def _complete(
-        self, done: torch.futures.Future[object], finish: Callable[[object], list[Tensor]] | None
-    ) -> list[Tensor]:
+    def _complete(self, done: torch.futures.Future[object], finish: _Finish | None) -> list[Tensor]:
         value = done.value()  # raises the backend's error
         if len(self._works) > 1:
             for part in value:  # type: ignore[attr-defined]
@@ -284,6 +449,12 @@ class TorchWork:
         if finish is not None:
             self._outputs = finish(value)
         return self._outputs
+
+    def _settle_once(self) -> None:
+        with self._settle_lock:
+            settle, self._settle = self._settle, None
+            if settle is not None:
+                settle()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete; raise :class:`TorchCollectiveTimeout` after ``timeout`` seconds
@@ -305,15 +476,16 @@ class TorchWork:
             self._future.wait()
         except Exception as exc:
             raise TorchCollectiveError(
-                f"{self._where()}: {self._what} failed: {type(exc).__name__}: {exc}. Usually "
-                "a peer process died or left the group (look for the first failing rank), or "
-                "the ranks issued different collectives. The group is unusable now: destroy "
-                "it and restart every rank."
+                f"{self._where()}: {self._what} failed: {type(exc).__name__}: "
+                f"{_first_line(exc)}. Usually a peer process died or left the group (look for "
+                "the first failing rank), or the ranks issued different collectives. The group "
+                "is unusable now: destroy it and restart every rank."
             ) from exc
+        self._settle_once()
 
     def is_completed(self) -> bool:
         """True once complete, successfully or not (and post-processed). Never blocks."""
-        return self._done.is_set()
+        return self._done.is_set() and all(w.is_completed() for w in self._works)
 
     def result(self) -> list[Tensor]:
         """The outputs; for a sparse allreduce, the reduced tensor, one per input."""
@@ -321,7 +493,15 @@ class TorchWork:
 
     def get_future(self) -> torch.futures.Future[list[Tensor]]:
         """A torch Future that completes with :meth:`result`, or with the collective's error."""
-        return self._future
+        if self._settle is None:
+            return self._future
+
+        def settled(done: torch.futures.Future[list[Tensor]]) -> list[Tensor]:
+            value = done.value()
+            self._settle_once()
+            return value
+
+        return self._future.then(settled)
 
     def _where(self) -> str:
         g = self._group
@@ -330,6 +510,12 @@ class TorchWork:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<reducer.TorchWork {self._what} {self._where()} {state}>"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The error's message up to torch's appended C++ traceback, on one line."""
+    text = str(exc).split("\nException raised from", 1)[0]
+    return " ".join(text.split())[:600]
 
 
 # -------------------------------------------------------------------------------------------
@@ -378,16 +564,13 @@ def _check_allreduce(tensors: object, op: object) -> list[Tensor]:
     checked = _check_tensor_list(tensors, "allreduce")
     first = checked[0]
     for i, t in enumerate(checked[1:], start=1):
-        if (t.dtype, t.shape, t.layout, t.device) != (
-            first.dtype,
-            first.shape,
-            first.layout,
-            first.device,
-        ):
+        # Devices may differ (replicas on several GPUs): see Note [Tensor lists on real
+        # backends].
+        if (t.dtype, t.shape, t.layout) != (first.dtype, first.shape, first.layout):
             raise InvalidArgument(
-                f"allreduce: tensor {i} is {t.dtype} {tuple(t.shape)} {t.layout} on {t.device} but "
-                f"tensor 0 is {first.dtype} {tuple(first.shape)} {first.layout} on "
-                f"{first.device}; all tensors of one allreduce (one per replica) must match"
+                f"allreduce: tensor {i} is {t.dtype} {tuple(t.shape)} {t.layout} but tensor 0 is "
+                f"{first.dtype} {tuple(first.shape)} {first.layout}; all tensors of one "
+                "allreduce (one per replica) must match"
             )
     if first.layout not in (torch.strided, torch.sparse_coo):
         raise InvalidArgument(f"allreduce: layout {first.layout} is not supported (dense or COO)")
