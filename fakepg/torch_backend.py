@@ -84,9 +84,11 @@ T = TypeVar("T")
 _BACKEND = "fakepg"
 
 # Guards torch's process-wide state, not any world's: the first registration (two threads
-# registering at once install the per-thread state once) and sys.excepthook around
-# init_process_group (see _init_default_group).
+# registering at once install the per-thread state once), and the two fields below, which
+# put sys.excepthook back after init_process_group (see _init_default_group).
 _PROCESS_LOCK = threading.Lock()
+_inits_in_flight = 0
+_saved_excepthook = sys.excepthook
 
 _OPS: dict[Any, ReduceOp] = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -151,22 +153,29 @@ def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> 
 
     Each init_process_group wraps ``sys.excepthook`` to prefix tracebacks with the rank: in a
     process that runs worlds on threads again and again that chain would grow without end (and
-    print a wrong rank), so the hook is put back. The lock keeps two inits from interleaving
-    their save and restore.
+    print a wrong rank). The hook from before the first of the inits in flight is put back when
+    the last of them ends. No lock is held during the init itself: with
+    TORCH_DIST_INIT_BARRIER=1 it waits for the other ranks' inits.
     """
+    global _inits_in_flight, _saved_excepthook
     with _PROCESS_LOCK:
-        hook = sys.excepthook
-        try:
-            dist.init_process_group(
-                _BACKEND,
-                rank=rank,
-                world_size=world.world_size,
-                store=store,
-                pg_options=world,
-                timeout=timedelta(seconds=timeout),
-            )
-        finally:
-            sys.excepthook = hook
+        if _inits_in_flight == 0:
+            _saved_excepthook = sys.excepthook
+        _inits_in_flight += 1
+    try:
+        dist.init_process_group(
+            _BACKEND,
+            rank=rank,
+            world_size=world.world_size,
+            store=store,
+            pg_options=world,
+            timeout=timedelta(seconds=timeout),
+        )
+    finally:
+        with _PROCESS_LOCK:
+            _inits_in_flight -= 1
+            if _inits_in_flight == 0:
+                sys.excepthook = _saved_excepthook
 
 
 # -------------------------------------------------------------------------------------------

@@ -337,3 +337,17 @@ def test_importing_fakepg_registers_nothing() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_run_torch_leaves_excepthook_and_survives_the_init_barrier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With TORCH_DIST_INIT_BARRIER=1 every init waits for the others' inits: none may hold a
+    lock the others need. And the excepthook torch installs per init is put back."""
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    hook = sys.excepthook
+    start = time.monotonic()
+    results = fakepg.run_torch(lambda pg: dist.get_rank(), 3, timeout=10.0)
+    assert results == [0, 1, 2]
+    assert time.monotonic() - start < 8.0  # not released by a timeout
+    assert sys.excepthook is hook
