@@ -3,13 +3,15 @@
     python -m reducer validate --backend gloo --nproc 2      # 2 processes, localhost rendezvous
     python -m reducer validate --backend fakepg --nproc 3    # 3 threads on the fake world
     python -m reducer validate --backend nccl --nproc 8      # one GPU per rank
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m reducer.validate --backend nccl
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m reducer validate --backend nccl
 
 Without RANK and WORLD_SIZE in the environment it starts --nproc ranks itself: processes for
-gloo and NCCL, each given MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE and
-LOCAL_RANK exactly as torchrun sets them; threads for fakepg. Under torchrun it joins the
-existing rendezvous instead, so the same suite runs across machines. Rank 0 prints a table of
-the checks; the exit code is 1 if any check failed on any rank.
+gloo and NCCL, each given MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE (and OMP_NUM_THREADS=1 unless set) as torchrun sets them; threads
+for fakepg. Under torchrun it joins the existing rendezvous instead, so the same suite runs
+across machines. Rank 0 prints a table of the checks; the exit code is 1 if any check failed
+on any rank. With --backend nccl and fewer GPUs than ranks on the machine it prints why and
+exits 0 without starting anything (under torchrun, every rank of the machine skips alike).
 
 The checks build small models whose weights and inputs are integers times powers of two, and
 scale each rank's loss by the world size W, so every gradient g is W times a dyadic number
@@ -133,14 +135,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 # Starting the ranks.
 
 
-def _nccl_skip_reason(nproc: int) -> str | None:
+def _nccl_skip_reason(nproc: int, option: str = "--nproc") -> str | None:
+    """Why NCCL cannot run ``nproc`` ranks on this machine (one GPU each), or None."""
     gpus = torch.cuda.device_count()
     if gpus < nproc:
         return (
-            f"--backend nccl needs one GPU per rank: {nproc} ranks but {gpus} GPU(s) visible "
-            f"here; pass --nproc {gpus} or fewer, or run on a machine with more GPUs"
+            f"--backend nccl needs one GPU per rank: {nproc} ranks on this machine but "
+            f"{gpus} GPU(s) visible; pass {option} {gpus} or fewer, or run on a machine with "
+            "more GPUs"
             if gpus
-            else f"--backend nccl needs one GPU per rank: {nproc} ranks but no GPU visible here"
+            else f"--backend nccl needs one GPU per rank: {nproc} ranks on this machine but "
+            "no GPU visible here"
         )
     if not dist.is_nccl_available():
         return "--backend nccl: this torch build has no NCCL"
@@ -186,6 +191,9 @@ def _spawn(args: argparse.Namespace) -> int:
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(nproc),
         )
+        if nproc > 1:
+            # As torchrun does: ranks that each use every core would fight over them.
+            env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen(command, env=env))
     deadline = time.monotonic() + args.timeout
     grace_s = 10.0
@@ -233,16 +241,17 @@ def _join(args: argparse.Namespace) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cpu")
     if backend == "nccl":
-        if torch.cuda.device_count() <= local_rank:
-            print(
-                f"validate: skipped on rank {rank}: --backend nccl needs one GPU per rank, but "
-                f"LOCAL_RANK={local_rank} and {torch.cuda.device_count()} GPU(s) are visible"
-            )
+        # Every rank of this machine sees the same GPUs, so they all skip together (a rank
+        # that skipped alone would leave the others waiting in the rendezvous).
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        skip = _nccl_skip_reason(max(local_size, local_rank + 1), "--nproc-per-node")
+        if skip is not None:
+            print(f"validate: skipped on rank {rank}: {skip}")
             return 0
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # Exactness needs IEEE float32 matmuls: TF32 would round the dyadic products.
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
     dist.init_process_group(
         backend,
@@ -619,12 +628,18 @@ def _check_accumulation(ctx: _Context) -> tuple[str, str]:
 
 
 def _check_vs_torch_ddp(ctx: _Context) -> tuple[str, str]:
+    """torch's DDP and the reducer on the same model and data, gradients bit for bit.
+
+    Configurations: default; gradient_as_bucket_view; find_unused_parameters (a layer used on
+    even ranks only, one used nowhere); and a no_sync micro-step before each synced one
+    (the reducer accumulates while prepare_for_backward was not called)."""
     configs = [
-        ("default", False, False),
-        ("gradient_as_bucket_view", True, False),
-        ("find_unused_parameters", False, True),
+        ("default", False, False, False),
+        ("gradient_as_bucket_view", True, False, False),
+        ("find_unused_parameters", False, True, False),
+        ("no_sync accumulation", False, False, True),
     ]
-    for label, as_view, find_unused in configs:
+    for label, as_view, find_unused, accumulate in configs:
         build: Callable[[], nn.Module] = _Branchy if find_unused else _mlp
         ours, theirs = build().to(ctx.device), build().to(ctx.device)
         ddp = nn.parallel.DistributedDataParallel(
@@ -637,12 +652,17 @@ def _check_vs_torch_ddp(ctx: _Context) -> tuple[str, str]:
         red = Reducer(
             [params], ddp_bucket_assignment(params), ctx.pg, gradient_as_bucket_view=as_view
         )
+        extra = (ctx.rank,) if find_unused else ()
         with red:
             for step in range(_STEPS):
-                x = _input(ctx.rank, step, 5).to(ctx.device)
                 ddp.zero_grad(set_to_none=True)
                 ours.zero_grad(set_to_none=True)
-                extra = (ctx.rank,) if find_unused else ()
+                if accumulate:
+                    local = _input(ctx.rank, step, 6).to(ctx.device)
+                    with ddp.no_sync():
+                        _backward(ddp(local), ctx.world_size)
+                    _backward(ours(local), ctx.world_size)  # no prepare: stays local
+                x = _input(ctx.rank, step, 5).to(ctx.device)
                 _backward(ddp(x, *extra), ctx.world_size)
                 out = ours(x, *extra)
                 red.prepare_for_backward([out] if find_unused else [])

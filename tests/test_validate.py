@@ -1,9 +1,10 @@
-"""``python -m reducer validate``: the suite on gloo (processes) and fakepg (threads), a check
-that is broken on purpose, the NCCL skip, and argument errors.
+"""``python -m reducer validate``: the suite on gloo (processes it starts, and under torchrun)
+and fakepg (threads), a check that is broken on purpose, the NCCL skip, and argument errors.
 
-The runs go through ``python -m reducer.validate``, the subcommand's own entry point (the same
+Most runs call ``reducer.validate.main``, the subcommand's own entry point (the same
 ``add_arguments`` and ``run`` that ``python -m reducer validate`` dispatches to, and what the
-spawned ranks run); ``test_the_cli_dispatches_validate`` checks that dispatch.
+spawned ranks run); the torchrun test and ``test_the_cli_dispatches_validate`` go through
+``python -m reducer validate`` itself.
 """
 
 from __future__ import annotations
@@ -48,42 +49,63 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
     return found
 
 
-def test_gloo_two_processes_pass_every_check() -> None:
-    out = run_validate("--backend", "gloo", "--nproc", "2", "--timeout", "60")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "backend gloo, 2 ranks as processes, rendezvous 127.0.0.1:" in out.stdout
-    table = rows(out.stdout)
+def test_gloo_two_processes_pass_every_check(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """This process launches the two ranks (no torchrun variables here); rank 0 prints."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    code = validate.main(["--backend", "gloo", "--nproc", "2", "--timeout", "60"])
+    out = capfd.readouterr()
+    assert code == 0, out.out + out.err
+    assert "backend gloo, 2 ranks as processes, rendezvous 127.0.0.1:" in out.out
+    table = rows(out.out)
     assert list(table) == CHECKS
-    assert all(result == "pass" for result, _ in table.values()), out.stdout
+    assert all(result == "pass" for result, _ in table.values()), out.out
     assert "bit-exact" in table["exact average"][1]
     assert "3 buckets" in table["exact average"][1]
-    assert "6 checks: 6 passed, 0 failed, 0 skipped" in out.stdout
-    assert out.stdout.count("| check") == 1  # only rank 0 prints the table
+    assert "no_sync accumulation; 2 steps each: bit-identical" in table["same as torch DDP"][1]
+    assert "6 checks: 6 passed, 0 failed, 0 skipped" in out.out
+    assert out.out.count("| check") == 1  # only rank 0 prints the table
 
 
-def test_fakepg_three_threads_pass_every_check() -> None:
-    out = run_validate("--backend", "fakepg", "--nproc", "3", "--timeout", "60")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "backend fakepg, 3 ranks as threads" in out.stdout
+def test_fakepg_three_threads_pass_every_check(capsys: pytest.CaptureFixture[str]) -> None:
+    code = validate.main(["--backend", "fakepg", "--nproc", "3", "--timeout", "60"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "backend fakepg, 3 ranks as threads" in out
+    table = rows(out)
+    assert list(table) == CHECKS
+    assert all(result == "pass" for result, _ in table.values()), out
+    assert "bit-identical" in table["same as torch DDP"][1]
+    assert "6 checks: 6 passed, 0 failed, 0 skipped" in out
+
+
+def test_under_torchrun_a_failing_check_makes_every_rank_exit_non_zero() -> None:
+    """torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: the suite joins
+    its rendezvous instead of starting ranks. One check broken on rank 0 fails the run."""
+    broken = "unused parameters"
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", "-m", "reducer", "validate", "--backend", "gloo"),
+            *("--timeout", "60", "--break-check", broken),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+    )
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "backend gloo, 2 ranks as processes, rendezvous " in out.stdout
     table = rows(out.stdout)
     assert list(table) == CHECKS
-    assert all(result == "pass" for result, _ in table.values()), out.stdout
-    assert "bit-identical" in table["same as torch DDP"][1]
-    assert "6 checks: 6 passed, 0 failed, 0 skipped" in out.stdout
-
-
-@pytest.mark.parametrize(("backend", "broken"), [("gloo", "unused parameters")])
-def test_a_failing_check_makes_it_exit_non_zero(backend: str, broken: str) -> None:
-    out = run_validate(
-        "--backend", backend, "--nproc", "2", "--timeout", "60", "--break-check", broken
-    )
-    assert out.returncode == 1, out.stdout + out.stderr
-    table = rows(out.stdout)
     assert table[broken][0] == "FAIL"
     assert table[broken][1].startswith("rank(s) 0: ")  # the rank that saw it, and how
     assert "gradients differ" in table[broken][1] and "max abs error 1" in table[broken][1]
     assert all(result == "pass" for name, (result, _) in table.items() if name != broken)
     assert "6 checks: 5 passed, 1 failed, 0 skipped" in out.stdout
+    assert "exitcode  : 1" in out.stderr  # torchrun's summary: a rank exited with 1
 
 
 def test_break_check_on_fakepg_fails_that_check_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -103,7 +125,27 @@ def test_nccl_without_enough_gpus_skips_with_a_clear_message(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert validate.main(["--backend", "nccl", "--nproc", "2"]) == 0
-    assert "skipped: --backend nccl needs one GPU per rank: 2 ranks but" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped: --backend nccl needs one GPU per rank: 2 ranks on this machine but" in out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="there are GPUs: the suite runs")
+def test_nccl_under_torchrun_without_enough_gpus_skips_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank of the machine decides alike, before any rendezvous (one that joined would
+    wait for the others forever)."""
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: joining would fail
+        assert validate.main(["--backend", "nccl", "--timeout", "5"]) == 0
+        out = capsys.readouterr().out
+        assert f"skipped on rank {rank}: --backend nccl needs one GPU per rank: 2 ranks" in out
+        assert "--nproc-per-node" in out or "no GPU visible" in out
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")
