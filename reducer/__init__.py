@@ -30,7 +30,7 @@ from .errors import BucketAssignmentError, InvalidArgument, ReducerError, Reduct
 from .process_group import ProcessGroup, ReduceOp, Work
 from .reducer import Reducer
 from .stats import IterationStats
-from .torch_backend import TorchProcessGroup
+from .torch_backend import TorchCollectiveError, TorchCollectiveTimeout, TorchProcessGroup
 
 __all__ = [
     "BucketAssignmentError",
@@ -45,6 +45,8 @@ __all__ = [
     "Reducer",
     "ReducerError",
     "ReductionError",
+    "TorchCollectiveError",
+    "TorchCollectiveTimeout",
     "TorchProcessGroup",
     "Work",
     "allreduce_hook",

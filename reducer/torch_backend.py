@@ -69,6 +69,7 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -339,13 +340,14 @@ class TorchProcessGroup:
             except Exception as exc:
                 failed: torch.futures.Future[object] = torch.futures.Future()
                 failed.set_exception(exc)
-                description = _describe(kind, seq, op, tensors, extra)
+                description = functools.partial(_describe, kind, seq, op, tensors, extra)
                 return TorchWork(self, description, [], failed, outputs, None, None, launched_ns)
         if len(works) == 1:
             future: torch.futures.Future[object] = works[0].get_future()
         else:
             future = torch.futures.collect_all([w.get_future() for w in works])  # type: ignore[assignment]
-        description = _describe(kind, seq, op, tensors, extra)
+        # Formatted only when an error or repr needs it: this is on every bucket's path.
+        description = functools.partial(_describe, kind, seq, op, tensors, extra)
         return TorchWork(self, description, works, future, outputs, finish, settle, launched_ns)
 
     def _backend_of(self, tensor: Tensor) -> str:
@@ -412,7 +414,7 @@ class TorchWork:
     def __init__(
         self,
         group: TorchProcessGroup,
-        what: str,
+        what: Callable[[], str],
         works: list[dist.Work],
         future: torch.futures.Future[object],
         outputs: list[Tensor],
@@ -464,7 +466,7 @@ class TorchWork:
             raise InvalidArgument(f"wait: timeout must be >= 0 seconds or None, got {timeout!r}")
         if not self._done.wait(limit):
             raise TorchCollectiveTimeout(
-                f"{self._where()}: {self._what} did not complete within {limit:g} s. A peer has "
+                f"{self._where()}: {self._what()} did not complete within {limit:g} s. A peer has "
                 "not issued it (it failed, is far behind, or issued a different collective "
                 "before this one), or the backend is stuck. Look at the other ranks' errors "
                 "first. The collective is still pending and may complete later; if it never "
@@ -476,7 +478,7 @@ class TorchWork:
             self._future.wait()
         except Exception as exc:
             raise TorchCollectiveError(
-                f"{self._where()}: {self._what} failed: {type(exc).__name__}: "
+                f"{self._where()}: {self._what()} failed: {type(exc).__name__}: "
                 f"{_first_line(exc)}. Usually a peer process died or left the group (look for "
                 "the first failing rank), or the ranks issued different collectives. The group "
                 "is unusable now: destroy it and restart every rank."
@@ -509,7 +511,7 @@ class TorchWork:
 
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
-        return f"<reducer.TorchWork {self._what} {self._where()} {state}>"
+        return f"<reducer.TorchWork {self._what()} {self._where()} {state}>"
 
 
 def _first_line(exc: BaseException) -> str:

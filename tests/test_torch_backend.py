@@ -27,7 +27,7 @@ from torch import nn
 
 import fakepg
 import reducer
-from reducer.torch_backend import TorchCollectiveError, TorchCollectiveTimeout
+from reducer import TorchCollectiveError, TorchCollectiveTimeout
 
 T = TypeVar("T")
 
@@ -54,7 +54,9 @@ def dyadic_model() -> nn.Module:
 
 def dyadic_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     """W times a dyadic loss: each gradient is W * (dyadic), so g / W is exact."""
-    return model(dyadic((4, 8), 100 * step + rank)).sum() * WORLD_SIZE
+    x = dyadic((4, 8), 100 * step + rank).to(next(model.parameters()).device)
+    out: torch.Tensor = model(x).sum() * WORLD_SIZE
+    return out
 
 
 # -------------------------------------------------------------------------------------------
