@@ -170,11 +170,19 @@ def test_mismatched_collectives_fail_on_every_rank_showing_both_sides(
 ) -> None:
     calls = [call0, call1, call0]
     messages: dict[int, str] = {}
+    # Ranks issue in rank order, so rank 0 creates the collective and rank 1 is the first to
+    # disagree: the message then names exactly those two sides.
+    issued = [threading.Event() for _ in calls]
 
     def fn(pg: FakeProcessGroup) -> None:
+        rank = pg.rank()
+        if rank > 0:
+            assert issued[rank - 1].wait(timeout=30)
+        work = calls[rank](pg)  # type: ignore[operator]
+        issued[rank].set()
         with pytest.raises(fakepg.CollectiveMismatch) as info:
-            calls[pg.rank()](pg).wait(timeout=30)  # type: ignore[operator]
-        messages[pg.rank()] = str(info.value)
+            work.wait(timeout=30)
+        messages[rank] = str(info.value)
 
     fakepg.run(fn, 3)
     assert sorted(messages) == [0, 1, 2]
