@@ -22,12 +22,14 @@ from .faults import (
     RankExited,
     WorldAborted,
 )
-from .netmodel import FixedLatency, NetworkModel
+from .netmodel import NETWORK_PRESETS, AlphaBeta, FixedLatency, NetworkModel, parse_network
 from .torch_backend import register_torch_backend, run_torch
 from .work import Work
 from .world import FakeProcessGroup, World, run
 
 __all__ = [
+    "NETWORK_PRESETS",
+    "AlphaBeta",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "FakePGError",
@@ -38,6 +40,7 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "parse_network",
     "register_torch_backend",
     "run",
     "run_torch",

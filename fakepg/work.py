@@ -209,7 +209,8 @@ class Work:
 
     @property
     def started_ns(self) -> int | None:
-        """When the last rank joined and data started to move (None before that)."""
+        """When the last rank joined and the collective started (None before that); with a
+        network model its transfer may then queue behind earlier collectives."""
         return self._collective.started_ns
 
     @property

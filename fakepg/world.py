@@ -15,6 +15,14 @@ wakes everyone.
 # shapes) must equal the first one's, else the collective fails on every rank with a message
 # that shows both sides. A rank that finished its function (see ``run``) can never join a
 # later number, so collectives that wait for it fail at once instead of timing out.
+
+# Note [One link per world]
+# With a network model, the world is one simulated link that carries one collective at a time,
+# in the order collectives start (the last rank joins), as a real backend runs them on one
+# stream or thread. A collective's transfer begins when it has started and the link is free,
+# and takes the model's time; the data lands, and the collective completes, when it ends. So
+# buckets launched back to back queue behind each other, and the exposed communication after
+# backward is what a real link would show. Without a model the link is not simulated.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from reducer.process_group import ReduceOp
@@ -87,6 +96,8 @@ class World:
         self._abort: BaseException | None = None
         self._abort_rank: int | None = None
         self._closed = False
+        # See Note [One link per world]: when the simulated link finishes its last transfer.
+        self._link_free_at = 0.0
         self._groups = [FakeProcessGroup(self, r) for r in range(world_size)]
 
     def group(self, rank: int) -> FakeProcessGroup:
@@ -127,19 +138,33 @@ class World:
             collective.payloads[rank] = payload
             collective.launched_ns[rank] = now
             full = len(collective.fingerprints) == self.world_size
+            network_s = 0.0
             if full:
                 del self._pending[seq]
+                if not collective.failed:
+                    network_s = self._reserve_link(collective.fingerprint, nbytes)
         for callback in deferred:
             callback()
         if full and not collective.failed:
             payloads = [collective.payloads[r] for r in range(self.world_size)]
-            network_s = (
-                0.0
-                if self.network is None
-                else self.network.collective_time_s(fingerprint.kind, nbytes, self.world_size)
-            )
             collective.start(plan(payloads), network_s)
         return Work(collective, rank, outputs)
+
+    def _reserve_link(self, fingerprint: _c.Fingerprint, nbytes: int) -> float:
+        """Seconds from now until the collective's data has crossed the simulated link.
+
+        Called with ``_lock`` held, when the last rank joins. See Note [One link per world].
+        """
+        if self.network is None:
+            return 0.0
+        kind = fingerprint.kind
+        if kind == "allreduce" and fingerprint.specs[0].layout != torch.strided:
+            kind = "sparse_allreduce"
+        cost = self.network.collective_time_s(kind, nbytes, self.world_size)
+        now = time.monotonic()
+        begin = max(now, self._link_free_at)
+        self._link_free_at = begin + cost
+        return self._link_free_at - now
 
     def _create_locked(
         self, seq: int, fingerprint: _c.Fingerprint, deferred: list[Callable[[], None]]
