@@ -470,7 +470,9 @@ def _nbytes(tensors: Sequence[Tensor]) -> int:
     total = 0
     for t in tensors:
         if t.is_sparse:
-            total += t._nnz() * (t.sparse_dim() * 8 + t.element_size())
+            # int64 indices per entry, and each entry's values (a row, for a hybrid tensor
+            # such as an embedding's gradient).
+            total += t._nnz() * t.sparse_dim() * 8 + t._values().numel() * t.element_size()
         else:
             total += t.numel() * t.element_size()
     return total

@@ -190,6 +190,8 @@ def test_the_world_names_the_collective_kind_and_size() -> None:
             pg.allreduce([torch.ones(3, dtype=torch.float64)]).wait()
             sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (5,))
             pg.allreduce([sparse]).wait()
+            rows = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (5, 3))  # an embedding's
+            pg.allreduce([rows]).wait()
             outputs = [torch.empty(2) for _ in range(2)]
             pg.allgather([outputs], [torch.ones(2)]).wait()
             pg.broadcast([torch.ones(5)], 0).wait()
@@ -197,9 +199,11 @@ def test_the_world_names_the_collective_kind_and_size() -> None:
 
         world.run(lambda pg: per_rank(pg.rank()))
     sparse_bytes = 2 * (1 * 8 + 4)  # nnz x (one int64 index + one float32 value)
+    rows_bytes = 2 * (1 * 8 + 3 * 4)  # nnz x (one int64 index + a row of 3 float32)
     assert model.calls == [
         ("allreduce", 24, 2),
         ("sparse_allreduce", sparse_bytes, 2),
+        ("sparse_allreduce", rows_bytes, 2),
         ("allgather", 8, 2),
         ("broadcast", 20, 2),
         ("barrier", 0, 2),
