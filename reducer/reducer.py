@@ -401,7 +401,7 @@ class Reducer:
                 process_group=self._process_group,
             )
             future = hook(state, grad_bucket)
-            if not isinstance(future, torch.futures.Future):
+            if not _is_future(future):
                 raise self._fail(
                     ReductionError(
                         f"the comm hook {getattr(hook, '__name__', hook)!r} returned a "
@@ -760,6 +760,15 @@ def _grad_ready_hook(
     reducer = reducer_ref()
     if reducer is not None:
         reducer._autograd_hook(replica_index, index)
+
+
+def _is_future(value: object) -> bool:
+    """A torch future: ``torch.futures.Future``, or what its ``then`` returns.
+
+    ``Future.then`` returns the C++ future that the Python class wraps, not an instance of
+    the Python class, and torch has no public name for that type; so the check is on it.
+    """
+    return isinstance(value, torch._C.Future)
 
 
 def _remove_hooks(handles: list[RemovableHandle]) -> None:
