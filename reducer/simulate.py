@@ -1,0 +1,605 @@
+"""Simulate data-parallel training of N ranks on threads, verify every step, show the time.
+
+    python -m reducer simulate                                   # mlp, 4 ranks, 20 steps
+    python -m reducer simulate --model transformer-block --world-size 8 --network 10gbe \\
+        --trace out.json                                         # open in ui.perfetto.dev
+    python -m reducer simulate --find-unused --unused-pattern rank-skew --no-sync-every 2
+    python -m reducer simulate --sweep-bucket-cap 1,5,25,100 --network 10gbe --world-size 64
+
+Each rank is a thread of one process on the in-memory fake world (fakepg), training its own
+copy of a built-in model through reducer.DistributedDataParallel on its own batches. After
+every step the reduced gradients of every rank are checked against the exact reference: the
+sum over ranks, in rank order, of each rank's local gradient / W, computed by plain autograd
+on an independent copy of each rank's model (bit for bit; sparse within a reordering bound).
+The first mismatch stops the run with a report naming the step, rank and parameter.
+
+--network adds simulated link time to each collective (an alpha-beta model: latency,
+bandwidth, ring or tree algorithm), so communication overlapping backward can be seen on one
+machine; --trace writes a Chrome/Perfetto timeline with one track per rank. --sweep-bucket-cap
+measures one rank's backward, then predicts the step time per bucket cap at --world-size
+ranks on --network, without running them, and names the best cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# The simulation runs on the fake world; `import reducer` never imports this module.
+import fakepg
+
+from . import _sim_models as models
+from . import _sim_report as report
+from . import _sim_verify as verify
+from .comm_hooks import CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .ddp import DistributedDataParallel
+from .trace import Pass, RankStep, Span, write_chrome_trace
+from .whatif import BackwardProfile, best, sweep
+
+__all__ = ["SimulationResult", "add_arguments", "main", "run", "simulate"]
+
+COMM_HOOKS: dict[str, tuple[CommHook | None, torch.dtype | None]] = {
+    "none": (None, None),
+    "allreduce": (allreduce_hook, None),
+    "fp16": (fp16_compress_hook, torch.float16),
+    "bf16": (bf16_compress_hook, torch.bfloat16),
+}
+_LEARNING_RATE = 0.01
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--world-size", type=int, default=4, help="ranks, one thread each (default 4)")
+    add("--model", choices=list(models.MODELS), default="mlp", help="built-in model (default mlp)")
+    add("--width", type=int, default=None, help="model width (default: the model's own, small)")
+    add("--batch-size", type=int, default=32, help="samples per rank per micro-batch (32)")
+    add("--steps", type=int, default=20, help="optimizer steps, each verified (default 20)")
+    add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
+    add(
+        "--find-unused",
+        action="store_true",
+        help="find_unused_parameters=True: search the graph for unused parameters",
+    )
+    add(
+        "--unused-pattern",
+        choices=models.UNUSED_PATTERNS,
+        default="none",
+        help="which optional branches each rank skips: none; random (per rank and step); "
+        "rank-skew (branch k only on ranks with (rank + step) %% (k + 2) == 0). Without "
+        "--find-unused a skipped branch makes the reduction hang, and the run says so",
+    )
+    add(
+        "--no-sync-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="accumulate gradients over K micro-batches per step: K-1 backward passes under "
+        "no_sync(), then one synced backward (default 1: every backward syncs)",
+    )
+    add("--comm-hook", choices=list(COMM_HOOKS), default="none", help="bucket comm hook")
+    add(
+        "--network",
+        default="none",
+        help="simulated link: none, a preset (" + ", ".join(fakepg.NETWORK_PRESETS) + "), or "
+        "'latency=25us,bandwidth=10gbit,algorithm=ring' (default none: memory speed)",
+    )
+    add("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
+    add("--seed", type=int, default=0, help="seed for weights, batches and patterns (0)")
+    add(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any collective may wait before the run fails (default 60)",
+    )
+    add(
+        "--sweep-bucket-cap",
+        default=None,
+        metavar="MB,MB,...",
+        help="what-if: measure one rank, then predict the step time per bucket cap at "
+        "--world-size ranks on --network, and print the best cap (runs no W replicas)",
+    )
+    add(
+        "--measure-world-size",
+        type=int,
+        default=1,
+        help="ranks of the measuring run of --sweep-bucket-cap (default 1: no contention)",
+    )
+    add("--no-progress", action="store_true", help="no progress bar")
+    # For tests: corrupt one reduced gradient (STEP:RANK:PARAM, PARAM an index or a name)
+    # after the synced backward, so that the check must stop the run and name it.
+    add("--corrupt-grad", default=None, help=argparse.SUPPRESS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m reducer.simulate``: the subcommand on its own."""
+    parser = argparse.ArgumentParser(prog="python -m reducer simulate", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate (or sweep) as ``args`` say; 0 if every step verified, 1 if not, 2 on bad args."""
+    try:
+        config = _Config.from_args(args)
+    except ValueError as exc:
+        print(f"simulate: {exc}", file=sys.stderr)
+        return 2
+    console = report.console()
+    with warnings.catch_warnings(), _intra_op_threads(1):
+        # torch warns once per process that sparse invariant checks are off; noise here.
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        if config.sweep_caps:
+            return _run_sweep(config, console, progress=not args.no_progress)
+        with report.progress_bar(console, not args.no_progress) as advance:
+            result = simulate(config, progress=advance)
+        if config.trace is not None and result.steps:
+            count = write_chrome_trace(
+                config.trace, result.steps, result.param_names, metadata=config.describe()
+            )
+            result.notes.append(f"trace: {count} events written to {config.trace}")
+    report.print_summary(console, config, result)
+    return 0 if result.ok else 1
+
+
+# -------------------------------------------------------------------------------------------
+# Configuration.
+
+
+@dataclass(frozen=True, slots=True)
+class _Config:
+    world_size: int
+    model: str
+    width: int | None
+    batch_size: int
+    steps: int
+    bucket_cap_mb: float
+    find_unused: bool
+    unused_pattern: str
+    micro_batches: int
+    comm_hook: str
+    network_spec: str
+    network: fakepg.NetworkModel | None
+    trace: str | None
+    seed: int
+    timeout: float
+    sweep_caps: tuple[float, ...]
+    measure_world_size: int
+    corrupt: tuple[int, int, str] | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> _Config:
+        positive = {
+            "--world-size": args.world_size,
+            "--steps": args.steps,
+            "--batch-size": args.batch_size,
+            "--no-sync-every": args.no_sync_every,
+            "--measure-world-size": args.measure_world_size,
+        }
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.width is not None and args.width < 4:
+            raise ValueError(f"--width must be >= 4, got {args.width}")
+        if not args.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        network = fakepg.parse_network(args.network)
+        caps: tuple[float, ...] = ()
+        if args.sweep_bucket_cap is not None:
+            try:
+                caps = tuple(float(c) for c in args.sweep_bucket_cap.split(",") if c.strip())
+            except ValueError:
+                caps = ()
+            if not caps or any(not c > 0 for c in caps):
+                raise ValueError(
+                    f"--sweep-bucket-cap takes bucket caps in MiB, > 0, separated by commas "
+                    f"(e.g. 1,5,25,100), got {args.sweep_bucket_cap!r}"
+                )
+        corrupt = None
+        if args.corrupt_grad is not None:
+            parts = args.corrupt_grad.split(":", 2)
+            if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+                raise ValueError("--corrupt-grad takes STEP:RANK:PARAM")
+            corrupt = (int(parts[0]), int(parts[1]), parts[2])
+        return cls(
+            world_size=args.world_size,
+            model=args.model,
+            width=args.width,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            bucket_cap_mb=args.bucket_cap_mb,
+            find_unused=args.find_unused,
+            unused_pattern=args.unused_pattern,
+            micro_batches=args.no_sync_every,
+            comm_hook=args.comm_hook,
+            network_spec=args.network,
+            network=network,
+            trace=args.trace,
+            seed=args.seed,
+            timeout=args.timeout,
+            sweep_caps=caps,
+            measure_world_size=args.measure_world_size,
+            corrupt=corrupt,
+        )
+
+    def network_name(self) -> str:
+        return "none (memory speed)" if self.network is None else str(self.network)
+
+    def describe(self) -> dict[str, Any]:
+        """The run's settings, as the trace's metadata."""
+        return {
+            "model": self.model,
+            "world_size": self.world_size,
+            "steps": self.steps,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "find_unused_parameters": self.find_unused,
+            "unused_pattern": self.unused_pattern,
+            "micro_batches": self.micro_batches,
+            "comm_hook": self.comm_hook,
+            "network": self.network_name(),
+            "seed": self.seed,
+        }
+
+
+# -------------------------------------------------------------------------------------------
+# The result.
+
+
+@dataclass
+class SimulationResult:
+    """What a simulation produced: per rank and step records, and the verdict."""
+
+    world_size: int
+    param_names: list[str]
+    params: list[Tensor]  # rank 0's parameters on the meta device: shapes and dtypes
+    sparse: list[bool]
+    steps: list[RankStep] = field(default_factory=list)
+    step_wall_ns: list[int] = field(default_factory=list)
+    bucket_nbytes: list[int] = field(default_factory=list)
+    verified_steps: int = 0
+    mismatch: verify.Mismatch | None = None
+    failure: str | None = None
+    # (step, rank, parameter) with no local gradient; (step, parameter) unused everywhere.
+    unused_local: int = 0
+    unused_everywhere: int = 0
+    unused_names: set[str] = field(default_factory=set)
+    # Rank 0's local sparse gradient bytes per step, per parameter (0 for dense).
+    sparse_nbytes: list[list[int]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch is None and self.failure is None
+
+    def rank_steps(self, rank: int) -> list[RankStep]:
+        return [s for s in self.steps if s.rank == rank]
+
+
+# -------------------------------------------------------------------------------------------
+# One rank: its DDP model, its reference copy, its optimizer.
+
+
+class _Rank:
+    """Rank ``pg.rank()``'s replica; built on that rank's thread (DDP's constructor issues
+    collectives)."""
+
+    def __init__(self, pg: fakepg.FakeProcessGroup, config: _Config) -> None:
+        self.rank = pg.rank()
+        self.config = config
+        self.module = models.build_model(config.model, config.width, config.seed)
+        self.ddp = DistributedDataParallel(
+            self.module,
+            pg,
+            bucket_cap_mb=config.bucket_cap_mb,
+            find_unused_parameters=config.find_unused,
+        )
+        hook, _wire = COMM_HOOKS[config.comm_hook]
+        if hook is not None:
+            self.ddp.register_comm_hook(None, hook)
+        # The reference: a separate copy trained by plain autograd on the same batches.
+        self.reference = models.build_model(config.model, config.width, config.seed)
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        by_name = dict(self.reference.named_parameters())
+        self.ref_params = [by_name[n] for n in self.names]
+        self.optimizer = torch.optim.SGD(self.params, lr=_LEARNING_RATE)
+
+    def _inputs(self, step: int, micro: int) -> tuple[tuple[bool, ...], Tensor, Tensor]:
+        c = self.config
+        active = models.branch_pattern(
+            c.unused_pattern,
+            len(self.module.branches),
+            seed=c.seed,
+            rank=self.rank,
+            step=step,
+            micro=micro,
+        )
+        generator = models.batch_generator(c.seed, self.rank, step, micro)
+        x, y = self.module.make_batch(generator, c.batch_size)
+        return active, x, y
+
+    def train_step(self, step: int) -> RankStep:
+        """zero_grad, the micro-batches (all but the last under no_sync), optimizer step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync_reference()
+        passes = []
+        count = self.config.micro_batches
+        iterations_before = self.ddp.reducer.iterations
+        for micro in range(count):
+            active, x, y = self._inputs(step, micro)
+            synced = micro == count - 1
+            with nullcontext() if synced else self.ddp.no_sync():
+                t0 = time.perf_counter_ns()
+                loss = self.module.loss(self.ddp(x, active=active), y)
+                t1 = time.perf_counter_ns()
+                torch.autograd.backward(loss)
+                t2 = time.perf_counter_ns()
+            passes.append(Pass(Span(t0, t1), Span(t1, t2), synced))
+        finished = self.ddp.reducer.iterations == iterations_before + 1
+        corrupt = self.config.corrupt
+        if corrupt is not None and corrupt[:2] == (step, self.rank):
+            self._corrupt(corrupt[2])
+        t3 = time.perf_counter_ns()
+        if finished:
+            self.optimizer.step()
+        t4 = time.perf_counter_ns()
+        return RankStep(
+            rank=self.rank,
+            step=step,
+            passes=tuple(passes),
+            optimizer=Span(t3, t4) if finished else None,
+            iteration=self.ddp.reducer.last_iteration if finished else None,
+            bucket_indices=tuple(tuple(b) for b in self.ddp.reducer.bucket_indices),
+            unused=tuple(sorted({i for _, i in self.ddp.reducer.unused_parameters})),
+        )
+
+    def reference_grads(self, step: int) -> list[Tensor | None]:
+        """The local gradients of this step by plain autograd on the reference copy (its
+        weights were synced before the step, so they are the ones the step used)."""
+        for p in self.ref_params:
+            p.grad = None
+        for micro in range(self.config.micro_batches):
+            active, x, y = self._inputs(step, micro)
+            torch.autograd.backward(self.reference.loss(self.reference(x, active=active), y))
+        return [p.grad for p in self.ref_params]
+
+    def _sync_reference(self) -> None:
+        with torch.no_grad():
+            for mine, theirs in zip(self.ref_params, self.params, strict=True):
+                mine.copy_(theirs)
+            for buffer, source in zip(self.reference.buffers(), self.module.buffers(), strict=True):
+                buffer.copy_(source)
+
+    def _corrupt(self, which: str) -> None:
+        index = int(which) if which.isdigit() else self.names.index(which)
+        grad = self.params[index].grad
+        if grad is None or grad.is_sparse:
+            raise ValueError(f"--corrupt-grad: parameter {which!r} has no dense gradient")
+        with torch.no_grad():
+            flat = grad.view(-1)
+            # The smallest change there is: the next float after the first element.
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+
+
+# -------------------------------------------------------------------------------------------
+# The loop.
+
+
+def simulate(
+    config: _Config,
+    *,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> SimulationResult:
+    """Run ``config.steps`` verified steps on ``config.world_size`` threads of a fake world."""
+    w = config.world_size
+    with fakepg.World(w, timeout=config.timeout, network=config.network) as world:
+        ranks: list[_Rank] = world.run(lambda pg: _Rank(pg, config))
+        first = ranks[0]
+        result = SimulationResult(
+            world_size=w,
+            param_names=list(first.names),
+            params=[p.detach().to("meta") for p in first.params],
+            sparse=models.sparse_gradient_flags(first.module, first.params),
+        )
+        if config.corrupt is not None:
+            _check_corrupt_target(config.corrupt, first.names, w)
+        _, wire = COMM_HOOKS[config.comm_hook]
+        for step in range(config.steps):
+            start = time.perf_counter_ns()
+            try:
+                records = world.run(functools.partial(_train_step, ranks, step))
+            except Exception as exc:
+                result.failure = _unfinished(step, ranks, config, exc)
+                return result
+            result.step_wall_ns.append(time.perf_counter_ns() - start)
+            result.steps.extend(records)
+            if any(r.iteration is None for r in records):
+                result.failure = _unfinished(step, ranks, config, None)
+                return result
+            # Untimed: each rank's reference gradients, on the rank threads (no collective).
+            local = world.run(functools.partial(_reference_grads, ranks, step))
+            _count_unused(result, step, local)
+            result.sparse_nbytes.append(
+                [_sparse_bytes(g) if result.sparse[i] else 0 for i, g in enumerate(local[0])]
+            )
+            mismatch = _verify(step, ranks, local, result.sparse, wire)
+            if mismatch is not None:
+                result.mismatch = mismatch
+                return result
+            result.verified_steps += 1
+            if progress is not None:
+                progress(step + 1, config.steps, _progress_text(records))
+        result.bucket_nbytes = list(first.ddp.reducer.bucket_nbytes)
+        return result
+
+
+def _train_step(ranks: Sequence[_Rank], step: int, pg: fakepg.FakeProcessGroup) -> RankStep:
+    return ranks[pg.rank()].train_step(step)
+
+
+def _reference_grads(
+    ranks: Sequence[_Rank], step: int, pg: fakepg.FakeProcessGroup
+) -> list[Tensor | None]:
+    return ranks[pg.rank()].reference_grads(step)
+
+
+def _verify(
+    step: int,
+    ranks: Sequence[_Rank],
+    local: Sequence[Sequence[Tensor | None]],
+    sparse: Sequence[bool],
+    wire: torch.dtype | None,
+) -> verify.Mismatch | None:
+    names = ranks[0].names
+    for index, name in enumerate(names):
+        # .grad is what the step reduced; the optimizer changed only the weights.
+        reduced = [r.params[index].grad for r in ranks]
+        per_rank = [grads[index] for grads in local]
+        if sparse[index]:
+            found = verify.check_sparse(step, index, name, reduced, per_rank, wire)
+        else:
+            expected = verify.reference_average(per_rank, wire)
+            found = verify.check_dense(step, index, name, reduced, expected)
+        if found is not None:
+            return found
+    return verify.check_same_parameters(step, names, [r.params for r in ranks])
+
+
+def _count_unused(
+    result: SimulationResult, step: int, local: Sequence[Sequence[Tensor | None]]
+) -> None:
+    for index, name in enumerate(result.param_names):
+        missing = sum(1 for grads in local if grads[index] is None)
+        result.unused_local += missing
+        if missing:
+            result.unused_names.add(name)
+        if missing == len(local):
+            result.unused_everywhere += 1
+
+
+def _sparse_bytes(grad: Tensor | None) -> int:
+    if grad is None:
+        return 0
+    return grad._nnz() * grad.sparse_dim() * 8 + grad._values().numel() * grad.element_size()
+
+
+def _unfinished(
+    step: int, ranks: Sequence[_Rank], config: _Config, error: BaseException | None
+) -> str:
+    """Why ``step`` failed: a rank whose reduction could not finish because some parameters
+    got no gradient there (its reference copy says which), else the error itself."""
+    for r in ranks if not config.find_unused else ():
+        if r.ddp.reducer.iterations > step:
+            continue  # this rank's reduction finished
+        grads = r.reference_grads(step)
+        missing = [i for i, g in enumerate(grads) if g is None]
+        if not missing:
+            continue
+        listing = ", ".join(f"{i} ({r.names[i]!r})" for i in missing[:10])
+        text = (
+            f"step {step}: the gradient reduction did not finish on rank {r.rank}: parameters "
+            f"without a gradient on that rank: {listing}. Their buckets never became ready, "
+            "so the ranks launched different buckets; pass --find-unused so that the reducer "
+            "searches for unused parameters."
+        )
+        if error is not None:
+            text += f" The world reported: {_describe_failure(error)}"
+        return text
+    if error is None:
+        return f"step {step}: the gradient reduction did not finish on every rank"
+    return f"step {step}: {_describe_failure(error)}"
+
+
+def _describe_failure(exc: BaseException) -> str:
+    notes = getattr(exc, "__notes__", None) or []
+    text = f"{type(exc).__name__}: {exc}"
+    return text + "".join(f" ({note})" for note in notes)
+
+
+def _check_corrupt_target(corrupt: tuple[int, int, str], names: Sequence[str], w: int) -> None:
+    _, rank, which = corrupt
+    known = (which.isdigit() and int(which) < len(names)) or which in names
+    if rank >= w or not known:
+        raise ValueError(f"--corrupt-grad: no rank {rank} or parameter {which!r} in this model")
+
+
+def _progress_text(records: Sequence[RankStep]) -> str:
+    its = [r.iteration for r in records if r.iteration is not None]
+    if not its:
+        return ""
+    comm = sum(it.comm_ns for it in its) / len(its) / 1e6
+    overlap = sum(it.overlap_ns for it in its) / len(its) / 1e6
+    return f"comm {comm:.2f} ms, overlap {overlap:.2f} ms"
+
+
+@contextmanager
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """Each rank thread computes single-threaded, as a real rank would on its own cores:
+    W ranks times N intra-op threads would only fight over this machine's cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+# -------------------------------------------------------------------------------------------
+# What-if.
+
+
+def _run_sweep(config: _Config, console: Any, *, progress: bool) -> int:
+    """Measure a small run, then predict the step per bucket cap; prints the best."""
+    measure = _Config(**{**_asdict(config), "world_size": config.measure_world_size,
+                         "network": None, "network_spec": "none", "trace": None})  # fmt: skip
+    with report.progress_bar(console, progress) as advance:
+        result = simulate(measure, progress=advance)
+    if not result.ok:
+        report.print_summary(console, measure, result)
+        return 1
+    profile = _profile(result, measure)
+    predictions = sweep(profile, config.sweep_caps, config.world_size, config.network)
+    report.print_sweep(console, config, measure, result, profile, predictions, best(predictions))
+    return 0
+
+
+def _profile(result: SimulationResult, config: _Config) -> BackwardProfile:
+    """Rank 0's measured steps, skipping the first two (warm-up, bucket rebuild)."""
+    steps = result.rank_steps(0)
+    kept = [s for s in (steps[2:] if len(steps) > 2 else steps) if s.iteration is not None]
+    sparse_nbytes = [
+        sum(per_step[i] for per_step in result.sparse_nbytes) / max(1, len(result.sparse_nbytes))
+        for i in range(len(result.params))
+    ]
+    return BackwardProfile.from_iterations(
+        [s.iteration for s in kept if s.iteration is not None],
+        params=result.params,
+        forward_ns=[_before_backward_ns(s) for s in kept],
+        optimizer_ns=[s.optimizer.end_ns - s.optimizer.start_ns for s in kept if s.optimizer],
+        sparse=result.sparse,
+        sparse_nbytes=sparse_nbytes,
+        find_unused=config.find_unused,
+    )
+
+
+def _before_backward_ns(record: RankStep) -> int:
+    """From the step's first forward to prepare_for_backward of the synced one (the origin of
+    the reducer's ready times): no_sync passes and the synced forward."""
+    assert record.iteration is not None
+    return record.iteration.start_ns - record.passes[0].forward.start_ns
+
+
+def _asdict(config: _Config) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
