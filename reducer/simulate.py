@@ -46,7 +46,7 @@ from .ddp import DistributedDataParallel
 from .trace import Pass, RankStep, Span, write_chrome_trace
 from .whatif import BackwardProfile, best, sweep
 
-__all__ = ["SimulationResult", "add_arguments", "main", "run", "simulate"]
+__all__ = ["SimulationResult", "add_arguments", "main", "measure_profile", "run", "simulate"]
 
 COMM_HOOKS: dict[str, tuple[CommHook | None, torch.dtype | None]] = {
     "none": (None, None),
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if config.sweep_caps:
             return _run_sweep(config, console, progress=not args.no_progress)
         with report.progress_bar(console, not args.no_progress) as advance:
-            result = simulate(config, progress=advance)
+            result = _simulate(config, progress=advance)
         if config.trace is not None and result.steps:
             count = write_chrome_trace(
                 config.trace, result.steps, result.param_names, metadata=config.describe()
@@ -397,7 +397,7 @@ class _Rank:
 # The loop.
 
 
-def simulate(
+def _simulate(
     config: _Config,
     *,
     progress: Callable[[int, int, str], None] | None = None,
@@ -560,18 +560,43 @@ def _intra_op_threads(count: int) -> Iterator[None]:
 # What-if.
 
 
-def _run_sweep(config: _Config, console: Any, *, progress: bool) -> int:
-    """Measure a small run, then predict the step per bucket cap; prints the best."""
+def simulate(args: argparse.Namespace) -> SimulationResult:
+    """Run the simulation ``args`` (from :func:`add_arguments`) describe, without printing;
+    raises ValueError for invalid arguments. ``--trace`` and ``--sweep-bucket-cap`` are
+    ignored: see :func:`run`."""
+    config = _Config.from_args(args)
+    with _intra_op_threads(1):
+        return _simulate(config)
+
+
+def measure_profile(args: argparse.Namespace) -> tuple[SimulationResult, BackwardProfile | None]:
+    """The measuring run of ``--sweep-bucket-cap`` for ``args`` (from :func:`add_arguments`):
+    ``--measure-world-size`` ranks, no simulated network, every step verified. The profile is
+    None if the run failed (the result says why)."""
+    config = _Config.from_args(args)
+    with _intra_op_threads(1):
+        return _measure(config, None)
+
+
+def _measure(
+    config: _Config, progress: Callable[[int, int, str], None] | None
+) -> tuple[SimulationResult, BackwardProfile | None]:
     measure = _Config(**{**_asdict(config), "world_size": config.measure_world_size,
                          "network": None, "network_spec": "none", "trace": None})  # fmt: skip
+    result = _simulate(measure, progress=progress)
+    return result, _profile(result, measure) if result.ok else None
+
+
+def _run_sweep(config: _Config, console: Any, *, progress: bool) -> int:
+    """Measure a small run, then predict the step per bucket cap; prints the best."""
     with report.progress_bar(console, progress) as advance:
-        result = simulate(measure, progress=advance)
-    if not result.ok:
-        report.print_summary(console, measure, result)
+        result, profile = _measure(config, advance)
+    measured = _Config(**{**_asdict(config), "world_size": config.measure_world_size})
+    if profile is None:
+        report.print_summary(console, measured, result)
         return 1
-    profile = _profile(result, measure)
     predictions = sweep(profile, config.sweep_caps, config.world_size, config.network)
-    report.print_sweep(console, config, measure, result, profile, predictions, best(predictions))
+    report.print_sweep(console, config, measured, result, profile, predictions, best(predictions))
     return 0
 
 

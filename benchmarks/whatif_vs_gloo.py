@@ -1,0 +1,197 @@
+"""How well the what-if predictor (reducer.whatif) predicts real gloo step times on this machine.
+
+1. Fit the link: two gloo processes over loopback time allreduces of 4 KiB to 16 MiB; a
+   least-squares line t = a + b * S gives the alpha-beta model of a 2-rank ring
+   (t = 2 alpha + S / B, so alpha = a / 2 and B = 1 / b).
+2. Predict: measure one rank's backward on the fake world (what ``python -m reducer simulate
+   --sweep-bucket-cap`` does: one rank, every step verified), then replay it per bucket cap
+   for 2 ranks on the fitted link.
+3. Measure: the same model, batches and reducer.DistributedDataParallel over gloo, 2 processes,
+   each cap, steps interleaved across caps so that drift affects all alike; median step
+   (zero_grad, forward, loss, backward with its reduction, SGD step) of rank 0.
+
+Each process computes with one intra-op thread, as each simulated rank does. Rank 0 prints
+the fitted link and, per cap, predicted and measured median step times and their ratio.
+
+    python benchmarks/whatif_vs_gloo.py [--model mlp] [--width 1024] [--caps 0.25,1,5,25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine, table
+
+import fakepg
+import reducer
+from reducer import _sim_models as models
+from reducer import simulate
+from reducer.whatif import BackwardProfile, sweep
+
+WORLD_SIZE = 2
+WARMUP = 3
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def fit_link(repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
+    """On rank 0 and 1: median allreduce time per size; least-squares (alpha, B)."""
+    medians = []
+    for nbytes in SIZES:
+        t = torch.zeros(nbytes // 4)
+        samples = []
+        for i in range(repeats + WARMUP):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if i >= WARMUP:
+                samples.append(time.perf_counter() - t0)
+        medians.append((nbytes, statistics.median(samples)))
+    xs = [float(n) for n, _ in medians]
+    ys = [s for _, s in medians]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    intercept = max(0.0, my - slope * mx)
+    return intercept / 2, 1 / slope, medians
+
+
+def measure_gloo(args: argparse.Namespace, rank: int) -> dict[float | None, float]:
+    """Median step (s) per cap of reducer.DistributedDataParallel on the gloo group, and of
+    the plain module (key None: the same step without any reduction)."""
+    pg = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
+    variants: dict[float | None, tuple[Any, Any, torch.optim.Optimizer]] = {}
+    for cap in [None, *args.caps]:
+        module = models.build_model(args.model, args.width, args.seed)
+        ddp = (
+            module
+            if cap is None
+            else reducer.DistributedDataParallel(module, pg, bucket_cap_mb=cap)
+        )
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+        variants[cap] = (module, ddp, optimizer)
+    samples: dict[float | None, list[float]] = {cap: [] for cap in variants}
+    for step in range(args.steps + WARMUP):
+        for cap, (module, ddp, optimizer) in variants.items():
+            generator = models.batch_generator(args.seed, rank, step, 0)
+            x, y = module.make_batch(generator, args.batch_size)
+            dist.barrier()  # untimed: both ranks start the step together
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = module.loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            if step >= WARMUP:
+                samples[cap].append(time.perf_counter() - t0)
+    for _, ddp, _ in variants.values():
+        if isinstance(ddp, reducer.DistributedDataParallel):
+            ddp.reducer.close()
+    return {cap: statistics.median(s) for cap, s in samples.items()}
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, profile: BackwardProfile) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=300)
+    )
+    try:
+        alpha, bandwidth, points = fit_link(args.repeats)
+        measured = measure_gloo(args, rank)
+        if rank != 0:
+            return
+        link = fakepg.AlphaBeta(alpha, bandwidth, "ring", "gloo loopback (fitted)")
+        print(f"# machine: {machine()}")
+        print(f"# model {args.model}, width {args.width}, batch {args.batch_size}, 2 ranks")
+        print(f"# link fitted from {len(points)} sizes: {link}")
+        fit_rows = [
+            [f"{n >> 10} KiB", s * 1e3, link.collective_time_s("allreduce", n, 2) * 1e3]
+            for n, s in points
+        ]
+        print(table(["allreduce", "gloo ms", "fitted model ms"], fit_rows))
+        print()
+        rows: list[list[object]] = []
+        no_comm = sweep(profile, args.caps, WORLD_SIZE, None)
+        for p, alone in zip(sweep(profile, args.caps, WORLD_SIZE, link), no_comm, strict=True):
+            real = measured[p.bucket_cap_mb] * 1e3
+            rows.append(
+                [
+                    f"{p.bucket_cap_mb:g}",
+                    len(p.bucket_nbytes),
+                    alone.step_ns / 1e6,
+                    p.step_ns / 1e6,
+                    real,
+                    f"{p.step_ns / 1e6 / real:.2f}",
+                ]
+            )
+        headers = [
+            "bucket cap MiB",
+            "buckets",
+            "predicted, no comm ms",
+            "predicted ms",
+            "gloo measured ms",
+            "predicted / measured",
+        ]
+        print(table(headers, rows))
+        print(
+            f"\nthe same step without any reduction, measured on the gloo ranks: "
+            f"{measured[None] * 1e3:.1f} ms (the profile's compute: "
+            f"{(profile.optimizer_ns + profile.forward_ns + max(profile.ready_ns)) / 1e6:.1f} ms)"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(models.MODELS), default="mlp")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--caps", default="0.25,1,5,25")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per cap")
+    parser.add_argument("--repeats", type=int, default=20, help="allreduces per size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    args = parser.parse_args(argv)
+    args.caps = [float(c) for c in args.caps.split(",")]
+
+    sim_parser = argparse.ArgumentParser()
+    simulate.add_arguments(sim_parser)
+    sim_args = sim_parser.parse_args(
+        ["--model", args.model, "--width", str(args.width), "--batch-size", str(args.batch_size),
+         "--steps", str(args.steps + 2), "--seed", str(args.seed), "--no-progress"]
+    )  # fmt: skip
+    result, profile = simulate.measure_profile(sim_args)
+    if profile is None:
+        raise SystemExit(f"whatif_vs_gloo: the measuring run failed: {result.failure}")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    context = mp.spawn(rank_main, args=(args, port, profile), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + args.timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                process.join(5.0)
+            raise SystemExit(f"whatif_vs_gloo: the ranks did not finish within {args.timeout:g} s")
+
+
+if __name__ == "__main__":
+    main()
