@@ -10,6 +10,7 @@ the model, to give the bucket sweep something to bucket.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -180,10 +181,16 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# torch's default generator is shared by every thread; rank threads build their models at once,
+# so building (seed, draw, restore) holds this lock, or their draws would interleave.
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(name: str, width: int | None, seed: int) -> _SimModule:
-    """The model ``name`` with weights drawn from ``seed``: the same on every call."""
+    """The model ``name`` with weights drawn from ``seed``: the same on every call, from any
+    thread; the default generator's state is restored afterwards."""
     spec = MODELS[name]
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return spec.build(spec.default_width if width is None else width)
 

@@ -155,12 +155,13 @@ def print_summary(out: Console, config: _Config, result: SimulationResult) -> No
         )
     else:
         info.add_row("unused parameters", "none")
-    info.add_row("verification", _verdict(config, result))
-    for note in result.notes:
-        info.add_row("note", note)
     out.print(info)
     if result.steps:
         out.print(_timing_table(result))
+    # Plain lines, never wrapped, so that logs and scripts can find them.
+    for note in result.notes:
+        out.print(note, soft_wrap=True)
+    out.print(f"verification: {_verdict(config, result)}", soft_wrap=True)
 
 
 def _verdict(config: _Config, result: SimulationResult) -> str:
