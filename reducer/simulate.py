@@ -208,10 +208,7 @@ class _Config:
                 )
         corrupt = None
         if args.corrupt_grad is not None:
-            parts = args.corrupt_grad.split(":", 2)
-            if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-                raise ValueError("--corrupt-grad takes STEP:RANK:PARAM")
-            corrupt = (int(parts[0]), int(parts[1]), parts[2])
+            corrupt = _corrupt_target(args)
         return cls(
             world_size=args.world_size,
             model=args.model,
@@ -413,8 +410,6 @@ def _simulate(
             params=[p.detach().to("meta") for p in first.params],
             sparse=models.sparse_gradient_flags(first.module, first.params),
         )
-        if config.corrupt is not None:
-            _check_corrupt_target(config.corrupt, first.names, w)
         _, wire = COMM_HOOKS[config.comm_hook]
         for step in range(config.steps):
             start = time.perf_counter_ns()
@@ -528,11 +523,18 @@ def _describe_failure(exc: BaseException) -> str:
     return text + "".join(f" ({note})" for note in notes)
 
 
-def _check_corrupt_target(corrupt: tuple[int, int, str], names: Sequence[str], w: int) -> None:
-    _, rank, which = corrupt
+def _corrupt_target(args: argparse.Namespace) -> tuple[int, int, str]:
+    """--corrupt-grad STEP:RANK:PARAM, checked against the world and the model's names."""
+    parts = args.corrupt_grad.split(":", 2)
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise ValueError("--corrupt-grad takes STEP:RANK:PARAM (PARAM an index or a name)")
+    step, rank, which = int(parts[0]), int(parts[1]), parts[2]
+    model = models.build_model(args.model, args.width, args.seed)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
     known = (which.isdigit() and int(which) < len(names)) or which in names
-    if rank >= w or not known:
-        raise ValueError(f"--corrupt-grad: no rank {rank} or parameter {which!r} in this model")
+    if rank >= args.world_size or not known:
+        raise ValueError(f"--corrupt-grad: no rank {rank} or parameter {which!r} in this run")
+    return step, rank, which
 
 
 def _progress_text(records: Sequence[RankStep]) -> str:

@@ -1,0 +1,213 @@
+"""``python -m reducer simulate``: short real runs through the CLI, the check failing on purpose,
+unused parameters, comm hooks, the network, the sweep, bad arguments, and 64 ranks."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from fakepg.executor import default_thread_count
+from reducer import cli, simulate
+
+OPTIONS = [
+    "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",
+    "--no-sync-every", "--comm-hook", "--network", "--trace", "--seed", "--sweep-bucket-cap",
+]  # fmt: skip
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(["simulate", "--no-progress", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def verdict(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("verification: ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_help_lists_every_option() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "reducer", "simulate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-600:]
+    for option in OPTIONS:
+        assert option in out.stdout, option
+    assert "{mlp,convnet,embedding,transformer-block}" in out.stdout
+    assert "{none,random,rank-skew}" in out.stdout
+    assert "--corrupt-grad" not in out.stdout  # for tests only
+
+
+def test_a_short_run_verifies_every_step(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "--world-size", "2", "--steps", "3")
+    assert code == 0, out
+    assert verdict(out).startswith(
+        "verification: passed: 3 steps x 2 ranks x 12 parameters, bit-exact (torch.equal)"
+    )
+    rows = ["mlp: 12 parameters", "3 verified of 3", "1: 279.54 KiB", "forward", "backward",
+            "comm (first launch to last done)", "overlap with backward", "step (wall"]  # fmt: skip
+    for row in rows:
+        assert row in out, row
+
+
+@pytest.mark.parametrize("model", ["mlp", "convnet", "embedding", "transformer-block"])
+def test_every_model_verifies_with_unused_parameters_and_accumulation(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    code, out, _ = run_cli(
+        capsys, "--model", model, "--world-size", "3", "--steps", "2", "--find-unused",
+        "--unused-pattern", "random", "--no-sync-every", "2", "--bucket-cap-mb", "0.01",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "verification: passed: 2 steps x 3 ranks" in verdict(out)
+    if model == "embedding":
+        assert "sparse within the reordering bound" in verdict(out)
+
+
+def test_unused_parameters_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    """rank-skew on 2 ranks: aux_a (branch 0) runs where (rank + step) is even, aux_b (branch 1)
+    where it is a multiple of 3, so at step 1 aux_b is unused on both ranks."""
+    code, out, _ = run_cli(
+        capsys, "--world-size", "2", "--steps", "2", "--find-unused", "--unused-pattern",
+        "rank-skew",
+    )  # fmt: skip
+    assert code == 0, out
+    # step 0: rank 1 lacks aux_a and aux_b (4); step 1: rank 0 lacks aux_a, both lack aux_b (6)
+    assert "10 (rank, step, parameter) without a local gradient" in out
+    assert "2 (step, parameter) unused on every rank" in out
+    assert "verification: passed" in verdict(out)
+
+
+@pytest.mark.parametrize(
+    ("hook", "model"), [("fp16", "mlp"), ("bf16", "mlp"), ("fp16", "embedding")]
+)
+def test_comm_hooks_are_checked_against_their_wire_dtype(
+    capsys: pytest.CaptureFixture[str], hook: str, model: str
+) -> None:
+    code, out, _ = run_cli(
+        capsys, "--comm-hook", hook, "--model", model, "--world-size", "3", "--steps", "2"
+    )
+    assert code == 0, out
+    assert "verification: passed: 2 steps x 3 ranks" in verdict(out)
+    assert f"comm hook {hook}" in out
+
+
+def test_a_corrupted_gradient_stops_the_run_naming_rank_and_parameter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The check can fail: one element of one reduced gradient moved by one ulp is caught."""
+    code, out, _ = run_cli(
+        capsys, "--world-size", "3", "--steps", "4", "--corrupt-grad", "1:2:trunk.0.weight"
+    )
+    assert code == 1
+    line = verdict(out)
+    assert line.startswith(
+        "verification: FAILED at step 1, rank 2, parameter 2 ('trunk.0.weight'): "
+        "max |reduced - reference| = "
+    ), line
+    assert "(1 of 16384 elements differ)" in line
+    match = re.search(r"= ([0-9.e+-]+) \(", line)
+    assert match is not None and 0 < float(match.group(1)) < 1e-6
+    assert "1 verified of 4" in out  # step 0 passed, step 1 stopped the run
+
+
+def test_a_skipped_branch_without_find_unused_is_explained(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(
+        capsys, "--world-size", "2", "--steps", "2", "--unused-pattern", "rank-skew"
+    )
+    assert code == 1
+    line = verdict(out)
+    assert "step 0: the gradient reduction did not finish on rank 1" in line, line
+    assert "6 ('aux_a.weight'), 7 ('aux_a.bias'), 8 ('aux_b.weight'), 9 ('aux_b.bias')" in line
+    assert "pass --find-unused" in line
+
+
+def test_a_simulated_network(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(
+        capsys, "--world-size", "2", "--steps", "2", "--network", "10gbe", "--bucket-cap-mb", "0.1"
+    )
+    assert code == 0, out
+    assert "10gbe: ring, latency 25 us, bandwidth 1.25 GB/s" in out
+    assert "verification: passed" in verdict(out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--no-sync-every", "0"], "--no-sync-every must be >= 1"),
+        (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
+        (["--network", "20gbe"], "unknown network '20gbe'"),
+        (["--sweep-bucket-cap", "1,x"], "--sweep-bucket-cap takes bucket caps in MiB"),
+        (["--corrupt-grad", "0:0:nope"], "--corrupt-grad: no rank 0 or parameter 'nope'"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+def test_the_sweep_predicts_each_cap_and_names_the_best(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(
+        capsys, "--sweep-bucket-cap", "0.05,1,25", "--network", "10gbe", "--world-size", "64",
+        "--steps", "4",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "measured: mlp, 1 rank(s), 4 verified steps" in out
+    assert "predicted step at 64 ranks on 10gbe" in out
+    rows = [line for line in out.splitlines() if re.match(r"^│\s+[0-9.]+( \*)?\s+│", line)]
+    assert len(rows) == 3, out
+    assert sum(" * " in row for row in rows) == 1
+    best = re.search(r"best: --bucket-cap-mb ([0-9.]+) \(predicted", out)
+    assert best is not None and best.group(1) in {"0.05", "1", "25"}
+
+
+def fakepg_threads() -> int:
+    return sum(t.name.startswith("fakepg-") for t in threading.enumerate())
+
+
+@pytest.fixture
+def peak_fakepg_threads() -> Iterator[list[int]]:
+    """The most fake-world threads alive at once while the test runs."""
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], fakepg_threads())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    yield peak
+    stop.set()
+    watcher.join(5.0)
+
+
+@pytest.mark.usefixtures("no_leaked_threads")
+def test_64_ranks_run_with_bounded_threads(peak_fakepg_threads: list[int]) -> None:
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    args = parser.parse_args(["--world-size", "64", "--steps", "2", "--network", "fixed=1ms"])
+    result = simulate.simulate(args)
+    assert result.ok, result.failure or result.mismatch
+    assert result.verified_steps == 2
+    assert len(result.steps) == 64 * 2
+    # One thread per rank, the world's workers and its timer; nothing per collective or step.
+    assert 64 < peak_fakepg_threads[0] <= 64 + default_thread_count() + 1
