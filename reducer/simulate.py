@@ -142,13 +142,18 @@ def run(args: argparse.Namespace) -> int:
             return _run_sweep(config, console, progress=not args.no_progress)
         with report.progress_bar(console, not args.no_progress) as advance:
             result = _simulate(config, progress=advance)
+        wrote = True
         if config.trace is not None and result.steps:
-            count = write_chrome_trace(
-                config.trace, result.steps, result.param_names, metadata=config.describe()
-            )
-            result.notes.append(f"trace: {count} events written to {config.trace}")
+            try:
+                count = write_chrome_trace(
+                    config.trace, result.steps, result.param_names, metadata=config.describe()
+                )
+                result.notes.append(f"trace: {count} events written to {config.trace}")
+            except OSError as exc:
+                wrote = False
+                result.notes.append(f"trace: could not write {config.trace}: {exc}")
     report.print_summary(console, config, result)
-    return 0 if result.ok else 1
+    return 0 if result.ok and wrote else 1
 
 
 # -------------------------------------------------------------------------------------------
