@@ -390,6 +390,9 @@ class Reducer:
     def _launch(self, bucket: Bucket) -> None:
         """Start the allreduce of every replica's contents of ``bucket``, as one collective
         (or hand the bucket to the comm hook)."""
+        # The launch time is taken before the call: the collective may start, and its clock
+        # run, before the call returns to this thread.
+        self._bucket_launch_ns[bucket.index] = time.perf_counter_ns() - self._backward_stats_base
         if self._comm_hook is None:
             bucket.work = self._process_group.allreduce([r.contents for r in bucket.replicas])
         else:
@@ -411,7 +414,6 @@ class Reducer:
                     )
                 )
             bucket.work = FutureWork(future, bucket.index, self._timeout)
-        self._bucket_launch_ns[bucket.index] = time.perf_counter_ns() - self._backward_stats_base
 
     def _launch_used_map(self) -> None:
         """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters]."""
