@@ -9,7 +9,7 @@ own). Each rank computes with one intra-op thread, as the simulation sets. The a
 W = 8: "vs linear" is the step time divided by (W / 8) times W = 8's, so 1.00 means exactly
 linear growth.
 
-    python benchmarks/simulate_scaling.py [--steps 10] [--model mlp] [--ranks 8,16,32,64]
+    python benchmarks/simulate_scaling.py [--steps 20] [--model mlp] [--ranks 8,16,32,64]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class PeakThreads:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--ranks", default="8,16,32,64")
     args = parser.parse_args(argv)
