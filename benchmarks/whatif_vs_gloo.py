@@ -1,7 +1,7 @@
 """How well the what-if predictor (reducer.whatif) predicts real gloo step times on this machine.
 
-1. Fit the link: two gloo processes over loopback time allreduces of 4 KiB to 16 MiB; a
-   least-squares line t = a + b * S gives the alpha-beta model of a 2-rank ring
+1. Fit the link: two gloo processes over loopback time allreduces of 4 KiB to 64 MiB; a
+   least-squares line (relative errors) t = a + b * S gives the alpha-beta model of a 2-rank ring
    (t = 2 alpha + S / B, so alpha = a / 2 and B = 1 / b).
 2. Predict: measure one rank's backward on the fake world (what ``python -m reducer simulate
    --sweep-bucket-cap`` does: one rank, every step verified), then replay it per bucket cap
@@ -44,7 +44,7 @@ from reducer.whatif import BackwardProfile, sweep
 
 WORLD_SIZE = 2
 WARMUP = 3
-SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def fit_link(repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
@@ -60,13 +60,16 @@ def fit_link(repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
             if i >= WARMUP:
                 samples.append(time.perf_counter() - t0)
         medians.append((nbytes, statistics.median(samples)))
-    xs = [float(n) for n, _ in medians]
-    ys = [s for _, s in medians]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in xs
-    )
-    intercept = max(0.0, my - slope * mx)
+    # Weighted least squares, weights 1 / t^2: relative errors count, so that the small
+    # sizes (latency) weigh as much as the large ones (bandwidth).
+    points = [(float(n), t, 1.0 / t**2) for n, t in medians]
+    total = sum(w for _, _, w in points)
+    sx = sum(w * x for x, _, w in points)
+    sy = sum(w * y for _, y, w in points)
+    sxx = sum(w * x * x for x, _, w in points)
+    sxy = sum(w * x * y for x, y, w in points)
+    slope = (total * sxy - sx * sy) / (total * sxx - sx * sx)
+    intercept = max(0.0, (sy - slope * sx) / total)
     return intercept / 2, 1 / slope, medians
 
 
