@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="which optional branches each rank skips: none; random (per rank and step); "
         "rank-skew (branch k only on ranks with (rank + step) %% (k + 2) == 0). Without "
-        "--find-unused a skipped branch makes the reduction hang, and the run says so",
+        "--find-unused a skipped branch leaves the reduction unfinished; the run stops and "
+        "names the parameters",
     )
     add(
         "--no-sync-every",
@@ -86,12 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accumulate gradients over K micro-batches per step: K-1 backward passes under "
         "no_sync(), then one synced backward (default 1: every backward syncs)",
     )
-    add("--comm-hook", choices=list(COMM_HOOKS), default="none", help="bucket comm hook")
+    add(
+        "--comm-hook",
+        choices=list(COMM_HOOKS),
+        default="none",
+        help="reduce buckets through a comm hook: allreduce, or fp16 / bf16 compression (the "
+        "check then sums in that dtype); default none",
+    )
     add(
         "--network",
         default="none",
         help="simulated link: none, a preset (" + ", ".join(fakepg.NETWORK_PRESETS) + "), or "
-        "'latency=25us,bandwidth=10gbit,algorithm=ring' (default none: memory speed)",
+        "'latency=25us,bandwidth=10gbit,algorithm=ring', or 'fixed=5ms' (default none: "
+        "memory speed)",
     )
     add("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
     add("--seed", type=int, default=0, help="seed for weights, batches and patterns (0)")
