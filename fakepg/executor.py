@@ -80,11 +80,13 @@ class Executor:
 
 
 class Timer:
-    """One daemon thread that runs callbacks after a delay, for simulated network time.
+    """One daemon thread that runs callbacks at given times, for simulated network time.
 
-    # Guarantees: ``call_later`` is safe from any thread. Callbacks run on the timer thread in
-    # deadline order and must not raise or block. ``close`` drops callbacks not yet due (the
-    # world fails their collectives first) and joins the thread.
+    # Guarantees: ``call_at`` is safe from any thread. Callbacks run on the timer thread in
+    # deadline order, never before their deadline, and must not raise or block. ``close``
+    # drops callbacks not yet due (the world fails their collectives first) and joins the
+    # thread. Deadlines are on the ``time.perf_counter_ns`` clock, the one collectives'
+    # timings use, so "completed no earlier than the deadline" holds exactly.
     """
 
     def __init__(self, *, name: str) -> None:
@@ -92,17 +94,16 @@ class Timer:
         # _cond guards _heap, _thread and _closed; the timer thread sleeps on it until the
         # earliest deadline or a new, earlier entry.
         self._cond = threading.Condition(threading.Lock())
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[int, int, Callable[[], None]]] = []
         self._count = 0  # tie-breaker: equal deadlines run in submission order
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def call_later(self, delay_s: float, callback: Callable[[], None]) -> None:
-        deadline = time.monotonic() + delay_s
+    def call_at(self, deadline_ns: int, callback: Callable[[], None]) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self._name}: the world is closed; no collective can run")
-            heapq.heappush(self._heap, (deadline, self._count, callback))
+            heapq.heappush(self._heap, (deadline_ns, self._count, callback))
             self._count += 1
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -114,8 +115,10 @@ class Timer:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
+                while not self._closed and (
+                    not self._heap or self._heap[0][0] > time.perf_counter_ns()
+                ):
+                    wait = (self._heap[0][0] - time.perf_counter_ns()) / 1e9 if self._heap else None
                     self._cond.wait(wait)
                 if self._closed:
                     return

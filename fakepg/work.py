@@ -66,16 +66,18 @@ class Collective:
         factory = self._error_for
         return None if factory is None else factory(rank)
 
-    def start(self, tasks: list[Task], network_time_s: float = 0.0) -> None:
+    def start(self, tasks: list[Task], lands_at_ns: int | None = None) -> None:
         """Move the data (``tasks``, on the executor), then finish.
 
-        With a simulated network, the data lands when the transfer would end: the tasks are
-        submitted ``network_time_s`` after the start, so a rank that reads its tensors before
-        ``wait`` returns sees the old values, as it would on a real network.
+        With a simulated network, the data lands when the transfer ends: the tasks are
+        submitted at ``lands_at_ns`` (perf_counter_ns), so a rank that reads its tensors
+        before ``wait`` returns sees the old values, as it would on a real network.
+        ``started_ns`` was set by the world when the last rank joined.
         """
-        self.started_ns = time.perf_counter_ns()
-        if network_time_s > 0:
-            self.world.timer.call_later(network_time_s, lambda: self._submit(tasks))
+        if self.started_ns is None:
+            self.started_ns = time.perf_counter_ns()
+        if lands_at_ns is not None and lands_at_ns > time.perf_counter_ns():
+            self.world.timer.call_at(lands_at_ns, lambda: self._submit(tasks))
         else:
             self._submit(tasks)
 

@@ -27,6 +27,7 @@ wakes everyone.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -96,8 +97,9 @@ class World:
         self._abort: BaseException | None = None
         self._abort_rank: int | None = None
         self._closed = False
-        # See Note [One link per world]: when the simulated link finishes its last transfer.
-        self._link_free_at = 0.0
+        # See Note [One link per world]: when (perf_counter_ns) the simulated link finishes its
+        # last transfer.
+        self._link_free_ns = 0
         self._groups = [FakeProcessGroup(self, r) for r in range(world_size)]
 
     def group(self, rank: int) -> FakeProcessGroup:
@@ -138,33 +140,36 @@ class World:
             collective.payloads[rank] = payload
             collective.launched_ns[rank] = now
             full = len(collective.fingerprints) == self.world_size
-            network_s = 0.0
+            lands_at_ns = None
             if full:
                 del self._pending[seq]
                 if not collective.failed:
-                    network_s = self._reserve_link(collective.fingerprint, nbytes)
+                    collective.started_ns = time.perf_counter_ns()
+                    lands_at_ns = self._reserve_link(collective, nbytes)
         for callback in deferred:
             callback()
         if full and not collective.failed:
             payloads = [collective.payloads[r] for r in range(self.world_size)]
-            collective.start(plan(payloads), network_s)
+            collective.start(plan(payloads), lands_at_ns)
         return Work(collective, rank, outputs)
 
-    def _reserve_link(self, fingerprint: _c.Fingerprint, nbytes: int) -> float:
-        """Seconds from now until the collective's data has crossed the simulated link.
+    def _reserve_link(self, collective: Collective, nbytes: int) -> int | None:
+        """When (perf_counter_ns) the collective's data has crossed the simulated link, or
+        None without a network model.
 
         Called with ``_lock`` held, when the last rank joins. See Note [One link per world].
         """
-        if self.network is None:
-            return 0.0
+        if self.network is None or collective.started_ns is None:
+            return None
+        fingerprint = collective.fingerprint
         kind = fingerprint.kind
         if kind == "allreduce" and fingerprint.specs[0].layout != torch.strided:
             kind = "sparse_allreduce"
-        cost = self.network.collective_time_s(kind, nbytes, self.world_size)
-        now = time.monotonic()
-        begin = max(now, self._link_free_at)
-        self._link_free_at = begin + cost
-        return self._link_free_at - now
+        # Whole nanoseconds, rounded up: never earlier than the model says.
+        cost_ns = math.ceil(self.network.collective_time_s(kind, nbytes, self.world_size) * 1e9)
+        begin = max(collective.started_ns, self._link_free_ns)
+        self._link_free_ns = begin + cost_ns
+        return self._link_free_ns
 
     def _create_locked(
         self, seq: int, fingerprint: _c.Fingerprint, deferred: list[Callable[[], None]]
