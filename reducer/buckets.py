@@ -88,24 +88,24 @@ def ddp_bucket_assignment(
     first_bucket_mb: float = 1.0,
     expect_sparse_gradient: Sequence[bool] | None = None,
 ) -> list[list[int]]:
-    """The assignment torch's DDP starts with: by size, in reverse parameter order.
+    """The assignment torch's DDP starts with: by size in parameter order, buckets reversed.
 
-    Gradients of the last layers are ready first in backward, so bucketing the parameters in
-    reverse makes bucket 0 ready first. The first bucket is small (``first_bucket_mb``) so
-    that communication starts early; the others hold up to ``bucket_cap_mb``.
+    Parameters are bucketed in the order they are defined, the first bucket holding up to
+    ``first_bucket_mb`` and the others up to ``bucket_cap_mb``; then the list of buckets is
+    reversed, because gradients of the last layers are ready first in backward. So the small
+    bucket, holding the first layers, is reduced last: little communication is left once
+    backward ends. This is ``torch.distributed._compute_bucket_assignment_by_size`` followed
+    by ``reversed``, exactly as ``torch.nn.parallel.DistributedDataParallel`` builds its
+    reducer (with ``find_unused_parameters=True``; without it, recent torch versions start
+    with one bucket for the whole model).
     """
     if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
         raise InvalidArgument(
             f"bucket sizes must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb!r}, "
             f"first_bucket_mb={first_bucket_mb!r}"
         )
-    reverse = list(reversed(range(len(params))))
-    sparse = (
-        None if expect_sparse_gradient is None else [expect_sparse_gradient[i] for i in reverse]
-    )
     limits = [int(first_bucket_mb * (1 << 20)), int(bucket_cap_mb * (1 << 20))]
-    buckets = compute_bucket_assignment_by_size([params[i] for i in reverse], limits, sparse)
-    return [[reverse[i] for i in bucket] for bucket in buckets]
+    return list(reversed(compute_bucket_assignment_by_size(params, limits, expect_sparse_gradient)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,6 +40,20 @@ def test_assignment_equals_torchs(
     assert ours == [list(b) for b in theirs]
 
 
+@given(bucketing_inputs(), st.integers(1, 12000), st.integers(1, 12000))
+def test_ddp_assignment_is_torchs_ddp_rule(
+    inputs: tuple[list[torch.Tensor], list[int], list[bool]], first: int, cap: int
+) -> None:
+    """torch's DDP: bucket in parameter order with [first, cap] bytes, then reverse the list."""
+    tensors, _, sparse = inputs
+    mib = float(1 << 20)
+    ours = reducer.ddp_bucket_assignment(
+        tensors, bucket_cap_mb=cap / mib, first_bucket_mb=first / mib, expect_sparse_gradient=sparse
+    )
+    theirs = dist._compute_bucket_assignment_by_size(tensors, [first, cap], sparse)[0]
+    assert ours == [list(b) for b in reversed(theirs)]
+
+
 def test_limits_advance_per_key_and_the_last_repeats() -> None:
     f32 = [torch.empty(10) for _ in range(6)]  # 40 bytes each
     # First bucket closes at >= 40 bytes, later ones at >= 80.
