@@ -49,6 +49,18 @@ Communication of early buckets thus overlaps with the computation of later gradi
 # Later iterations skip the graph search: the parameters unused in the first iteration are
 # marked ready at the first hook call, and a parameter is ready when its hook has fired as
 # often as it did in the first iteration. The first iteration's used map is kept.
+# The end-of-backward reduction of the first iteration is queued at the first hook call, on
+# the graph task that runs it. Inside reentrant checkpointing that is an inner backward, which
+# ends before the outer one has produced every gradient; so a caller that sees the outer
+# backward start (the DDP wrapper's output sink) queues it there first, with
+# ``_queue_recorded_finalize``.
+
+# Note [Ready order]
+# ``_hook_order`` lists the parameters of replica 0 in the order their hooks made them ready
+# (in the first static-graph iteration: the order of each parameter's last hook call, when its
+# gradient was complete). Buckets rebuilt in that order become ready one after the other
+# (reducer.ddp rebuilds them once, from rank 0's order). Parameters marked ready because they
+# were unused are not in it.
 
 # Note [Locally used]
 # ``_used[replica][param]`` is set by every hook call since the last synced step, including
@@ -169,6 +181,9 @@ class Reducer:
         self._hook_counts: list[list[int]] | None = None
         self._remaining: list[list[int]] | None = None
         self._static_globally_used: list[int] | None = None
+        # See Note [Ready order]: this iteration's, and the last synced iteration's.
+        self._hook_order: list[int] = []
+        self._last_hook_order: list[int] = []
         # The record of the last synced iteration, for logging and traces.
         self._iterations = 0
         self._last_iteration: IterationStats | None = None
@@ -228,6 +243,7 @@ class Reducer:
             self._no_gradient = set()
             self._recording = False
             self._remaining = None
+            self._hook_order = []
             if self._static_graph and self._hook_counts is not None:
                 # See Note [Static graph]: no search, the first iteration's record applies.
                 self._find_unused = False
@@ -275,6 +291,8 @@ class Reducer:
                 return
             if self._recording:  # static graph, first iteration: count, reduce at the end
                 self._counting[replica_index][index] += 1
+                if replica_index == 0:
+                    self._hook_order.append(index)  # See Note [Ready order]
                 if not self._delayed_queued:
                     self._delayed_queued = True
                     _at_backward_end(self._finalize_recorded_from_engine)
@@ -293,7 +311,21 @@ class Reducer:
                 self._has_marked_unused = True
                 for unused in self._unused:
                     self._mark_variable_ready(*unused)
+            if replica_index == 0:
+                self._hook_order.append(index)  # See Note [Ready order]
             self._mark_variable_ready(replica_index, index)
+
+    def _queue_recorded_finalize(self) -> None:
+        """Static graph, first iteration: queue the end-of-backward reduction now.
+
+        Called where the outermost backward starts, before any hook (by the DDP wrapper's
+        output sink), so that reentrant checkpointing cannot end it early. See Note [Static
+        graph]. Elsewhere a no-op.
+        """
+        with self._lock:
+            if self._expect_autograd_hooks and self._recording and not self._delayed_queued:
+                self._delayed_queued = True
+                _at_backward_end(self._finalize_recorded_from_engine)
 
     def _mark_variable_ready(self, replica_index: int, index: int) -> None:
         ready = self._ready[replica_index]
@@ -403,7 +435,18 @@ class Reducer:
                 is_last=bucket.index == len(self._buckets) - 1,
                 process_group=self._process_group,
             )
-            future = hook(state, grad_bucket)
+            try:
+                future = hook(state, grad_bucket)
+            except Exception as exc:
+                # The other ranks wait for this bucket: fail here, loudly, and for good.
+                raise self._fail(
+                    ReductionError(
+                        f"the comm hook {getattr(hook, '__name__', hook)!r} raised for bucket "
+                        f"{bucket.index} on rank {self._rank()}: {type(exc).__name__}: {exc}. "
+                        "The ranks are out of step now; fix the hook, close() this reducer "
+                        "and build a new one"
+                    )
+                ) from exc
             if not _is_future(future):
                 raise self._fail(
                     ReductionError(
@@ -490,6 +533,7 @@ class Reducer:
         self._recording = False
         count = len(self._replicas[0])
         self._used = [[False] * count for _ in self._replicas]
+        self._last_hook_order = self._hook_order
         self._iterations += 1
         base = self._backward_stats_base
         self._last_iteration = IterationStats(
@@ -500,7 +544,8 @@ class Reducer:
             finalize_start_ns=finalize_start - base,
             finalize_end_ns=time.perf_counter_ns() - base,
             bucket_nbytes=tuple(b.nbytes for b in self._buckets),
-            unused_parameters=len(self._unused),
+            # Found unused, or reached only by outputs the loss did not use.
+            unused_parameters=len(self._unused) + len(self._no_gradient),
         )
 
     def _completion_ns(self, work: Work) -> int:
@@ -611,6 +656,15 @@ class Reducer:
     def backward_stats(self) -> list[list[int]]:
         """Per replica and parameter: ns from prepare_for_backward until it was ready."""
         return [list(stats) for stats in self._backward_stats]
+
+    @property
+    def ready_order(self) -> list[int]:
+        """Parameter indices in the order their gradients became ready in the last synced
+        iteration (replica 0), then those that got none, in index order. See Note [Ready
+        order]."""
+        order = list(dict.fromkeys(reversed(self._last_hook_order)))[::-1]  # last call counts
+        seen = set(order)
+        return order + [i for i in range(len(self._replicas[0])) if i not in seen]
 
     @property
     def bucket_launch_stats(self) -> list[int]:
