@@ -579,6 +579,9 @@ class Reducer:
                     "initialize_buckets was called after prepare_for_backward and before "
                     "backward finished; change the bucket assignment between iterations"
                 )
+            if self._as_view and self._buckets:
+                # Moving the gradients into new views would adopt a replaced .grad silently.
+                self._check_views_kept()
             indices = validate_bucket_indices(bucket_indices, len(self._replicas[0]), self._names)
             buckets, locators = build_buckets(
                 self._replicas,
