@@ -3,28 +3,39 @@
 It keeps the argument names and meanings of ``torch.nn.parallel.DistributedDataParallel``:
 
 - construction checks that every rank holds the same parameters, broadcasts parameters and
-  buffers from rank 0, and buckets them (1 MiB first, then ``bucket_cap_mb``, in reverse
-  order, so the last layers' gradients, ready first, are reduced first);
+  buffers from rank 0, and buckets them as torch does (in parameter order, 1 MiB for the first
+  bucket and ``bucket_cap_mb`` after, then the list of buckets reversed, so the last layers'
+  gradients, ready first, are reduced first);
 - ``forward`` syncs buffers (``broadcast_buffers``), runs the module and prepares the reducer
   (searching the outputs for unused parameters with ``find_unused_parameters``);
 - after the first iteration the buckets are rebuilt once, in the order gradients actually
   became ready on rank 0 (see Note [Rebuilding buckets]);
 - ``no_sync()``, or setting ``require_backward_grad_sync = False`` as nanoGPT does, accumulates
-  gradients locally; the next synced backward reduces the accumulated sum.
+  gradients locally; the next synced backward reduces the accumulated sum;
+- ``register_comm_hook`` replaces the allreduce (see reducer.comm_hooks), and
+  ``logging_data()`` reports what torch's ``_get_ddp_logging_data()`` does.
+
+Errors name parameters by their path in the wrapped module (``layer.3.weight``).
 
 # Note [Outputs not used in the loss]
-# With find_unused_parameters, the outputs pass through ``_OutputSink``, an identity whose
-# backward sees which outputs got no gradient because the loss did not use them. Parameters
-# reachable only from such outputs get their hook called with no gradient; the reducer is told
-# beforehand, so they count as unused (zeros here, .grad untouched if unused everywhere)
-# rather than as used with a zero gradient.
+# With find_unused_parameters (and in the first iteration of static_graph, which records what
+# is used), the outputs pass through ``_OutputSink``, an identity whose backward sees which
+# outputs got no gradient because the loss did not use them. Parameters reachable only from
+# such outputs get their hook called with no gradient; the reducer is told beforehand, so they
+# count as unused (zeros here, .grad untouched if unused everywhere) rather than as used with a
+# zero gradient. The sink's backward runs when the outermost backward starts, which is also
+# where the first static-graph iteration queues its reduction (see Note [Static graph] in
+# reducer.reducer).
 
 # Note [Rebuilding buckets]
 # The initial buckets follow reverse parameter order, a guess at the order gradients become
-# ready. After the first synced iteration the reducer knows the real order (its backward
-# stats). Before the second forward, rank 0's order is broadcast so every rank agrees, and the
-# buckets are rebuilt in it. torch does not rebuild when searching for unused parameters (the
-# order may change every iteration), and neither does this wrapper.
+# ready. After the first synced iteration the reducer knows the real order (its hooks record
+# it: Reducer.ready_order). At the next forward with gradients enabled, rank 0's order is
+# broadcast so every rank agrees (ranks may see different orders, and buckets must match), and
+# the buckets are rebuilt in it, the first holding 1 MiB and the others bucket_cap_mb, so the
+# first bucket fills and launches as early as possible. That happens once. torch does not
+# rebuild when searching for unused parameters (the order may change every iteration), and
+# neither does this wrapper.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ from .errors import InvalidArgument, describe_param
 from .process_group import ProcessGroup
 from .reducer import Reducer
 from .stats import IterationStats
+from .validation import check_process_group
 
 __all__ = ["DDPLoggingData", "DistributedDataParallel"]
 
@@ -53,14 +65,20 @@ __all__ = ["DDPLoggingData", "DistributedDataParallel"]
 class DDPLoggingData:
     """What torch's ``_get_ddp_logging_data()`` reports, as a plain record.
 
-    Times are in milliseconds for the last synced iteration (0 before the first):
-    ``backward_compute_ms`` until the last gradient was ready, ``comm_ms`` from the first
-    bucket launch to the last completion, ``overlap_ms`` the part of it during backward.
+    Times are in milliseconds. The plain ones are the last synced iteration's (0 before the
+    first): ``forward_ms`` the wrapped module's forward, ``backward_compute_ms`` from
+    ``prepare_for_backward`` until the last gradient was ready, ``comm_ms`` from the first
+    bucket launch to the last completion, ``overlap_ms`` the part of it during backward. The
+    ``avg_`` ones average every synced iteration so far. ``unused_parameters`` counts the
+    parameters that got no gradient on this rank in the last synced iteration (found unused,
+    or reached only by outputs the loss did not use). ``grad_ready_order`` is the order their
+    gradients became ready in it (see ``Reducer.ready_order``).
     """
 
     rank: int
     world_size: int
     module_name: str
+    process_group: str
     bucket_cap_mb: float
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
@@ -68,19 +86,33 @@ class DDPLoggingData:
     broadcast_buffers: bool
     comm_hook: str | None
     num_parameters: int
+    total_parameter_size_bytes: int
+    dtypes: tuple[str, ...]
     num_buckets: int
     bucket_sizes: tuple[int, ...]
+    bucket_param_indices: tuple[tuple[int, ...], ...]
     buckets_rebuilt: bool
+    grad_ready_order: tuple[int, ...]
     iterations: int
     forward_ms: float
     backward_compute_ms: float
     comm_ms: float
     overlap_ms: float
+    avg_forward_ms: float
+    avg_backward_compute_ms: float
+    avg_comm_ms: float
+    avg_overlap_ms: float
     unused_parameters: int
 
 
 class DistributedDataParallel(nn.Module):
-    """Wraps ``module`` so that backward averages its gradients over ``process_group``."""
+    """Wraps ``module`` so that backward averages its gradients over ``process_group``.
+
+    The arguments mean what they mean for ``torch.nn.parallel.DistributedDataParallel``;
+    ``process_group`` is any :class:`reducer.ProcessGroup` (``fakepg`` groups, or
+    :class:`reducer.TorchProcessGroup` over gloo or NCCL). Every rank must construct it at the
+    same point with the same arguments: construction runs collectives.
+    """
 
     def __init__(
         self,
@@ -98,8 +130,14 @@ class DistributedDataParallel(nn.Module):
             raise InvalidArgument(
                 f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}"
             )
-        if not bucket_cap_mb > 0:
-            raise InvalidArgument(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if isinstance(bucket_cap_mb, bool) or not (
+            isinstance(bucket_cap_mb, int | float) and bucket_cap_mb > 0
+        ):
+            raise InvalidArgument(
+                f"DistributedDataParallel: bucket_cap_mb must be a number of MiB > 0, got "
+                f"{bucket_cap_mb!r}"
+            )
+        check_process_group(process_group)
         self.module = module
         self.process_group = process_group
         self.find_unused_parameters = bool(find_unused_parameters)
@@ -111,15 +149,16 @@ class DistributedDataParallel(nn.Module):
         self.require_backward_grad_sync = True
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in named]
+        self._params: list[Tensor] = [p for _, p in named]
+        # First, on every rank alike: a rank that raised alone would leave the others waiting.
+        _verify_same_parameters(self._param_names, self._params, process_group)
         if not named:
             raise InvalidArgument(
                 "DistributedDataParallel: the module has no parameter that requires grad; "
                 "there is nothing to reduce"
             )
-        self._param_names = [n for n, _ in named]
-        self._params: list[Tensor] = [p for _, p in named]
         self._sparse = _expect_sparse(module, self._params)
-        _verify_same_parameters(self._param_names, self._params, process_group)
         _broadcast_from_rank0([*self._params, *module.buffers()], process_group)
         self._first_bucket_mb = min(1.0, self.bucket_cap_mb)
         buckets = ddp_bucket_assignment(
@@ -139,13 +178,14 @@ class DistributedDataParallel(nn.Module):
         )
         self._buckets_rebuilt = False
         self._comm_hook_name: str | None = None
-        self._forward_ns = 0
+        self._timings = _Timings()
 
     # ---------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if synced and self._should_rebuild():
+        grad_enabled = torch.is_grad_enabled()
+        synced = grad_enabled and self.require_backward_grad_sync
+        if grad_enabled and self._should_rebuild():
             self._rebuild_buckets()
         if self.broadcast_buffers:
             buffers = list(self.module.buffers())
@@ -153,26 +193,30 @@ class DistributedDataParallel(nn.Module):
                 _broadcast_from_rank0(buffers, self.process_group)
         start = time.perf_counter_ns()
         output = self.module(*inputs, **kwargs)
-        self._forward_ns = time.perf_counter_ns() - start
+        forward_ns = time.perf_counter_ns() - start
         if not synced:
             return output  # no_sync / eval: gradients accumulate locally
-        if self.find_unused_parameters and not self.static_graph:
-            tensors = _find_tensors(output)
-            self.reducer.prepare_for_backward(tensors)
-            # See Note [Outputs not used in the loss].
-            passed = [t for t in tensors if t.requires_grad]
-            if passed:
-                # torch leaves Function.apply unannotated.
-                sunk = _OutputSink.apply(weakref.ref(self.reducer), *passed)  # type: ignore[no-untyped-call]
-                replacement = dict(zip(map(id, passed), sunk, strict=True))
-                output = _replace_tensors(output, replacement)
-        else:
-            self.reducer.prepare_for_backward([])
+        self._timings.forward(forward_ns, self.reducer.last_iteration)
+        searching = self.find_unused_parameters and not self.static_graph
+        recording = self.static_graph and self.reducer.iterations == 0
+        tensors = _find_tensors(output) if searching or recording else []
+        self.reducer.prepare_for_backward(tensors if searching else [])
+        # See Note [Outputs not used in the loss].
+        passed = [t for t in tensors if t.requires_grad]
+        if passed:
+            # torch leaves Function.apply unannotated.
+            sunk = _OutputSink.apply(weakref.ref(self.reducer), recording, *passed)  # type: ignore[no-untyped-call]
+            replacement = dict(zip(map(id, passed), sunk, strict=True))
+            output = _replace_tensors(output, replacement)
         return output
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block; sugar for the attribute toggle."""
+        """Accumulate gradients locally inside the block; sugar for the attribute toggle.
+
+        The first forward-backward after the block reduces everything accumulated since the
+        last synced step, on every rank.
+        """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -181,9 +225,15 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
-        """Reduce buckets with ``hook`` (see reducer.comm_hooks); before the first backward."""
+        """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]``, torch's contract.
+
+        Register once, before the first backward. The hook receives a
+        :class:`reducer.GradBucket` whose buffer is *not* divided by the world size (the hook
+        divides: see :func:`reducer.allreduce_hook`) and returns a future of the reduced flat
+        buffer.
+        """
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_name = getattr(hook, "__name__", type(hook).__name__)
+        self._comm_hook_name = getattr(hook, "__qualname__", None) or type(hook).__name__
 
     # ---------------------------------------------------------------------------------------
     # Rebuilding buckets. See Note [Rebuilding buckets].
@@ -196,10 +246,9 @@ class DistributedDataParallel(nn.Module):
         )
 
     def _rebuild_buckets(self) -> None:
-        stats = self.reducer.backward_stats[0]
-        local = sorted(range(len(self._params)), key=lambda i: (stats[i], i))
-        order = torch.tensor(local, dtype=torch.int64)
-        self.process_group.broadcast([order], 0).wait()
+        device = self._params[0].device  # NCCL broadcasts device tensors only
+        order = torch.tensor(self.reducer.ready_order, dtype=torch.int64, device=device)
+        self.process_group.broadcast([order], 0).wait()  # rank 0's order, for every rank
         ready_order = [int(i) for i in order.tolist()]
         in_order = compute_bucket_assignment_by_size(
             [self._params[i] for i in ready_order],
@@ -213,13 +262,16 @@ class DistributedDataParallel(nn.Module):
     # Logging.
 
     def logging_data(self) -> DDPLoggingData:
-        """Configuration and the last synced iteration's timings."""
+        """Configuration, buckets and the timings of the synced iterations so far."""
         last: IterationStats | None = self.reducer.last_iteration
+        timings = self._timings
+        timings.absorb(last)
         ms = 1e-6
         return DDPLoggingData(
             rank=self.process_group.rank(),
             world_size=self.process_group.size(),
             module_name=type(self.module).__name__,
+            process_group=type(self.process_group).__name__,
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
@@ -227,20 +279,68 @@ class DistributedDataParallel(nn.Module):
             broadcast_buffers=self.broadcast_buffers,
             comm_hook=self._comm_hook_name,
             num_parameters=len(self._params),
+            total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in self._params),
+            dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in self._params})),
             num_buckets=len(self.reducer.bucket_indices),
             bucket_sizes=tuple(self.reducer.bucket_nbytes),
+            bucket_param_indices=tuple(tuple(b) for b in self.reducer.bucket_indices),
             buckets_rebuilt=self._buckets_rebuilt,
+            grad_ready_order=tuple(self.reducer.ready_order) if last else (),
             iterations=self.reducer.iterations,
-            forward_ms=self._forward_ns * ms,
+            forward_ms=timings.last_forward_ns * ms if last else 0.0,
             backward_compute_ms=last.backward_ns * ms if last else 0.0,
             comm_ms=last.comm_ns * ms if last else 0.0,
             overlap_ms=last.overlap_ns * ms if last else 0.0,
+            avg_forward_ms=timings.average("forward") * ms,
+            avg_backward_compute_ms=timings.average("backward") * ms,
+            avg_comm_ms=timings.average("comm") * ms,
+            avg_overlap_ms=timings.average("overlap") * ms,
             unused_parameters=last.unused_parameters if last else 0,
         )
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's name for :meth:`logging_data`, as a dict."""
         return dataclasses.asdict(self.logging_data())
+
+
+class _Timings:
+    """Sums of the synced iterations' timings, for the averages of :class:`DDPLoggingData`.
+
+    The forward time of a synced iteration is measured before its backward; it is counted
+    once that iteration's stats appear (a forward whose backward never ran is left out).
+    """
+
+    def __init__(self) -> None:
+        self.totals = {"forward": 0, "backward": 0, "comm": 0, "overlap": 0}
+        self.count = 0
+        self.last_forward_ns = 0
+        self._pending_forward_ns: int | None = None
+        self._seen: IterationStats | None = None
+
+    def forward(self, forward_ns: int, last: IterationStats | None) -> None:
+        """A synced forward took ``forward_ns``; ``last`` is the reducer's newest stats."""
+        self.absorb(last)
+        self._pending_forward_ns = forward_ns
+
+    def absorb(self, last: IterationStats | None) -> None:
+        """Count ``last`` if it is an iteration not counted yet."""
+        if last is None or last is self._seen:
+            return
+        self._seen = last
+        forward_ns = self._pending_forward_ns or 0
+        self._pending_forward_ns = None
+        self.last_forward_ns = forward_ns
+        for key, value in (
+            ("forward", forward_ns),
+            ("backward", last.backward_ns),
+            ("comm", last.comm_ns),
+            ("overlap", last.overlap_ns),
+        ):
+            self.totals[key] += value
+        self.count += 1
+
+    def average(self, key: str) -> float:
+        return self.totals[key] / self.count if self.count else 0.0
 
 
 # -------------------------------------------------------------------------------------------
@@ -258,11 +358,9 @@ def _expect_sparse(module: nn.Module, params: Sequence[Tensor]) -> list[bool]:
     return [id(p) in sparse_ids for p in params]
 
 
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
-_MAX_DIMS = 8
+# Every dtype torch knows, in a fixed order: the same codes on every rank (same torch).
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_MAX_DIMS = 8  # shapes are compared up to this many dimensions, and by numel
 
 
 def _fingerprint(p: Tensor) -> list[int]:
@@ -273,11 +371,16 @@ def _fingerprint(p: Tensor) -> list[int]:
 
 
 def _verify_same_parameters(names: list[str], params: list[Tensor], pg: ProcessGroup) -> None:
-    """Every rank must hold the same parameters, or gradients would be mixed up silently."""
+    """Every rank must hold the same parameters, or gradients would be mixed up silently.
+
+    Two allgathers (counts, then one fingerprint per parameter); every rank sees every rank's
+    data, so every rank raises the same error and none is left waiting in a collective.
+    """
     world = pg.size()
     if world == 1:
         return
-    count = torch.tensor([len(params)], dtype=torch.int64)
+    device = params[0].device if params else torch.device("cpu")  # NCCL: device tensors
+    count = torch.tensor([len(params)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(world)]
     pg.allgather([counts], [count]).wait()
     per_rank = [int(c.item()) for c in counts]
@@ -288,22 +391,31 @@ def _verify_same_parameters(names: list[str], params: list[Tensor], pg: ProcessG
             f"grad ({listing}); every rank must build the same model (same modules, same "
             "requires_grad) before wrapping it"
         )
-    mine = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64)
-    theirs = [torch.empty_like(mine) for _ in range(world)]
-    pg.allgather([theirs], [mine]).wait()
+    mine = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64, device=device)
+    theirs = [t.cpu() for t in _allgather(pg, mine)]
     for i in range(len(params)):
-        for r in range(1, world):
-            if not torch.equal(theirs[r][i], theirs[0][i]):
-                raise InvalidArgument(
-                    f"DistributedDataParallel: {describe_param(i, names)} differs between rank "
-                    f"0 ({_describe(theirs[0][i])}) and rank {r} ({_describe(theirs[r][i])}); "
-                    "every rank must build the same model"
-                )
+        differing = [r for r in range(1, world) if not torch.equal(theirs[r][i], theirs[0][i])]
+        if differing:
+            others = ", ".join(f"rank {r} has {_describe(theirs[r][i])}" for r in differing)
+            raise InvalidArgument(
+                f"DistributedDataParallel: {describe_param(i, names)} differs between ranks: "
+                f"rank 0 has {_describe(theirs[0][i])}, {others}. Every rank must build the "
+                "same model (same modules in the same order, same shapes and dtypes) before "
+                "wrapping it"
+            )
+
+
+def _allgather(pg: ProcessGroup, tensor: Tensor) -> list[Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(pg.size())]
+    pg.allgather([gathered], [tensor]).wait()
+    return gathered
 
 
 def _describe(row: Tensor) -> str:
-    dtype, ndim, _numel, *shape = (int(x) for x in row.tolist())
+    dtype, ndim, numel, *shape = (int(x) for x in row.tolist())
     name = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "other dtype"
+    if ndim > _MAX_DIMS:
+        return f"{name} with {ndim} dimensions, {numel} elements"
     return f"{name} {tuple(shape[:ndim])}"
 
 
@@ -374,11 +486,19 @@ def _replace_tensors(obj: Any, replacement: dict[int, Tensor]) -> Any:
 
 
 class _OutputSink(torch.autograd.Function):
-    """Identity on the outputs whose backward tells the reducer which outputs got no gradient."""
+    """Identity on the outputs, whose backward runs when the outermost backward starts.
+
+    It tells the reducer which outputs got no gradient (see Note [Outputs not used in the
+    loss]) and, in the first static-graph iteration (``recording``), queues the reduction on
+    the outermost backward (see Note [Static graph] in reducer.reducer).
+    """
 
     @staticmethod
-    def forward(ctx: Any, reducer_ref: weakref.ReferenceType[Reducer], *outputs: Tensor) -> Any:
+    def forward(
+        ctx: Any, reducer_ref: weakref.ReferenceType[Reducer], recording: bool, *outputs: Tensor
+    ) -> Any:
         ctx.reducer_ref = reducer_ref
+        ctx.recording = recording
         ctx.set_materialize_grads(False)  # an output the loss did not use gets None
         ctx.save_for_backward(*outputs)
         # Clones: returning an input as is would make it an alias, not an output of the sink.
@@ -387,9 +507,11 @@ class _OutputSink(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
         outputs = ctx.saved_tensors
-        if any(g is None for g in grads):
-            reducer = ctx.reducer_ref()
-            if reducer is not None:
+        reducer = ctx.reducer_ref()
+        if reducer is not None:
+            if any(g is None for g in grads):
                 with_grad = [o for o, g in zip(outputs, grads, strict=True) if g is not None]
                 reducer._expect_no_gradient(with_grad)
-        return (None, *grads)
+            if ctx.recording:
+                reducer._queue_recorded_finalize()
+        return (None, None, *grads)

@@ -1,0 +1,685 @@
+"""reducer.DistributedDataParallel on the fake world: one test (or a few) per promise it makes.
+
+Gradients are compared bit for bit (``torch.equal``) with the rank-order reference of
+DESIGN.md, computed from plain local autograd: the fake world sums in rank order, so nothing
+here needs a tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import rank_input, run_ranks, seeded
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import fakepg
+import reducer
+from property_tests.reference import rank_order_average
+
+DDP = reducer.DistributedDataParallel
+TINY_MB = 1e-5  # about 10 bytes: every parameter in a bucket of its own
+
+
+def grads_of(model: nn.Module) -> list[Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def reference(
+    build: Callable[[], nn.Module],
+    backward: Callable[[nn.Module, int], None],
+    world_size: int,
+) -> list[Tensor | None]:
+    """Per parameter, the rank-order average of what ``backward(model, rank)`` leaves in
+    ``.grad`` of a fresh local model (None where no rank got a gradient)."""
+    per_rank = []
+    for rank in range(world_size):
+        model = build()
+        backward(model, rank)
+        per_rank.append(grads_of(model))
+    return [
+        rank_order_average([g[i] for g in per_rank], world_size) for i in range(len(per_rank[0]))
+    ]
+
+
+def assert_bitwise(got: Sequence[Tensor | None], want: Sequence[Tensor | None], what: str) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is None:
+            assert g is None, f"{what}: parameter {i} should have no gradient"
+        else:
+            assert g is not None, f"{what}: parameter {i} got no gradient"
+            assert torch.equal(g, w), f"{what}: parameter {i} differs from the reference"
+
+
+# -------------------------------------------------------------------------------------------
+# Models.
+
+
+class Tower(nn.Module):
+    """trunk -> two heads; ``use`` picks the heads whose outputs are returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 5)
+        self.heads = nn.ModuleList([nn.Linear(5, 3), nn.Linear(5, 2)])
+
+    def forward(self, x: Tensor, use: Sequence[int] = (0, 1)) -> list[Tensor]:
+        h = torch.tanh(self.trunk(x))
+        return [self.heads[i](h) for i in use]
+
+
+def tower() -> Tower:
+    return seeded(Tower, seed=1)
+
+
+def tower_loss(outputs: Sequence[Tensor]) -> Tensor:
+    return sum((o.pow(2).sum() for o in outputs), torch.zeros(()))
+
+
+def x_of(rank: int, step: int = 0) -> Tensor:
+    return rank_input(rank, (4, 6), step)
+
+
+# -------------------------------------------------------------------------------------------
+# Construction: same parameters everywhere, rank 0's values, torch's buckets.
+
+
+def construction_errors(build: Callable[[int], nn.Module], world_size: int = 3) -> list[str]:
+    """Build ``build(rank)`` on each rank, wrap it, and return each rank's error message."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        with pytest.raises(reducer.InvalidArgument) as info:
+            DDP(build(pg.rank()), pg)
+        return str(info.value)
+
+    return run_ranks(fn, world_size)
+
+
+def test_a_shape_mismatch_names_the_first_parameter_and_the_ranks() -> None:
+    def build(rank: int) -> nn.Module:
+        # Rank 2 differs in the second layer (and, later, the third): the second is reported.
+        width = 4 if rank == 2 else 3
+        return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, width), nn.Linear(width, 1))
+
+    messages = construction_errors(build)
+    assert len(set(messages)) == 1, "every rank must raise the same error"
+    message = messages[0]
+    assert "parameter 2 ('1.weight')" in message
+    assert "rank 0 has float32 (3, 2)" in message and "rank 2 has float32 (4, 2)" in message
+    assert "rank 1 has" not in message  # rank 1 agrees with rank 0
+    assert "same model" in message
+
+
+def test_a_dtype_mismatch_is_reported() -> None:
+    def build(rank: int) -> nn.Module:
+        return nn.Linear(2, 2, dtype=torch.float64 if rank == 1 else torch.float32)
+
+    message = construction_errors(build, 2)[0]
+    assert "parameter 0 ('weight')" in message
+    assert "float32 (2, 2)" in message and "rank 1 has float64 (2, 2)" in message
+
+
+def test_a_parameter_count_mismatch_lists_every_rank() -> None:
+    def build(rank: int) -> nn.Module:
+        return nn.Sequential(*[nn.Linear(2, 2) for _ in range(1 + (rank == 1))])
+
+    message = construction_errors(build)[0]
+    assert "rank 0: 2, rank 1: 4, rank 2: 2" in message
+
+
+def test_parameters_and_buffers_come_from_rank_0() -> None:
+    def build(seed: int) -> nn.Module:
+        model = seeded(lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), seed=seed)
+        bn = model[1]
+        assert isinstance(bn, nn.BatchNorm1d)
+        with torch.no_grad():
+            bn.running_mean.fill_(float(seed))
+        bn.num_batches_tracked.fill_(10 + seed)  # an int64 buffer
+        return model
+
+    rank0 = build(0)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, Tensor]:
+        model = build(pg.rank())  # a different initialization on every rank
+        DDP(model, pg)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    for state in run_ranks(fn, 3):
+        assert state.keys() == rank0.state_dict().keys()
+        for key, value in rank0.state_dict().items():
+            assert torch.equal(state[key], value), key
+
+
+def test_initial_buckets_are_torchs_first_bucket_1_mib_then_the_cap_in_reverse() -> None:
+    model = seeded(lambda: nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))
+    params = list(model.parameters())  # weights 256 KiB, biases 1 KiB
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[int]]:
+        return DDP(model, pg, bucket_cap_mb=2).reducer.bucket_indices
+
+    got = run_ranks(fn, 1)[0]
+    # In parameter order the first bucket closes once it holds 1 MiB: four weights and three
+    # biases; the last bias starts the next one. Reversed: reduced first is the last bias.
+    assert got == [[7], [0, 1, 2, 3, 4, 5, 6]]
+    theirs = dist._compute_bucket_assignment_by_size(params, [1 << 20, 2 << 20])[0]
+    assert got == [list(b) for b in reversed(theirs)]
+
+
+def test_invalid_arguments() -> None:
+    with fakepg.World(1) as world:
+        pg = world.group(0)
+        with pytest.raises(reducer.InvalidArgument, match=r"wraps an nn\.Module"):
+            DDP(torch.ones(2), pg)  # type: ignore[arg-type]
+        with pytest.raises(reducer.InvalidArgument, match="bucket_cap_mb must be"):
+            DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0)
+        with pytest.raises(reducer.InvalidArgument, match=r"implement reducer\.ProcessGroup"):
+            DDP(nn.Linear(2, 2), object())  # type: ignore[arg-type]
+        frozen = nn.Linear(2, 2).requires_grad_(False)
+        with pytest.raises(reducer.InvalidArgument, match="no parameter that requires grad"):
+            DDP(frozen, pg)
+
+
+# -------------------------------------------------------------------------------------------
+# Forward: averaging, outputs in any structure, outputs the loss does not use, buffers.
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_gradients_are_the_rank_order_average_over_iterations(
+    world_size: int, no_leaked_threads: None
+) -> None:
+    steps = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        model = tower()
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            tower_loss(ddp(x_of(pg.rank(), step))).backward()
+            out.append(grads_of(model))
+        return out
+
+    per_rank = run_ranks(fn, world_size)
+    for step in range(steps):
+        want = reference(
+            tower, lambda m, r, s=step: tower_loss(m(x_of(r, s))).backward(), world_size
+        )
+        for rank in range(world_size):
+            assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
+
+
+@dataclasses.dataclass
+class Out:
+    score: Tensor
+    label: str = "x"
+
+
+class Pair(NamedTuple):
+    first: Tensor
+    second: Tensor
+
+
+class Nested(nn.Module):
+    """Returns each head's output somewhere deep in a structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(6, 2) for _ in range(4)])
+
+    def forward(self, x: Tensor) -> dict[str, Any]:
+        a, b, c, d = (head(x) for head in self.heads)
+        return {"list": [a, (b,)], "dc": Out(score=c), "pair": Pair(d, d), "none": None}
+
+
+def test_forward_finds_outputs_in_nested_tuples_lists_dicts_dataclasses() -> None:
+    """With find_unused_parameters, a head whose output the search missed would count as
+    unused and then get a gradient: an error. Every head's gradient must be exact."""
+
+    def loss(out: dict[str, Any]) -> Tensor:
+        a, (b,) = out["list"]
+        c, (d, d2) = out["dc"].score, out["pair"]
+        assert d is d2
+        return (a * 1 + b * 2 + c * 3 + d * 4).pow(2).sum()
+
+    def build() -> Nested:
+        return seeded(Nested)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor | None]:
+        model = build()
+        ddp = DDP(model, pg, find_unused_parameters=True, bucket_cap_mb=TINY_MB)
+        out = ddp(x_of(pg.rank()))
+        assert isinstance(out["dc"], Out) and out["dc"].label == "x"
+        assert isinstance(out["pair"], Pair) and out["none"] is None
+        loss(out).backward()
+        assert ddp.reducer.unused_parameters == []
+        return grads_of(model)
+
+    want = reference(build, lambda m, r: loss(m(x_of(r))).backward(), 3)
+    for rank, got in enumerate(run_ranks(fn, 3)):
+        assert_bitwise(got, want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_outputs_not_used_in_the_loss_make_their_parameters_unused(static_graph: bool) -> None:
+    """Head 1's output is returned but left out of the loss: on every rank in step 0 (its
+    parameters are unused everywhere: .grad stays exactly as it was), and on odd ranks only
+    in step 1 (zeros there: the average over the even ranks' gradients and zeros)."""
+    world_size = 3
+    preset = torch.full((2, 5), 0.25)
+
+    def loss(outputs: list[Tensor], rank: int, step: int) -> Tensor:
+        use_head1 = step == 1 and rank % 2 == 0
+        return tower_loss(outputs if use_head1 else outputs[:1])
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, Any]:
+        model = tower()
+        kept = preset.clone()
+        model.heads[1].weight.grad = kept
+        ddp = DDP(
+            model,
+            pg,
+            find_unused_parameters=not static_graph,
+            static_graph=static_graph,
+            bucket_cap_mb=TINY_MB,
+        )
+        loss(ddp(x_of(pg.rank())), pg.rank(), 0).backward()
+        record: dict[str, Any] = {
+            "weight_kept": model.heads[1].weight.grad is kept,
+            "weight": model.heads[1].weight.grad.clone(),
+            "bias": model.heads[1].bias.grad,
+            "unused0": ddp.logging_data().unused_parameters,
+        }
+        if not static_graph:  # the next step changes the graph
+            ddp.zero_grad(set_to_none=True)
+            loss(ddp(x_of(pg.rank(), 1)), pg.rank(), 1).backward()
+            record["unused1"] = ddp.logging_data().unused_parameters
+            record["step1"] = grads_of(model)
+        return record
+
+    step1 = reference(tower, lambda m, r: loss(m(x_of(r, 1)), r, 1).backward(), world_size)
+    for rank, record in enumerate(run_ranks(fn, world_size)):
+        assert record["weight_kept"], "an unused parameter's .grad was replaced"
+        assert torch.equal(record["weight"], preset)
+        assert record["bias"] is None, "head 1's bias had no .grad and must keep none"
+        assert record["unused0"] == 2  # heads.1.weight and heads.1.bias
+        if not static_graph:
+            assert record["unused1"] == (0 if rank % 2 == 0 else 2)
+            assert_bitwise(record["step1"], step1, f"step 1, rank {rank}")
+
+
+class Counter(nn.Module):
+    """A buffer that forward reads (recording what it saw) and then changes per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.register_buffer("count", torch.zeros(3))
+        self.seen: list[Tensor] = []
+
+    def forward(self, x: Tensor, rank: int) -> Tensor:
+        self.seen.append(self.count.clone())
+        self.count += rank + 1
+        return self.lin(x) * self.count.sum()
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_buffers_are_broadcast_from_rank_0_before_each_forward(broadcast_buffers: bool) -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+        model = seeded(Counter)
+        ddp = DDP(model, pg, broadcast_buffers=broadcast_buffers)
+        for _ in range(3):
+            ddp(torch.ones(1, 2), pg.rank()).sum().backward()
+        return model.seen
+
+    seen = run_ranks(fn, 3)
+    for rank in range(3):
+        for step in range(3):
+            # Rank 0 adds 1 per forward: with broadcasting, every rank starts each forward
+            # from rank 0's count; without, from its own.
+            per_forward = 1 if broadcast_buffers else rank + 1
+            want = torch.full((3,), float(step * per_forward))
+            assert torch.equal(seen[rank][step], want), (rank, step)
+
+
+# -------------------------------------------------------------------------------------------
+# Gradient accumulation: no_sync and the attribute nanoGPT toggles.
+
+
+@pytest.mark.parametrize("how", ["no_sync", "attribute"])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_accumulation_reduces_the_accumulated_sum(how: str, as_view: bool) -> None:
+    world_size, micro_steps = 3, 3
+
+    def backward_all(model: nn.Module, rank: int) -> None:
+        for micro in range(micro_steps):
+            tower_loss(model(x_of(rank, micro))).backward()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        model = tower()
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB, gradient_as_bucket_view=as_view)
+        local = []
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            if how == "no_sync" and not last:
+                with ddp.no_sync():
+                    tower_loss(ddp(x_of(pg.rank(), micro))).backward()
+                assert ddp.require_backward_grad_sync
+            else:
+                ddp.require_backward_grad_sync = last  # nanoGPT's train.py does this
+                tower_loss(ddp(x_of(pg.rank(), micro))).backward()
+            if micro == 0:
+                local = grads_of(model)  # nothing reduced yet: this rank's own gradients
+        return local, grads_of(model)
+
+    want = reference(tower, backward_all, world_size)
+    for rank, (local, synced) in enumerate(run_ranks(fn, world_size)):
+        mine = tower()
+        tower_loss(mine(x_of(rank, 0))).backward()
+        assert_bitwise(local, grads_of(mine), f"rank {rank} before the synced step")
+        assert_bitwise(synced, want, f"rank {rank} after the synced step")
+
+
+# -------------------------------------------------------------------------------------------
+# gradient_as_bucket_view.
+
+
+def test_bucket_view_grads_are_views_into_the_buckets() -> None:
+    """Every .grad is its slice of the one bucket's flat storage, the same storage every
+    iteration once the buckets were rebuilt (after the first): nothing is copied in or out."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        model = tower()
+        ddp = DDP(model, pg, gradient_as_bucket_view=True, bucket_cap_mb=1)
+        sizes = [p.numel() for p in model.parameters()]
+        storages = []
+        for step in range(4):
+            ddp.zero_grad(set_to_none=step == 2)  # in place, except once
+            tower_loss(ddp(x_of(pg.rank(), step))).backward()
+            grads = [p.grad for p in model.parameters()]
+            assert all(g is not None for g in grads)
+            storages.append({g.untyped_storage().data_ptr() for g in grads if g is not None})
+            (bucket,) = ddp.reducer.bucket_indices
+            offsets = {i: sum(sizes[j] for j in bucket[: bucket.index(i)]) for i in bucket}
+            for i, g in enumerate(grads):
+                assert g is not None and g.storage_offset() == offsets[i]
+        assert all(len(s) == 1 for s in storages), "one flat storage per bucket"
+        assert storages[1] == storages[2] == storages[3], "gradients moved out of the bucket"
+
+    run_ranks(fn, 2)
+
+
+def test_replacing_a_bucket_view_grad_is_an_error_naming_the_parameter() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = tower()
+        ddp = DDP(model, pg, gradient_as_bucket_view=True)
+        tower_loss(ddp(x_of(pg.rank()))).backward()
+        head = model.heads[1]
+        assert isinstance(head, nn.Linear) and head.weight.grad is not None
+        head.weight.grad = head.weight.grad * 0.5  # a new tensor, not the view
+        with pytest.raises(RuntimeError, match="replaced") as info:
+            ddp(x_of(pg.rank()))
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'heads.1.weight'" in message
+        assert "zero_grad(set_to_none=True)" in message and "in place" in message
+
+
+# -------------------------------------------------------------------------------------------
+# Rebuilding buckets in the order gradients became ready.
+
+
+class TwoTowers(nn.Module):
+    """Two independent layers; which one forward computes first decides which one's
+    gradients backward produces first (autograd runs the later node first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor, a_first: bool) -> Tensor:
+        if a_first:
+            ya, yb = self.a(x), self.b(x)
+        else:
+            yb, ya = self.b(x), self.a(x)
+        return (ya * yb).sum()
+
+
+def test_buckets_are_rebuilt_once_in_rank_0s_ready_order() -> None:
+    """Rank 0 computes a then b (b's gradients are ready first), the other ranks b then a.
+    After the first iteration every rank rebuilds from rank 0's order, recorded by hooks."""
+    world_size = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, Any]:
+        model = seeded(TwoTowers)
+        hooked: list[int] = []
+        for i, p in enumerate(model.parameters()):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: hooked.append(i))
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB)
+        initial = ddp.reducer.bucket_indices
+        a_first = pg.rank() == 0
+        x = x_of(pg.rank())[:, :3]
+        ddp(x, a_first).backward()
+        ready = ddp.reducer.ready_order
+        record = {"initial": initial, "hooked": list(hooked), "ready": ready}
+        for step in range(3):
+            ddp.zero_grad()
+            ddp(x, not a_first if step else a_first).backward()  # the order changes later
+            record[f"buckets{step}"] = ddp.reducer.bucket_indices
+        record["rebuilt"] = ddp.logging_data().buckets_rebuilt
+        return record
+
+    records = run_ranks(fn, world_size)
+    zero = records[0]
+    assert zero["initial"] == [[3], [2], [1], [0]]  # reverse parameter order
+    assert zero["ready"] == zero["hooked"]
+    assert zero["ready"][:2] == [2, 3] or zero["ready"][:2] == [3, 2]  # b's first
+    assert records[1]["ready"][:2] in ([0, 1], [1, 0]), "rank 1 should see a's first"
+    for record in records:
+        assert record["rebuilt"]
+        # Every rank, every later iteration: rank 0's order, one parameter per bucket.
+        for step in range(3):
+            assert record[f"buckets{step}"] == [[i] for i in zero["ready"]]
+
+
+@pytest.mark.parametrize(
+    ("find_unused", "static_graph", "rebuilt"),
+    [(False, False, True), (True, False, False), (True, True, True), (False, True, True)],
+)
+def test_when_buckets_are_rebuilt(find_unused: bool, static_graph: bool, rebuilt: bool) -> None:
+    """Like torch: never while searching for unused parameters (the order may change every
+    iteration); with static_graph, from the order recorded in the first iteration."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[bool, list[list[int]]]:
+        model = seeded(TwoTowers)
+        ddp = DDP(
+            model,
+            pg,
+            bucket_cap_mb=TINY_MB,
+            find_unused_parameters=find_unused,
+            static_graph=static_graph,
+        )
+        for _ in range(2):
+            ddp(x_of(pg.rank())[:, :3], True).backward()
+        return ddp.logging_data().buckets_rebuilt, ddp.reducer.bucket_indices
+
+    got_rebuilt, buckets = run_ranks(fn, 2)[0]
+    assert got_rebuilt == rebuilt
+    # a then b in forward: b's gradients first, so the rebuilt buckets start with b's.
+    assert (buckets[0][0] in (2, 3)) if rebuilt else buckets == [[3], [2], [1], [0]]
+
+
+# -------------------------------------------------------------------------------------------
+# static_graph.
+
+
+class Checkpointed(nn.Module):
+    """``a`` runs twice, each time inside reentrant checkpointing, and so does everything
+    after it: in backward, ``a``'s hooks fire twice, and the first hook call of all comes
+    from an inner (reentrant) backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.a, x, use_reentrant=True)
+        h = checkpoint(self.a, torch.tanh(h), use_reentrant=True)
+        out = checkpoint(self._tail, h, use_reentrant=True)
+        assert isinstance(out, Tensor)
+        return out
+
+    def _tail(self, h: Tensor) -> Tensor:
+        return self.c(self.b(torch.tanh(h)))
+
+
+def checkpointed() -> Checkpointed:
+    return seeded(Checkpointed, seed=2)
+
+
+def ckpt_input(rank: int, step: int) -> Tensor:
+    return x_of(rank, step)[:, :4].requires_grad_()  # reentrant checkpointing needs one
+
+
+def test_static_graph_supports_reentrant_checkpointing() -> None:
+    world_size, steps = 3, 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        model = checkpointed()
+        ddp = DDP(model, pg, static_graph=True, bucket_cap_mb=TINY_MB)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            ddp(ckpt_input(pg.rank(), step)).pow(2).sum().backward()
+            out.append(grads_of(model))
+        assert ddp.logging_data().buckets_rebuilt
+        return out
+
+    per_rank = run_ranks(fn, world_size)
+    for step in range(steps):
+        want = reference(
+            checkpointed,
+            lambda m, r, s=step: m(ckpt_input(r, s)).pow(2).sum().backward(),
+            world_size,
+        )
+        assert want[-1] is None and want[-2] is None  # `unused` never gets a gradient
+        for rank in range(world_size):
+            assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
+
+
+def test_without_static_graph_reentrant_checkpointing_is_the_marked_twice_error() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(checkpointed(), pg)
+        with pytest.raises(RuntimeError, match="marked ready twice") as info:
+            ddp(ckpt_input(pg.rank(), 0)).sum().backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'a.weight'" in message or "'a.bias'" in message
+        assert "use_reentrant=False" in message
+
+
+def test_static_graph_refuses_a_graph_that_changed() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = seeded(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+        ddp = DDP(model, pg, static_graph=True)
+        x = torch.ones(2, 3, requires_grad=True)
+        ddp(x).sum().backward()
+        out = ddp(x)
+        # The first layer again, inside reentrant checkpointing: its hook fires twice now.
+        extra = checkpoint(model[0], x, use_reentrant=True)
+        assert isinstance(extra, Tensor)
+        with pytest.raises(RuntimeError, match="static_graph") as info:
+            (out.sum() + extra.sum()).backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'0.weight'" in message or "'0.bias'" in message
+        assert "recorded in the first one" in message and "static_graph=False" in message
+
+
+# -------------------------------------------------------------------------------------------
+# The two classic errors, naming parameters by module path.
+
+
+def test_unused_parameters_without_the_search_name_their_module_path() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(tower(), pg)
+        tower_loss(ddp(x_of(pg.rank()), use=(0,))).backward()  # heads.1 unused
+        with pytest.raises(RuntimeError, match="before the previous one finished") as info:
+            ddp(x_of(pg.rank()))
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'heads.1.weight'" in message and "'heads.1.bias'" in message
+        assert "'heads.0.weight'" not in message
+        assert "find_unused_parameters=True" in message
+
+
+def test_a_parameter_used_outside_forward_names_its_module_path() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = tower()
+        ddp = DDP(model, pg, find_unused_parameters=True)
+        out = ddp(x_of(pg.rank()), use=(0,))
+        # heads.1 is unused in forward, then used in the loss: the search could not see it.
+        head = model.heads[1]
+        assert isinstance(head, nn.Linear)
+        with pytest.raises(RuntimeError, match="marked ready twice") as info:
+            (tower_loss(out) + head.weight.sum()).backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'heads.1.weight'" in message and "found unused" in message
+
+
+# -------------------------------------------------------------------------------------------
+# Logging data.
+
+
+def test_logging_data_reports_configuration_buckets_and_timings() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[reducer.DDPLoggingData, dict[str, Any]]:
+        model = tower()
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB, find_unused_parameters=True)
+        before = ddp.logging_data()
+        assert before.iterations == 0 and before.forward_ms == 0 and before.grad_ready_order == ()
+        ddp.register_comm_hook(None, reducer.allreduce_hook)
+        for step in range(3):
+            ddp.zero_grad()
+            use = (0,) if step == 2 else (0, 1)
+            tower_loss(ddp(x_of(pg.rank(), step), use)).backward()
+        with ddp.no_sync():  # not an iteration: changes nothing
+            tower_loss(ddp(x_of(pg.rank()))).backward()
+        return ddp.logging_data(), ddp._get_ddp_logging_data()
+
+    for rank, (data, as_dict) in enumerate(run_ranks(fn, 2)):
+        assert dataclasses.is_dataclass(data)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            data.iterations = 5  # type: ignore[misc]
+        assert as_dict == dataclasses.asdict(data)
+        assert (data.rank, data.world_size, data.process_group) == (rank, 2, "FakeProcessGroup")
+        assert data.module_name == "Tower" and data.comm_hook == "allreduce_hook"
+        assert data.find_unused_parameters and not data.static_graph
+        assert data.iterations == 3 and not data.buckets_rebuilt
+        assert data.num_parameters == 6 and data.dtypes == ("float32",)
+        sizes = [p.numel() * 4 for p in tower().parameters()]
+        assert data.total_parameter_size_bytes == sum(sizes)
+        assert data.num_buckets == len(data.bucket_sizes) == len(data.bucket_param_indices) == 6
+        assert sorted(i for b in data.bucket_param_indices for i in b) == list(range(6))
+        for size, indices in zip(data.bucket_sizes, data.bucket_param_indices, strict=True):
+            assert size == sum(sizes[i] for i in indices)
+        assert sorted(data.grad_ready_order) == list(range(6))
+        assert data.unused_parameters == 2  # heads.1 in the last synced iteration
+        assert data.forward_ms > 0 and data.backward_compute_ms > 0 and data.comm_ms > 0
+        assert 0 <= data.overlap_ms <= data.comm_ms
+        assert data.avg_forward_ms > 0 and data.avg_comm_ms > 0
+        assert 0 <= data.avg_overlap_ms <= data.avg_comm_ms
