@@ -104,7 +104,14 @@ class FutureWork:
                 f"within {limit:g} s; a peer may have skipped the collective, or the hook "
                 "returned a future that nothing completes"
             )
-        self._future.wait()  # raises the hook's error, if it failed
+        try:
+            self._future.wait()  # raises the hook's error, if it failed
+        except Exception as exc:
+            raise ReductionError(
+                f"the comm hook's future for bucket {self._bucket_index} failed: "
+                f"{type(exc).__name__}: {exc}. Its collective failed (look for the first "
+                "failing rank), or a callback chained with then() raised"
+            ) from exc
 
     def is_completed(self) -> bool:
         return bool(self._future.done())
