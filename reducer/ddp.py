@@ -18,13 +18,15 @@ It keeps the argument names and meanings of ``torch.nn.parallel.DistributedDataP
 Errors name parameters by their path in the wrapped module (``layer.3.weight``).
 
 # Note [Outputs not used in the loss]
-# With find_unused_parameters (and in the first iteration of static_graph, which records what
-# is used), the outputs pass through ``_OutputSink``, an identity whose backward sees which
-# outputs got no gradient because the loss did not use them. Parameters reachable only from
-# such outputs get their hook called with no gradient; the reducer is told beforehand, so they
-# count as unused (zeros here, .grad untouched if unused everywhere) rather than as used with a
-# zero gradient. The sink's backward runs when the outermost backward starts, which is also
-# where the first static-graph iteration queues its reduction (see Note [Static graph] in
+# With find_unused_parameters or static_graph, the outputs pass through ``_OutputSink``, an
+# identity whose backward sees which outputs got no gradient because the loss did not use them.
+# Parameters reachable only from such outputs get their hook called with no gradient (the sink
+# joins every output to the graph); the reducer is told beforehand, so they count as unused
+# (zeros here, .grad untouched if unused everywhere) rather than as used, which would
+# contribute whatever stale .grad they hold. torch's DDP uses its sink in the first
+# static-graph iteration only; later ones would contribute that stale .grad, so this wrapper
+# keeps it. The sink's backward runs when the outermost backward starts, which is also where
+# the first static-graph iteration queues its reduction (see Note [Static graph] in
 # reducer.reducer).
 
 # Note [Rebuilding buckets]
@@ -199,7 +201,7 @@ class DistributedDataParallel(nn.Module):
         self._timings.forward(forward_ns, self.reducer.last_iteration)
         searching = self.find_unused_parameters and not self.static_graph
         recording = self.static_graph and self.reducer.iterations == 0
-        tensors = _find_tensors(output) if searching or recording else []
+        tensors = _find_tensors(output) if searching or self.static_graph else []
         self.reducer.prepare_for_backward(tensors if searching else [])
         # See Note [Outputs not used in the loss].
         passed = [t for t in tensors if t.requires_grad]
