@@ -20,8 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import rank_input, seeded
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg
 import reducer
@@ -68,15 +70,28 @@ Trace = list[tuple[list[Tensor | None], list[Tensor]]]  # per step: grads, then 
 
 
 def run_both(
-    world_size: int, *, unused: bool, as_view: bool, static_graph: bool = False
+    world_size: int,
+    *,
+    unused: bool,
+    as_view: bool,
+    static_graph: bool = False,
+    adapter: bool = False,
+    hook: bool = False,
 ) -> list[tuple[Trace, Trace]]:
+    """Per rank, both wrappers' traces. With ``adapter``, this wrapper reduces through
+    reducer.TorchProcessGroup over the torch group (the path gloo and NCCL take); with
+    ``hook``, both use their allreduce comm hook."""
+
     def fn(pg: fakepg.FakeProcessGroup) -> tuple[Trace, Trace]:
         # Parameters unused on every rank need the search or the static graph.
         dead = unused or static_graph
         ours_model, theirs_model = build(dead), build(dead)
+        group: reducer.ProcessGroup = pg
+        if adapter:
+            group = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
         ours = reducer.DistributedDataParallel(
             ours_model,
-            pg,
+            group,
             bucket_cap_mb=1e-4,
             find_unused_parameters=unused,
             gradient_as_bucket_view=as_view,
@@ -89,6 +104,9 @@ def run_both(
             gradient_as_bucket_view=as_view,
             static_graph=static_graph,
         )
+        if hook:
+            ours.register_comm_hook(None, reducer.allreduce_hook)
+            theirs.register_comm_hook(None, default_hooks.allreduce_hook)
         traces: tuple[Trace, Trace] = ([], [])
         pairs: tuple[tuple[nn.Module, nn.Module], ...] = (
             (ours, ours_model),
@@ -143,12 +161,21 @@ def test_same_gradients_and_parameters_as_torch_ddp(world_size: int, unused: boo
 
 
 @pytest.mark.parametrize(
-    ("as_view", "static_graph"), [(True, False), (False, True)], ids=["bucket-view", "static"]
+    "options",
+    [
+        {"as_view": True},
+        {"static_graph": True},
+        {"adapter": True, "unused": True},
+        {"hook": True, "unused": True, "world_size": 3},
+    ],
+    ids=["bucket-view", "static", "torch-process-group", "allreduce-hook"],
 )
-def test_same_as_torch_ddp_with_bucket_views_and_static_graph(
-    as_view: bool, static_graph: bool
-) -> None:
-    results = run_both(2, unused=False, as_view=as_view, static_graph=static_graph)
+def test_same_as_torch_ddp_with_other_options(options: dict[str, bool]) -> None:
+    """Bit-identical. With the allreduce hook even for W = 3: torch's allreduce_hook divides
+    the bucket by W (no reciprocal), as reducer.allreduce_hook does."""
+    kwargs = {"unused": False, "as_view": False, **options}
+    world_size = int(kwargs.pop("world_size", 2))
+    results = run_both(world_size, **kwargs)
     for rank, (ours, theirs) in enumerate(results):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(ours[step][0], theirs[step][0], strict=True)):
