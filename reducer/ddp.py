@@ -30,14 +30,14 @@ Errors name parameters by their path in the wrapped module (``layer.3.weight``).
 # reducer.reducer).
 
 # Note [Rebuilding buckets]
-# The initial buckets follow reverse parameter order, a guess at the order gradients become
-# ready. After the first synced iteration the reducer knows the real order (its hooks record
-# it: Reducer.ready_order). At the next forward with gradients enabled, rank 0's order is
-# broadcast so every rank agrees (ranks may see different orders, and buckets must match), and
-# the buckets are rebuilt in it, the first holding 1 MiB and the others bucket_cap_mb, so the
-# first bucket fills and launches as early as possible. That happens once. torch does not
-# rebuild when searching for unused parameters (the order may change every iteration), and
-# neither does this wrapper.
+# The initial buckets (torch's rule: see ddp_bucket_assignment) guess that gradients become
+# ready in reverse parameter order. After the first synced iteration the reducer knows the
+# real order (its hooks record it: Reducer.ready_order). At the next forward with gradients
+# enabled, rank 0's order is broadcast so every rank agrees (ranks may see different orders,
+# and buckets must match), and the buckets are rebuilt in it, the first holding 1 MiB and the
+# others bucket_cap_mb, so the first bucket fills and launches as early as possible. That
+# happens once. torch does not rebuild when searching for unused parameters (the order may
+# change every iteration), and neither does this wrapper.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class DistributedDataParallel(nn.Module):
         buffer.
         """
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_name = getattr(hook, "__qualname__", None) or type(hook).__name__
+        self._comm_hook_name = getattr(hook, "__name__", None) or type(hook).__name__
 
     # ---------------------------------------------------------------------------------------
     # Rebuilding buckets. See Note [Rebuilding buckets].

@@ -292,6 +292,15 @@ def test_a_hook_future_that_never_completes_times_out() -> None:
         assert "bucket 0" in message
 
 
+def test_logging_data_names_the_hook() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str | None:
+        ddp = DDP(build(), pg)
+        ddp.register_comm_hook(None, reducer.bf16_compress_hook)
+        return ddp.logging_data().comm_hook
+
+    assert run_ranks(fn, 1) == ["bf16_compress_hook"]
+
+
 def test_a_built_in_hook_refuses_a_state_that_is_not_a_group() -> None:
     for message in hook_errors(reducer.allreduce_hook, state="not a group"):
         assert "takes a process group (or None) as its state, got str" in message
