@@ -76,8 +76,9 @@ def test_without_a_network_the_step_is_the_compute() -> None:
 
 def test_find_unused_keeps_reverse_order_buckets_and_adds_the_used_map() -> None:
     p = predict_step(profile(find_unused=True), 2.0, 8, LINK)
-    # ddp_bucket_assignment: reverse parameter order, 1 MiB first, then 2 MiB.
-    assert p.bucket_indices == ((3,), (2, 1), (0,))
+    # ddp_bucket_assignment, torch's rule: in parameter order 1 MiB first, then 2 MiB; the
+    # buckets reversed, each in parameter order.
+    assert p.bucket_indices == ((3,), (1, 2), (0,))
     assert p.done_ns == (2_500_000, 4_500_000, 6 * MS)
     assert p.step_ns == 1 * MS + 10 * MS + 7_500_000 + MS // 2  # the used map after 6 ms
 
