@@ -145,6 +145,8 @@ class Reducer:
         # _mark_bucket_ready, _finalize_backward.
         # Between prepare_for_backward and finalize: hooks mark parameters ready.
         self._expect_autograd_hooks = False
+        # Expecting hooks in an iteration with no special case: see _autograd_hook.
+        self._plain_iteration = False
         # Some parameter was marked ready: finalize must run before the next iteration.
         self._require_finalize = False
         # The first bucket not yet launched. See Note [Buckets launch in index order].
@@ -262,6 +264,11 @@ class Reducer:
                 reached = reached_accumulators(outputs, self._accumulators)
                 self._unused_set = set(self._accumulators.values()) - reached
             self._unused = sorted(self._unused_set)
+            # Hooks expected, nothing unused to mark, no static-graph counting: the hook can
+            # go straight to _mark_variable_ready. Cleared wherever one of these changes.
+            self._plain_iteration = not (
+                self._unused or self._recording or self._remaining is not None
+            )
 
     # ---------------------------------------------------------------------------------------
     # 2. During backward.
@@ -278,10 +285,17 @@ class Reducer:
                 return
             reached = reached_accumulators(outputs_with_grad, self._accumulators)
             self._no_gradient = set(self._accumulators.values()) - reached - self._unused_set
+            self._plain_iteration = self._plain_iteration and not self._no_gradient
 
     def _autograd_hook(self, replica_index: int, index: int) -> None:
         """Called by autograd after ``param.grad`` of (replica, index) was accumulated."""
         with self._lock:
+            if self._plain_iteration:  # the common case, with none of the checks below
+                self._used[replica_index][index] = True  # See Note [Locally used]
+                if replica_index == 0:
+                    self._hook_order.append(index)  # See Note [Ready order]
+                self._mark_variable_ready(replica_index, index)
+                return
             if not (self._no_gradient and (replica_index, index) in self._no_gradient):
                 self._used[replica_index][index] = True  # See Note [Locally used]
             if not self._expect_autograd_hooks:
@@ -339,10 +353,20 @@ class Reducer:
         bucket, replica, intra = self._slots[replica_index][index]
         if bucket.expect_sparse_gradient:
             self._set_sparse_contents(replica_index, index, replica)
-        else:
-            self._copy_into_bucket(replica_index, index, replica, intra)
+        elif self._as_view:
+            self._settle_view(replica_index, index, replica, intra)
+        elif replica.fused[intra] and self._prescale:
+            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
+            grad = self._contribution(replica_index, index, replica.variables[intra])
+            if grad is None:
+                replica.views[intra].zero_()
+            else:
+                torch.div(grad, self._world_size, out=replica.views[intra])
+        # Otherwise the gradient is copied with the rest of its replica, below.
         replica.pending -= 1
         if replica.pending == 0:
+            if not (bucket.expect_sparse_gradient or self._as_view):
+                self._copy_replica(replica_index, bucket, replica)
             # The replica's last gradient: finish prescaling, so that the sum over ranks is
             # the average. See Note [Division fused into the copy].
             if self._prescale:
@@ -358,29 +382,61 @@ class Reducer:
             if not self._recording:  # the recording iteration finalizes by itself
                 _at_backward_end(self._finalize_from_engine)
 
-    def _copy_into_bucket(
+    def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
+        """The dense gradient ``param`` contributes, or None where it contributes zeros
+        (no gradient, or unused here: see Note [Unused parameters])."""
+        grad = param.grad
+        if grad is None or not self._used[replica_index][index]:
+            return None
+        if grad.layout != torch.strided:
+            raise self._fail(self._layout_error(replica_index, index, expected="dense"))
+        return grad
+
+    def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
+        """Copy a complete bucket replica's gradients into its contents, as one call.
+
+        # Note [Copies batched per bucket replica]
+        # Copying each gradient at its hook costs one op dispatch per parameter, which
+        # dominates for many small parameters; the replica's copies instead go together when
+        # its last gradient is ready. Nothing is lost by waiting: the bucket cannot launch
+        # before then, and a gradient cannot change after its hook (a second accumulation
+        # would mark it ready twice). Large gradients are still divided on the way in at
+        # their own hook (see Note [Division fused into the copy]).
+        """
+        destinations: list[Tensor] = []
+        sources: list[Tensor] = []
+        for intra, (index, param, view) in enumerate(
+            zip(bucket.variable_indices, replica.variables, replica.views, strict=True)
+        ):
+            if replica.fused[intra] and self._prescale:
+                continue  # copied at its hook
+            grad = self._contribution(replica_index, index, param)
+            if grad is None:
+                view.zero_()
+            else:
+                destinations.append(view)
+                sources.append(grad)
+        _copy_all(destinations, sources)
+
+    def _settle_view(
         self, replica_index: int, index: int, replica: BucketReplica, intra: int
     ) -> None:
-        """Copy the gradient into its bucket view, or zeros where it contributes none."""
+        """Bucket views: make sure the view holds what this parameter contributes.
+
+        See Note [Gradients as bucket views]."""
         view = replica.views[intra]
         param = replica.variables[intra]
-        grad = param.grad
-        used = self._used[replica_index][index]
-        if grad is view:  # autograd accumulated into the bucket already (bucket views)
-            if not used:
-                # See Note [Gradients as bucket views]: keep the old values as .grad.
+        if param.grad is view:  # autograd accumulated into the bucket already
+            if not self._used[replica_index][index]:
+                # Keep the old values as .grad; the bucket gets zeros.
                 param.grad = self._detached[(replica_index, index)] = view.clone()
                 view.zero_()
             return
-        if grad is None or not used:
-            view.zero_()  # unused here: see Note [Unused parameters]
-        elif grad.layout != torch.strided:
-            raise self._fail(self._layout_error(replica_index, index, expected="dense"))
-        elif replica.fused[intra] and self._prescale:
-            torch.div(grad, self._world_size, out=view)
+        grad = self._contribution(replica_index, index, param)
+        if grad is None:
+            view.zero_()
         else:
             view.copy_(grad)
-        if self._as_view and grad is not None and used:
             param.grad = view  # a fresh gradient (after set_to_none): the bucket holds it now
             self._detached.pop((replica_index, index), None)
 
@@ -505,6 +561,7 @@ class Reducer:
         """Wait for every bucket and write the averaged gradients into ``.grad``."""
         finalize_start = time.perf_counter_ns()
         self._expect_autograd_hooks = False
+        self._plain_iteration = False
         self._require_finalize = False
         globally_used: list[int] | None = self._static_globally_used
         if self._used_map is not None:
@@ -694,6 +751,7 @@ class Reducer:
         with self._lock:
             self._closed = True
             self._expect_autograd_hooks = False
+            self._plain_iteration = False
         _remove_hooks(self._hook_handles)
 
     def __enter__(self) -> Reducer:
@@ -724,6 +782,7 @@ class Reducer:
     def _fail(self, error: BaseException) -> BaseException:
         self._failure = error
         self._expect_autograd_hooks = False
+        self._plain_iteration = False
         return error
 
     def _check_views_kept(self) -> None:
