@@ -814,6 +814,15 @@ class Reducer:
             if missing:
                 prefix = f"replica {r}: " if len(self._replicas) > 1 else ""
                 per_replica.append(prefix + describe_params(missing, self._names))
+        if not per_replica:
+            return ReductionError(
+                "prepare_for_backward started a new iteration before the previous one finished "
+                f"its reduction: on rank {self._rank()}, every parameter got its gradient, but "
+                "the backward pass did not reach its end (it raised after the last gradient, "
+                "or was interrupted), so the end-of-backward step that waits for the buckets "
+                "and writes .grad never ran. The ranks are out of step now: close() this "
+                "Reducer and build a new one."
+            )
         return ReductionError(
             "prepare_for_backward started a new iteration before the previous one finished "
             f"its reduction: on rank {self._rank()}, these parameters never got a gradient: "

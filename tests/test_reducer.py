@@ -520,3 +520,28 @@ def test_repr_and_introspection() -> None:
         assert sorted(i for b in red.bucket_indices for i in b) == list(range(6))
         assert sum(red.bucket_nbytes) == 4 * sum(p.numel() for p in model.parameters())
         assert names_of(model)[0] == "0.weight"
+
+
+def test_a_backward_that_raises_after_every_gradient_is_reported_as_unfinished() -> None:
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom in backward")
+
+    model = mlp()
+    with fakepg.World(1) as world, reducer_for(model, world.group(0)) as red:
+        red.prepare_for_backward([])
+        # Boom's backward runs last (its input is a leaf), after every parameter's hook.
+        x = rank_input(0, (4, 6)).requires_grad_()
+        with pytest.raises(ValueError, match="boom in backward"):
+            model(Boom.apply(x)).sum().backward()
+        assert all(stat > 0 for stat in red.backward_stats[0])  # every parameter was ready
+        with pytest.raises(reducer.ReductionError) as info:
+            red.prepare_for_backward([])
+    text = str(info.value)
+    assert "every parameter got its gradient" in text
+    assert "did not reach its end" in text and "close()" in text
