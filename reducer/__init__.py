@@ -17,7 +17,11 @@ fakepg.run(train_step, world_size=4)
 
 from __future__ import annotations
 
-from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from .buckets import (
+    compute_bucket_assignment_by_size,
+    ddp_bucket_assignment,
+    sparse_gradient_flags,
+)
 from .comm_hooks import (
     CommHook,
     GradBucket,
@@ -54,4 +58,5 @@ __all__ = [
     "compute_bucket_assignment_by_size",
     "ddp_bucket_assignment",
     "fp16_compress_hook",
+    "sparse_gradient_flags",
 ]

@@ -221,14 +221,3 @@ def branch_pattern(
     if pattern == "rank-skew":
         return tuple((rank + step) % (k + 2) == 0 for k in range(branches))
     raise ValueError(f"unknown unused pattern {pattern!r}; choose one of {UNUSED_PATTERNS}")
-
-
-def sparse_gradient_flags(module: nn.Module, params: Sequence[Tensor]) -> list[bool]:
-    """Which of ``params`` get sparse gradients: those of ``nn.Embedding(sparse=True)``."""
-    sparse_ids = {
-        id(p)
-        for m in module.modules()
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
-        for p in m.parameters(recurse=False)
-    }
-    return [id(p) in sparse_ids for p in params]

@@ -12,12 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .errors import BucketAssignmentError, InvalidArgument, describe_param
 from .process_group import Work
 
-__all__ = ["compute_bucket_assignment_by_size", "ddp_bucket_assignment"]
+__all__ = [
+    "compute_bucket_assignment_by_size",
+    "ddp_bucket_assignment",
+    "sparse_gradient_flags",
+]
 
 
 def compute_bucket_assignment_by_size(
@@ -106,6 +110,18 @@ def ddp_bucket_assignment(
         )
     limits = [int(first_bucket_mb * (1 << 20)), int(bucket_cap_mb * (1 << 20))]
     return list(reversed(compute_bucket_assignment_by_size(params, limits, expect_sparse_gradient)))
+
+
+def sparse_gradient_flags(module: nn.Module, params: Sequence[Tensor]) -> list[bool]:
+    """Which of ``params`` get sparse gradients: those of ``nn.Embedding(sparse=True)`` and
+    ``nn.EmbeddingBag(sparse=True)`` in ``module`` (each needs a bucket of its own)."""
+    sparse_ids = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
+        for p in m.parameters(recurse=False)
+    }
+    return [id(p) in sparse_ids for p in params]
 
 
 # --------------------------------------------------------------------------------------------

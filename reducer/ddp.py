@@ -52,7 +52,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from .buckets import (
+    compute_bucket_assignment_by_size,
+    ddp_bucket_assignment,
+    sparse_gradient_flags,
+)
 from .comm_hooks import CommHook
 from .errors import InvalidArgument, describe_param
 from .process_group import ProcessGroup
@@ -160,7 +164,7 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel: the module has no parameter that requires grad; "
                 "there is nothing to reduce"
             )
-        self._sparse = _expect_sparse(module, self._params)
+        self._sparse = sparse_gradient_flags(module, self._params)
         _broadcast_from_rank0([*self._params, *module.buffers()], process_group)
         self._first_bucket_mb = min(1.0, self.bucket_cap_mb)
         buckets = ddp_bucket_assignment(
@@ -347,17 +351,6 @@ class _Timings:
 
 # -------------------------------------------------------------------------------------------
 # Construction helpers.
-
-
-def _expect_sparse(module: nn.Module, params: Sequence[Tensor]) -> list[bool]:
-    """Parameters of ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``."""
-    sparse_ids = {
-        id(p)
-        for m in module.modules()
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse
-        for p in m.parameters(recurse=False)
-    }
-    return [id(p) in sparse_ids for p in params]
 
 
 # Every dtype torch knows, in a fixed order: the same codes on every rank (same torch).

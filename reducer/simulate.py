@@ -41,6 +41,7 @@ import fakepg
 from . import _sim_models as models
 from . import _sim_report as report
 from . import _sim_verify as verify
+from .buckets import sparse_gradient_flags
 from .comm_hooks import CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel
 from .trace import Pass, RankStep, Span, write_chrome_trace
@@ -421,7 +422,7 @@ def _simulate(
             world_size=w,
             param_names=list(first.names),
             params=[p.detach().to("meta") for p in first.params],
-            sparse=models.sparse_gradient_flags(first.module, first.params),
+            sparse=sparse_gradient_flags(first.module, first.params),
         )
         _, wire = COMM_HOOKS[config.comm_hook]
         for step in range(config.steps):
