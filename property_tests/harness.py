@@ -43,6 +43,7 @@ class Scenario:
     find_unused: bool
     preset_grads: bool = False
     as_view: bool = False
+    preset_sparse: bool = False
 
     def active(self, step: int, rank: int) -> frozenset[int]:
         return active_branches(self.model, self.steps[step][rank])
@@ -54,6 +55,20 @@ class Scenario:
 def active_branches(spec: ModelSpec, optional: frozenset[int]) -> frozenset[int]:
     """The branches that run: every non-optional one, and the ``optional`` ones picked."""
     return frozenset({i for i, b in enumerate(spec.branches) if not b.optional} | optional)
+
+
+def sync_intra_op_threads() -> None:
+    """Give the calling thread the intra-op thread count that torch.set_num_threads set.
+
+    Call it first thing on every thread that computes gradients to be compared bit for bit
+    with another thread's. torch applies the count to a thread lazily, at its first parallel
+    op; until then oneDNN kernels (convolutions) on a new thread use OpenMP's process default,
+    and a different count splits their reductions differently: a rank thread's conv gradient
+    then differs in the last bits from the main thread's after ``torch.set_num_threads``.
+    ``get_num_threads`` runs that lazy initialization (torch offers no other way to request
+    it).
+    """
+    torch.get_num_threads()
 
 
 def snapshot(grad: Tensor | None) -> Tensor | None:
@@ -78,12 +93,12 @@ def run_reducer(
     last = len(s.steps) - 1
 
     def rank_fn(pg: fakepg.FakeProcessGroup) -> GradLists:
+        sync_intra_op_threads()
         rank = pg.rank()
         models = [build_model(s.model) for _ in range(s.replicas)]
         params = [list(m.parameters()) for m in models]
         sparse = sparse_flags(models[0])
-        if s.preset_grads:
-            _preset(params, sparse)
+        preset(s, params, sparse)
         red = make_reducer(
             params,
             [list(b) for b in s.buckets],
@@ -124,15 +139,17 @@ class Expected:
 def reference(scenario: Scenario) -> list[Expected]:
     """Per parameter, the expectation from plain local autograd (no reducer, no threads)."""
     s = scenario
+    sync_intra_op_threads()
     contributions: list[list[Tensor | None]] = []  # [contribution][parameter]
     sparse: list[bool] = []
+    starts: list[Tensor | None] = []
     for rank in range(s.world_size):
         for d in range(s.replicas):
             model = build_model(s.model)
             params = list(model.parameters())
             sparse = sparse_flags(model)
-            if s.preset_grads:
-                _preset([params], sparse)
+            preset(s, [params], sparse)
+            starts = [snapshot(p.grad) for p in params]
             used = [False] * len(params)
             handles = [
                 p.register_post_accumulate_grad_hook(
@@ -154,8 +171,9 @@ def reference(scenario: Scenario) -> list[Expected]:
     for i, is_sparse in enumerate(sparse):
         column = [c[i] for c in contributions]
         if all(g is None for g in column):
-            start = None if (is_sparse or not s.preset_grads) else _preset_value(s, i)
-            expected.append(Expected(start, is_sparse, untouched=True))
+            start = starts[i]
+            value = None if start is None else start.to_dense() if start.is_sparse else start
+            expected.append(Expected(value, is_sparse, untouched=True))
         elif is_sparse:
             expected.append(Expected(sparse_average(column, s.world_size), True, False))
         else:
@@ -191,7 +209,11 @@ def _check_one(grad: Tensor | None, exp: Expected, where: str) -> None:
         assert grad is None, f"{where}: unused on every rank, .grad must stay None; got {grad}"
         return
     assert grad is not None, f"{where}: expected a gradient, got None"
-    if exp.sparse and not exp.untouched:
+    if exp.sparse and exp.untouched:
+        assert grad.is_sparse, f"{where}: unused on every rank, its sparse .grad must stay"
+        assert torch.equal(grad.to_dense(), exp.value), f"{where}: must stay exactly as it was"
+        return
+    if exp.sparse:
         assert grad.is_sparse, f"{where}: expected a sparse gradient"
         dense = grad.to_dense()
         scale = float(exp.value.abs().max()) if exp.value.numel() else 0.0
@@ -216,13 +238,17 @@ def _check_same(grad: Tensor | None, first: Tensor | None, where: str) -> None:
     assert torch.equal(a, b), f"{where}: differs from rank 0 replica 0 (ranks must agree bitwise)"
 
 
-def _preset(params: Sequence[Sequence[Tensor]], sparse: list[bool]) -> None:
+def preset(scenario: Scenario, params: Sequence[Sequence[Tensor]], sparse: Sequence[bool]) -> None:
+    """Give every replica's parameters the starting ``.grad`` that ``scenario`` asks for."""
     for replica in params:
         for p, is_sparse in zip(replica, sparse, strict=True):
-            if not is_sparse:
-                p.grad = torch.full_like(p, PRESET)
+            if is_sparse and scenario.preset_sparse:
+                p.grad = _sparse_preset(p)
+            elif not is_sparse and scenario.preset_grads:
+                p.grad = torch.full_like(p, PRESET).detach()
 
 
-def _preset_value(scenario: Scenario, index: int) -> Tensor:
-    param = list(build_model(scenario.model).parameters())[index]
-    return torch.full_like(param, PRESET).detach()
+def _sparse_preset(param: Tensor) -> Tensor:
+    """A sparse gradient laid out as nn.Embedding's: ``PRESET`` in row 0."""
+    values = torch.full((1, *param.shape[1:]), PRESET, dtype=param.dtype)
+    return torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.int64), values, param.shape)

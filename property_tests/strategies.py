@@ -4,17 +4,28 @@ Each strategy is usable alone and shrinks toward the simplest case (one branch, 
 bucket, everything used), so a failing property reports a minimal counterexample:
 
 - :func:`branch_specs`, :func:`model_specs`: random models (Linear, MLP, LayerNorm, Conv1d,
-  Conv2d, Embedding dense or sparse; float32 and float64 mixed; shared layers; optional
-  branches, the source of unused parameters), small enough to run in milliseconds.
+  Conv2d, Embedding dense or sparse, a Linear head stacked on conv and embedding layers;
+  float32 and float64 mixed; shared layers; optional branches, the source of unused
+  parameters), small enough to run in milliseconds, optionally with a wide layer whose
+  weight exceeds the reducer's size thresholds.
 - :func:`bucket_assignments`: valid bucket partitions of a model's parameters, either from
   ``compute_bucket_assignment_by_size`` with random limits or arbitrary groupings that respect
   dtype, device and sparse-alone, in arbitrary bucket order.
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
   step (none, some ranks, every rank).
-- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`.
+- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
+  replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
+  steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
+  gradients, gradients as bucket views.
+
+The number of synced iterations is drawn by the multi-iteration state machine
+(``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
 
 import torch
 from hypothesis import strategies as st
@@ -23,7 +34,7 @@ from torch import Tensor
 import reducer
 
 from .harness import Scenario
-from .model import BranchSpec, ModelSpec, build_model, sparse_flags
+from .model import HEAD_KINDS, KINDS, BranchSpec, ModelSpec, build_model, sparse_flags, wide_width
 
 __all__ = [
     "branch_specs",
@@ -34,29 +45,42 @@ __all__ = [
     "world_sizes",
 ]
 
-# Parameters each kind of branch owns (embedding: one table; conv2d has no bias).
-_PARAMS = {"linear": 2, "mlp": 3, "layernorm": 4, "conv1d": 2, "conv2d": 1, "embedding": 1}
 DTYPES = (torch.float32, torch.float64)
+# Kinds whose first layer reads ``width`` features, so that a wide input makes a large weight.
+_WIDE_KINDS = ("linear", "mlp", "layernorm")
+# One wide branch in 16, drawn as a choice that shrinks to "not wide".
+_WIDE = st.sampled_from([False] * 15 + [True])
 
 
 @st.composite
 def branch_specs(
     draw: st.DrawFn,
     *,
-    kinds: tuple[str, ...] = tuple(_PARAMS),
+    kinds: tuple[str, ...] = KINDS,
     dtypes: tuple[torch.dtype, ...] = DTYPES,
     allow_sparse: bool = True,
     optional: bool | None = None,
+    allow_head: bool = True,
+    allow_wide: bool = False,
 ) -> BranchSpec:
-    """One branch. ``optional=None`` draws whether it can be switched off."""
+    """One branch. ``optional=None`` draws whether it can be switched off.
+
+    ``allow_head`` may stack a Linear on a conv or embedding layer. ``allow_wide`` rarely makes
+    the first layer of a linear, MLP or LayerNorm branch so wide (``model.wide_width``) that
+    its weight is large enough for the reducer's size-dependent paths.
+    """
     kind = draw(st.sampled_from(kinds))
+    dtype = draw(st.sampled_from(dtypes))
+    out = draw(st.integers(1, 4))
+    wide = allow_wide and kind in _WIDE_KINDS and draw(_WIDE)
     return BranchSpec(
         kind=kind,
-        dtype=draw(st.sampled_from(dtypes)),
-        width=draw(st.integers(1, 4)),
-        out=draw(st.integers(1, 4)),
+        dtype=dtype,
+        width=wide_width(out) if wide else draw(st.integers(1, 4)),
+        out=out,
         sparse=kind == "embedding" and allow_sparse and draw(st.booleans()),
         optional=draw(st.booleans()) if optional is None else optional,
+        head=allow_head and kind in HEAD_KINDS and draw(st.booleans()),
     )
 
 
@@ -70,33 +94,42 @@ def model_specs(
     allow_unused: bool = True,
     allow_shared: bool = True,
     require_optional: bool = False,
+    allow_head: bool = True,
+    allow_wide: bool = False,
 ) -> ModelSpec:
     """A model of 1 to ``max_branches`` branches with at most ``max_params`` parameters.
 
     Branch 0 always runs, so every rank computes some gradient in every step. With
     ``allow_shared``, a later branch may reuse an earlier branch's layers. With
     ``require_optional``, at least one branch can be switched off (one more branch is added
-    if needed, even beyond ``max_params``).
+    if needed, even beyond ``max_params``). ``allow_head`` and ``allow_wide``: see
+    :func:`branch_specs`.
     """
-    branches = [draw(branch_specs(allow_sparse=allow_sparse, optional=False))]
-    params = _PARAMS[branches[0].kind]
+
+    def branch(optional: bool) -> st.SearchStrategy[BranchSpec]:
+        return branch_specs(
+            allow_sparse=allow_sparse,
+            optional=optional,
+            allow_head=allow_head,
+            allow_wide=allow_wide,
+        )
+
+    branches = [draw(branch(False))]
+    params = branches[0].parameter_count
     for _ in range(draw(st.integers(0, max_branches - 1))):
         optional = allow_unused and draw(st.booleans())
         owners = [i for i, b in enumerate(branches) if b.shared_with is None]
         if allow_shared and draw(st.integers(0, 3)) == 0:
             owner = draw(st.sampled_from(owners))
-            o = branches[owner]
-            branches.append(
-                BranchSpec(o.kind, o.dtype, o.width, o.out, o.sparse, optional, shared_with=owner)
-            )
+            branches.append(replace(branches[owner], optional=optional, shared_with=owner))
             continue
-        branch = draw(branch_specs(allow_sparse=allow_sparse, optional=optional))
-        if params + _PARAMS[branch.kind] > max_params:
+        new = draw(branch(optional))
+        if params + new.parameter_count > max_params:
             break
-        params += _PARAMS[branch.kind]
-        branches.append(branch)
+        params += new.parameter_count
+        branches.append(new)
     if require_optional and not any(b.optional for b in branches):
-        branches.append(draw(branch_specs(allow_sparse=allow_sparse, optional=True)))
+        branches.append(draw(branch(True)))
     return ModelSpec(tuple(branches), seed=draw(st.integers(0, 2**16)))
 
 
@@ -173,11 +206,16 @@ def scenarios(
     preset_grads: bool | None = None,
     as_view: bool | None = None,
     model: st.SearchStrategy[ModelSpec] | None = None,
+    preset_sparse: bool | None = None,
 ) -> Scenario:
-    """A whole scenario. ``None`` for a flag means "draw it"."""
+    """A whole scenario. ``None`` for a flag means "draw it".
+
+    ``unused=False`` runs every branch in every step; ``find_unused`` passes the outputs to
+    ``prepare_for_backward``; ``min_local_steps``/``max_local_steps`` bound the local
+    (no-sync) backward passes before the synced one.
+    """
     spec = draw(model if model is not None else model_specs(allow_unused=unused))
-    built = build_model(spec)
-    params, sparse = list(built.parameters()), sparse_flags(built)
+    params, sparse = _parameters_of(spec)
     world_size = draw(world_sizes(max_world_size))
     local_steps = draw(st.integers(min_local_steps, max_local_steps))
     search = draw(st.booleans()) if find_unused is None else find_unused
@@ -200,4 +238,19 @@ def scenarios(
         find_unused=search,
         preset_grads=draw(st.booleans()) if preset_grads is None else preset_grads,
         as_view=draw(st.booleans()) if as_view is None else as_view,
+        preset_sparse=draw(st.booleans()) if preset_sparse is None else preset_sparse,
     )
+
+
+def _parameters_of(spec: ModelSpec) -> tuple[list[Tensor], list[bool]]:
+    """The parameters of the model ``spec`` describes and their sparse flags."""
+    params, sparse = _cached_parameters(spec)
+    return list(params), list(sparse)
+
+
+# Generation only reads the parameters' sizes and dtypes, and Hypothesis redraws the same spec
+# often while it shrinks: build each model once. A few entries, since wide models are large.
+@functools.lru_cache(maxsize=16)
+def _cached_parameters(spec: ModelSpec) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
+    model = build_model(spec)
+    return tuple(model.parameters()), tuple(sparse_flags(model))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 
 from .harness import Scenario, check_against_reference
-from .strategies import scenarios
+from .strategies import model_specs, scenarios
 
 
-@given(scenarios(min_local_steps=1, max_local_steps=3))
+@given(scenarios(min_local_steps=1, max_local_steps=3, model=model_specs(allow_wide=True)))
 def test_accumulated_gradients_are_averaged_and_nothing_is_lost(scenario: Scenario) -> None:
     # The reference accumulates the same local backward passes and counts a parameter as
     # used if any of them (not just the synced one) gave it a gradient.
