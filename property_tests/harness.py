@@ -18,7 +18,7 @@ from torch import Tensor
 import fakepg
 import reducer
 
-from .model import ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
+from .model import GeneratedModel, ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
 from .reference import rank_order_average, sparse_average
 
 ReducerFactory = Callable[..., reducer.Reducer]
@@ -87,17 +87,31 @@ def run_reducer(
     make_reducer: ReducerFactory = reducer.Reducer,
     *,
     network: fakepg.NetworkModel | None = None,
+    models: Sequence[Sequence[GeneratedModel]] | None = None,
 ) -> list[GradLists]:
-    """Play ``scenario`` on a fake world; per rank, the gradients every replica ends with."""
+    """Play ``scenario`` on a fake world; per rank, the gradients every replica ends with.
+
+    ``models[rank][replica]``, if given, are used instead of fresh ones (their ``.grad`` as
+    they are, then preset as the scenario says), e.g. to train again after an error.
+    """
     s = scenario
     last = len(s.steps) - 1
+    if models is not None and [len(m) for m in models] != [s.replicas] * s.world_size:
+        raise ValueError(
+            f"run_reducer: models must hold {s.replicas} replica(s) for each of "
+            f"{s.world_size} ranks, got {[len(m) for m in models]}"
+        )
 
     def rank_fn(pg: fakepg.FakeProcessGroup) -> GradLists:
         sync_intra_op_threads()
         rank = pg.rank()
-        models = [build_model(s.model) for _ in range(s.replicas)]
-        params = [list(m.parameters()) for m in models]
-        sparse = sparse_flags(models[0])
+        replicas = (
+            list(models[rank])
+            if models is not None
+            else [build_model(s.model) for _ in range(s.replicas)]
+        )
+        params = [list(m.parameters()) for m in replicas]
+        sparse = sparse_flags(replicas[0])
         preset(s, params, sparse)
         red = make_reducer(
             params,
@@ -109,7 +123,7 @@ def run_reducer(
         try:
             for step in range(len(s.steps)):
                 outputs: list[Tensor] = []
-                for d, model in enumerate(models):
+                for d, model in enumerate(replicas):
                     inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
                     outputs += model(inputs, s.active(step, rank))
                 if step == last:
@@ -193,7 +207,12 @@ def check_against_reference(
     coalescing order is not fixed); untouched ones exactly as they started; and every rank
     and replica holds the same bits.
     """
-    got = run_reducer(scenario, make_reducer, network=network)
+    assert_matches_reference(run_reducer(scenario, make_reducer, network=network), scenario)
+
+
+def assert_matches_reference(got: list[GradLists], scenario: Scenario) -> None:
+    """Check gradients ``run_reducer`` returned against :func:`reference` (see
+    :func:`check_against_reference` for what is compared and how)."""
     want = reference(scenario)
     first = got[0][0]
     for rank, per_replica in enumerate(got):

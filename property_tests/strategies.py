@@ -11,6 +11,8 @@ bucket, everything used), so a failing property reports a minimal counterexample
 - :func:`bucket_assignments`: valid bucket partitions of a model's parameters, either from
   ``compute_bucket_assignment_by_size`` with random limits or arbitrary groupings that respect
   dtype, device and sparse-alone, in arbitrary bucket order.
+- :func:`bucketing_inputs`: tensors of any dtype on two devices (CPU and meta), sparse flags
+  and size limits, for comparing bucket assignment with torch's.
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
   step (none, some ranks, every rank).
 - :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
@@ -39,8 +41,10 @@ from .model import HEAD_KINDS, KINDS, BranchSpec, ModelSpec, build_model, sparse
 __all__ = [
     "branch_specs",
     "bucket_assignments",
+    "bucketing_inputs",
     "model_specs",
     "scenarios",
+    "size_limits",
     "unused_patterns",
     "world_sizes",
 ]
@@ -139,8 +143,7 @@ def bucket_assignments(
 ) -> list[list[int]]:
     """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order."""
     if draw(st.booleans()):
-        total = sum(p.numel() * p.element_size() for p in params)
-        limits = draw(st.lists(st.integers(0, 2 * total + 1), min_size=1, max_size=3))
+        limits = draw(size_limits(sum(p.numel() * p.element_size() for p in params)))
         buckets = reducer.compute_bucket_assignment_by_size(params, limits, sparse)
     else:
         groups: dict[object, list[int]] = {}
@@ -157,6 +160,39 @@ def bucket_assignments(
     if draw(st.booleans()):
         buckets = [draw(st.permutations(b)) for b in draw(st.permutations(buckets))]
     return [list(b) for b in buckets]
+
+
+def size_limits(total_bytes: int) -> st.SearchStrategy[list[int]]:
+    """1 to 4 bucket size limits in bytes, from 0 to about twice ``total_bytes``."""
+    return st.lists(st.integers(0, 2 * total_bytes + 1), min_size=1, max_size=4)
+
+
+_BUCKETING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@st.composite
+def bucketing_inputs(
+    draw: st.DrawFn, *, max_tensors: int = 12
+) -> tuple[list[Tensor], list[int], list[bool] | None]:
+    """Inputs of ``compute_bucket_assignment_by_size``: tensors, limits, sparse flags.
+
+    Tensors of 1 to 2048 elements in four dtypes, on the CPU or the meta device (so that the
+    (dtype, device) keys of buckets vary; meta tensors cost nothing), shaped flat or 2-D. The
+    sparse flags are absent (None) or one per tensor.
+    """
+    tensors = []
+    for _ in range(draw(st.integers(1, max_tensors))):
+        numel = draw(st.integers(1, 2048))
+        rows = draw(st.sampled_from([1, *(r for r in (2, 3, 4) if numel % r == 0)]))
+        shape = (numel,) if rows == 1 else (rows, numel // rows)
+        device = draw(st.sampled_from(["cpu", "meta"]))
+        tensors.append(
+            torch.empty(shape, dtype=draw(st.sampled_from(_BUCKETING_DTYPES)), device=device)
+        )
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    limits = draw(size_limits(total))
+    sparse = draw(st.none() | st.lists(st.booleans(), min_size=len(tensors), max_size=len(tensors)))
+    return tensors, limits, sparse
 
 
 def world_sizes(max_size: int = 8) -> st.SearchStrategy[int]:
