@@ -27,6 +27,7 @@ The number of synced iterations is drawn by the multi-iteration state machine
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -141,9 +142,15 @@ def model_specs(
 def bucket_assignments(
     draw: st.DrawFn, params: list[Tensor], sparse: list[bool]
 ) -> list[list[int]]:
-    """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order."""
+    """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order.
+
+    Either ``compute_bucket_assignment_by_size`` with random limits (some of them exactly
+    where a bucket closes), or any grouping that respects dtype, device and sparse-alone. One
+    bucket per dtype and device, in index order, takes the fewest choices, so that failing
+    examples shrink toward it.
+    """
     if draw(st.booleans()):
-        limits = draw(size_limits(sum(p.numel() * p.element_size() for p in params)))
+        limits = draw(size_limits([p.numel() * p.element_size() for p in params]))
         buckets = reducer.compute_bucket_assignment_by_size(params, limits, sparse)
     else:
         groups: dict[object, list[int]] = {}
@@ -152,22 +159,39 @@ def bucket_assignments(
             groups.setdefault(key, []).append(i)
         buckets = []
         for members in groups.values():
-            labels = [draw(st.integers(0, len(members) - 1)) for _ in members]
+            count = draw(st.integers(1, len(members)))
+            if count == 1:
+                buckets.append(members)
+                continue
             by_label: dict[int, list[int]] = {}
-            for member, label in zip(members, labels, strict=True):
-                by_label.setdefault(label, []).append(member)
+            for member in members:
+                by_label.setdefault(draw(st.integers(0, count - 1)), []).append(member)
             buckets += list(by_label.values())
     if draw(st.booleans()):
         buckets = [draw(st.permutations(b)) for b in draw(st.permutations(buckets))]
     return [list(b) for b in buckets]
 
 
-def size_limits(total_bytes: int) -> st.SearchStrategy[list[int]]:
-    """1 to 4 bucket size limits in bytes, from 0 to about twice ``total_bytes``."""
-    return st.lists(st.integers(0, 2 * total_bytes + 1), min_size=1, max_size=4)
+def size_limits(sizes: Sequence[int]) -> st.SearchStrategy[list[int]]:
+    """1 to 4 bucket size limits in bytes for tensors of ``sizes`` bytes: from 0 to about
+    twice their total, or exactly a running total of them (where a bucket closes only if the
+    comparison is ``>=``, as it must be)."""
+    total = sum(sizes)
+    running = sorted({sum(sizes[: i + 1]) for i in range(len(sizes))} | set(sizes))
+    limit = st.integers(0, 2 * total + 1) | st.sampled_from(running)
+    return st.lists(limit, min_size=1, max_size=4)
 
 
 _BUCKETING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@st.composite
+def _bucketing_tensor(draw: st.DrawFn) -> Tensor:
+    numel = draw(st.integers(1, 2048))
+    rows = draw(st.sampled_from([1, *(r for r in (2, 3, 4) if numel % r == 0)]))
+    shape = (numel,) if rows == 1 else (rows, numel // rows)
+    device = draw(st.sampled_from(["cpu", "meta"]))
+    return torch.empty(shape, dtype=draw(st.sampled_from(_BUCKETING_DTYPES)), device=device)
 
 
 @st.composite
@@ -178,21 +202,15 @@ def bucketing_inputs(
 
     Tensors of 1 to 2048 elements in four dtypes, on the CPU or the meta device (so that the
     (dtype, device) keys of buckets vary; meta tensors cost nothing), shaped flat or 2-D. The
-    sparse flags are absent (None) or one per tensor.
+    sparse flags are absent (None) or one per tensor, drawn with it (so that shrinking drops
+    a tensor with its flag).
     """
-    tensors = []
-    for _ in range(draw(st.integers(1, max_tensors))):
-        numel = draw(st.integers(1, 2048))
-        rows = draw(st.sampled_from([1, *(r for r in (2, 3, 4) if numel % r == 0)]))
-        shape = (numel,) if rows == 1 else (rows, numel // rows)
-        device = draw(st.sampled_from(["cpu", "meta"]))
-        tensors.append(
-            torch.empty(shape, dtype=draw(st.sampled_from(_BUCKETING_DTYPES)), device=device)
-        )
-    total = sum(t.numel() * t.element_size() for t in tensors)
-    limits = draw(size_limits(total))
-    sparse = draw(st.none() | st.lists(st.booleans(), min_size=len(tensors), max_size=len(tensors)))
-    return tensors, limits, sparse
+    flagged = draw(st.booleans())
+    entry = st.tuples(_bucketing_tensor(), st.booleans() if flagged else st.just(False))
+    entries = draw(st.lists(entry, min_size=1, max_size=max_tensors))
+    tensors = [t for t, _ in entries]
+    limits = draw(size_limits([t.numel() * t.element_size() for t in tensors]))
+    return tensors, limits, [f for _, f in entries] if flagged else None
 
 
 def world_sizes(max_size: int = 8) -> st.SearchStrategy[int]:
@@ -230,6 +248,46 @@ def unused_patterns(
 
 
 @st.composite
+def _rank_patterns(
+    draw: st.DrawFn,
+    spec: ModelSpec,
+    steps: int,
+    *,
+    synced_all_used: bool,
+    unused: bool,
+    max_world_size: int,
+) -> tuple[tuple[frozenset[int], ...], ...]:
+    """Like :func:`unused_patterns`, but the number of ranks (1 to ``max_world_size``) is
+    drawn here, as a list of ranks: shrinking then deletes a rank together with what it ran,
+    which a world size drawn first cannot do."""
+    optional = spec.optional_branches
+    everything = frozenset(optional)
+    # Per step: None (every branch runs), or the branch every rank skips, or -1 (none is).
+    plans: list[int | None] = []
+    for step in range(steps):
+        if not unused or not optional or (synced_all_used and step == steps - 1):
+            plans.append(None)
+            continue
+        mode = draw(st.sampled_from(["none", "some", "all"]))
+        if mode == "none":
+            plans.append(None)
+        else:
+            plans.append(draw(st.sampled_from(optional)) if mode == "all" else -1)
+
+    @st.composite
+    def one_rank(draw_rank: st.DrawFn) -> tuple[frozenset[int], ...]:
+        return tuple(
+            everything
+            if plan is None
+            else frozenset(b for b in optional if b != plan and draw_rank(st.booleans()))
+            for plan in plans
+        )
+
+    ranks = draw(st.lists(one_rank(), min_size=1, max_size=max_world_size))
+    return tuple(tuple(rank[step] for rank in ranks) for step in range(steps))
+
+
+@st.composite
 def scenarios(
     draw: st.DrawFn,
     *,
@@ -252,19 +310,18 @@ def scenarios(
     """
     spec = draw(model if model is not None else model_specs(allow_unused=unused))
     params, sparse = _parameters_of(spec)
-    world_size = draw(world_sizes(max_world_size))
     local_steps = draw(st.integers(min_local_steps, max_local_steps))
     search = draw(st.booleans()) if find_unused is None else find_unused
     steps = draw(
-        unused_patterns(spec, world_size, local_steps + 1, synced_all_used=not search)
-        if unused
-        else st.just(
-            tuple(
-                tuple(frozenset(spec.optional_branches) for _ in range(world_size))
-                for _ in range(local_steps + 1)
-            )
+        _rank_patterns(
+            spec,
+            local_steps + 1,
+            synced_all_used=not search,
+            unused=unused,
+            max_world_size=max_world_size,
         )
     )
+    world_size = len(steps[0])
     return Scenario(
         model=spec,
         world_size=world_size,

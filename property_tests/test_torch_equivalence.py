@@ -53,5 +53,5 @@ def test_bucket_assignment_of_model_parameters_equals_torchs(
     sparse = sparse_flags(model)
     if reverse:  # the order DDP buckets in: last layers first
         params, sparse = params[::-1], sparse[::-1]
-    limits = data.draw(size_limits(sum(p.numel() * p.element_size() for p in params)))
+    limits = data.draw(size_limits([p.numel() * p.element_size() for p in params]))
     check_bucket_assignment(params, limits, sparse)
