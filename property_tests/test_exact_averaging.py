@@ -9,7 +9,7 @@ parameters. The explicit examples pin the cases a small ``ci`` run must not miss
 from __future__ import annotations
 
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 
 from .harness import Scenario, check_against_reference
 from .model import BranchSpec, ModelSpec, wide_width
@@ -29,6 +29,8 @@ _MIXED = ModelSpec(
 )
 
 
+# The core properties get four times the profile's examples (ci: 100).
+@settings(max_examples=4 * settings().max_examples)
 @given(scenarios(unused=False, model=model_specs(allow_unused=False, allow_wide=True)))
 @example(  # a weight of 2**16 elements, 3 ranks (the division by 3 is inexact), 2 replicas
     Scenario(_WIDE, 3, 2, ((0, 1),), ((frozenset(),) * 3,), False, preset_grads=True)

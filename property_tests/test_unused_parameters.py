@@ -8,7 +8,7 @@ unless a shared branch still uses them). Existing gradients (dense and sparse) m
 
 from __future__ import annotations
 
-from hypothesis import event, example, given
+from hypothesis import event, example, given, settings
 
 from .harness import Scenario, check_against_reference, reference
 from .model import BranchSpec, ModelSpec
@@ -24,6 +24,8 @@ _OPTIONAL = ModelSpec(
 )
 
 
+# The core properties get four times the profile's examples (ci: 100).
+@settings(max_examples=4 * settings().max_examples)
 @given(scenarios(find_unused=True, model=model_specs(require_optional=True, allow_wide=True)))
 @example(  # the embedding unused on both ranks keeps its sparse .grad; conv1d used on rank 1 only
     Scenario(
