@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -55,6 +56,12 @@ DTYPES = (torch.float32, torch.float64)
 _WIDE_KINDS = ("linear", "mlp", "layernorm")
 # One wide branch in 16, drawn as a choice that shrinks to "not wide".
 _WIDE = st.sampled_from([False] * 15 + [True])
+# Strategies built once: building one (and validating it) costs more than drawing from it.
+_BOOLEANS = st.booleans()
+_FEATURES = st.integers(1, 4)
+_SEEDS = st.integers(0, 2**16)
+_SHARE = st.integers(0, 3)  # 0: the new branch reuses an earlier branch's layers
+_MODES = st.sampled_from(["none", "some", "all"])
 
 
 @st.composite
@@ -74,18 +81,32 @@ def branch_specs(
     the first layer of a linear, MLP or LayerNorm branch so wide (``model.wide_width``) that
     its weight is large enough for the reducer's size-dependent paths.
     """
-    kind = draw(st.sampled_from(kinds))
-    dtype = draw(st.sampled_from(dtypes))
-    out = draw(st.integers(1, 4))
+    kind = draw(_sampled(kinds))
+    dtype = draw(_sampled(dtypes))
+    out = draw(_FEATURES)
     wide = allow_wide and kind in _WIDE_KINDS and draw(_WIDE)
     return BranchSpec(
         kind=kind,
         dtype=dtype,
-        width=wide_width(out) if wide else draw(st.integers(1, 4)),
+        width=wide_width(out) if wide else draw(_FEATURES),
         out=out,
-        sparse=kind == "embedding" and allow_sparse and draw(st.booleans()),
-        optional=draw(st.booleans()) if optional is None else optional,
-        head=allow_head and kind in HEAD_KINDS and draw(st.booleans()),
+        sparse=kind == "embedding" and allow_sparse and draw(_BOOLEANS),
+        optional=draw(_BOOLEANS) if optional is None else optional,
+        head=allow_head and kind in HEAD_KINDS and draw(_BOOLEANS),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(values)
+
+
+@functools.lru_cache(maxsize=64)
+def _branches(
+    allow_sparse: bool, optional: bool, allow_head: bool, allow_wide: bool
+) -> st.SearchStrategy[BranchSpec]:
+    return branch_specs(
+        allow_sparse=allow_sparse, optional=optional, allow_head=allow_head, allow_wide=allow_wide
     )
 
 
@@ -112,20 +133,15 @@ def model_specs(
     """
 
     def branch(optional: bool) -> st.SearchStrategy[BranchSpec]:
-        return branch_specs(
-            allow_sparse=allow_sparse,
-            optional=optional,
-            allow_head=allow_head,
-            allow_wide=allow_wide,
-        )
+        return _branches(allow_sparse, optional, allow_head, allow_wide)
 
     branches = [draw(branch(False))]
     params = branches[0].parameter_count
     for _ in range(draw(st.integers(0, max_branches - 1))):
-        optional = allow_unused and draw(st.booleans())
+        optional = allow_unused and draw(_BOOLEANS)
         owners = [i for i, b in enumerate(branches) if b.shared_with is None]
-        if allow_shared and draw(st.integers(0, 3)) == 0:
-            owner = draw(st.sampled_from(owners))
+        if allow_shared and draw(_SHARE) == 0:
+            owner = draw(_sampled(tuple(owners)))
             branches.append(replace(branches[owner], optional=optional, shared_with=owner))
             continue
         new = draw(branch(optional))
@@ -135,12 +151,12 @@ def model_specs(
         branches.append(new)
     if require_optional and not any(b.optional for b in branches):
         branches.append(draw(branch(True)))
-    return ModelSpec(tuple(branches), seed=draw(st.integers(0, 2**16)))
+    return ModelSpec(tuple(branches), seed=draw(_SEEDS))
 
 
 @st.composite
 def bucket_assignments(
-    draw: st.DrawFn, params: list[Tensor], sparse: list[bool]
+    draw: st.DrawFn, params: Sequence[Tensor], sparse: Sequence[bool]
 ) -> list[list[int]]:
     """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order.
 
@@ -149,7 +165,7 @@ def bucket_assignments(
     bucket per dtype and device, in index order, takes the fewest choices, so that failing
     examples shrink toward it.
     """
-    if draw(st.booleans()):
+    if draw(_BOOLEANS):
         limits = draw(size_limits([p.numel() * p.element_size() for p in params]))
         buckets = reducer.compute_bucket_assignment_by_size(params, limits, sparse)
     else:
@@ -167,7 +183,7 @@ def bucket_assignments(
             for member in members:
                 by_label.setdefault(draw(st.integers(0, count - 1)), []).append(member)
             buckets += list(by_label.values())
-    if draw(st.booleans()):
+    if draw(_BOOLEANS):
         buckets = [draw(st.permutations(b)) for b in draw(st.permutations(buckets))]
     return [list(b) for b in buckets]
 
@@ -261,30 +277,34 @@ def _rank_patterns(
     drawn here, as a list of ranks: shrinking then deletes a rank together with what it ran,
     which a world size drawn first cannot do."""
     optional = spec.optional_branches
-    everything = frozenset(optional)
     # Per step: None (every branch runs), or the branch every rank skips, or -1 (none is).
     plans: list[int | None] = []
     for step in range(steps):
         if not unused or not optional or (synced_all_used and step == steps - 1):
             plans.append(None)
             continue
-        mode = draw(st.sampled_from(["none", "some", "all"]))
+        mode = draw(_MODES)
         if mode == "none":
             plans.append(None)
         else:
-            plans.append(draw(st.sampled_from(optional)) if mode == "all" else -1)
+            plans.append(draw(_sampled(tuple(optional))) if mode == "all" else -1)
 
-    @st.composite
-    def one_rank(draw_rank: st.DrawFn) -> tuple[frozenset[int], ...]:
-        return tuple(
-            everything
-            if plan is None
-            else frozenset(b for b in optional if b != plan and draw_rank(st.booleans()))
-            for plan in plans
-        )
-
-    ranks = draw(st.lists(one_rank(), min_size=1, max_size=max_world_size))
+    rank = _one_rank(tuple(optional), tuple(plans))
+    ranks = draw(st.lists(rank, min_size=1, max_size=max_world_size))
     return tuple(tuple(rank[step] for rank in ranks) for step in range(steps))
+
+
+@st.composite
+def _one_rank(
+    draw: st.DrawFn, optional: tuple[int, ...], plans: tuple[int | None, ...]
+) -> tuple[frozenset[int], ...]:
+    """One rank's optional branches per step, under each step's plan (see _rank_patterns)."""
+    return tuple(
+        frozenset(optional)
+        if plan is None
+        else frozenset(b for b in optional if b != plan and draw(_BOOLEANS))
+        for plan in plans
+    )
 
 
 @st.composite
@@ -311,7 +331,7 @@ def scenarios(
     spec = draw(model if model is not None else model_specs(allow_unused=unused))
     params, sparse = _parameters_of(spec)
     local_steps = draw(st.integers(min_local_steps, max_local_steps))
-    search = draw(st.booleans()) if find_unused is None else find_unused
+    search = draw(_BOOLEANS) if find_unused is None else find_unused
     steps = draw(
         _rank_patterns(
             spec,
@@ -329,9 +349,9 @@ def scenarios(
         buckets=tuple(tuple(b) for b in draw(bucket_assignments(params, sparse))),
         steps=steps,
         find_unused=search,
-        preset_grads=draw(st.booleans()) if preset_grads is None else preset_grads,
-        as_view=draw(st.booleans()) if as_view is None else as_view,
-        preset_sparse=draw(st.booleans()) if preset_sparse is None else preset_sparse,
+        preset_grads=draw(_BOOLEANS) if preset_grads is None else preset_grads,
+        as_view=draw(_BOOLEANS) if as_view is None else as_view,
+        preset_sparse=draw(_BOOLEANS) if preset_sparse is None else preset_sparse,
     )
 
 

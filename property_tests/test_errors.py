@@ -195,7 +195,7 @@ def corrupted(draw: st.DrawFn) -> BucketCase:
     the words the error must contain."""
     spec = draw(model_specs())
     model = build_model(spec)
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     sparse = sparse_flags(model)
     buckets = draw(bucket_assignments(params, sparse))
     kinds = ["drop", "duplicate", "out of range", "empty"]

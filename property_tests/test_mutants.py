@@ -197,7 +197,7 @@ def test_the_bucketing_property_catches_and_shrinks(name: str) -> None:
     assign = BUCKETING_MUTANTS[name]
     tensors, limits, sparse = find(
         bucketing_inputs(),
-        lambda case: _fails(lambda: check_bucket_assignment(*case, assign=assign)),
+        lambda case: _fails(lambda: check_bucket_assignment(case[0], case[1], case[2], assign)),
         settings=SEARCH,
     )
     # Two tensors show each bug, but "the next limit" needs a third to follow a second limit.

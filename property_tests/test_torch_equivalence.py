@@ -22,14 +22,16 @@ Assign = Callable[[Sequence[Tensor], Sequence[int], Sequence[bool] | None], list
 
 
 def check_bucket_assignment(
-    tensors: list[Tensor],
-    limits: list[int],
-    sparse: list[bool] | None,
+    tensors: Sequence[Tensor],
+    limits: Sequence[int],
+    sparse: Sequence[bool] | None,
     assign: Assign = reducer.compute_bucket_assignment_by_size,
 ) -> None:
     ours = assign(tensors, limits, sparse)
     # torch takes [] for "no sparse flags"; ours takes None too.
-    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse or [])
+    theirs, _ = dist._compute_bucket_assignment_by_size(  # type: ignore[attr-defined]
+        list(tensors), list(limits), list(sparse or [])
+    )
     assert ours == [list(b) for b in theirs], (
         f"bucket assignment differs from torch's for limits {limits}, sparse {sparse}, tensors "
         f"{[(t.numel(), str(t.dtype), str(t.device)) for t in tensors]}: ours {ours}, "
