@@ -32,7 +32,9 @@ class Scenario:
     ``steps[k][r]`` is the set of optional branches active on rank ``r`` in step ``k`` (the
     non-optional branches always run). ``find_unused`` passes the outputs to
     ``prepare_for_backward``. ``preset_grads`` starts every dense parameter with a ``.grad``
-    of ``PRESET`` (so "untouched" is observable), else with None.
+    of ``PRESET`` (so "untouched" is observable), else with None; ``preset_sparse`` does the
+    same for sparse-gradient parameters (a sparse ``.grad`` with ``PRESET`` in row 0).
+    ``as_view`` builds the reducer with ``gradient_as_bucket_view``.
     """
 
     model: ModelSpec

@@ -14,7 +14,8 @@ bucket, everything used), so a failing property reports a minimal counterexample
 - :func:`bucketing_inputs`: tensors of any dtype on two devices (CPU and meta), sparse flags
   and size limits, for comparing bucket assignment with torch's.
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
-  step (none, some ranks, every rank).
+  step (none, some ranks, every rank). :func:`scenarios` draws the ranks as a list instead,
+  so that shrinking can drop a rank with everything it ran.
 - :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
   replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
   steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
@@ -250,14 +251,14 @@ def unused_patterns(
         if not optional or (synced_all_used and step == steps - 1):
             result.append(tuple(frozenset(optional) for _ in range(world_size)))
             continue
-        mode = draw(st.sampled_from(["none", "some", "all"]))
+        mode = draw(_MODES)
         if mode == "none":
             result.append(tuple(frozenset(optional) for _ in range(world_size)))
             continue
-        skipped_everywhere = draw(st.sampled_from(optional)) if mode == "all" else None
+        skipped_everywhere = draw(_sampled(tuple(optional))) if mode == "all" else None
         per_rank = []
         for _ in range(world_size):
-            active = {b for b in optional if b != skipped_everywhere and draw(st.booleans())}
+            active = {b for b in optional if b != skipped_everywhere and draw(_BOOLEANS)}
             per_rank.append(frozenset(active))
         result.append(tuple(per_rank))
     return tuple(result)
@@ -289,8 +290,8 @@ def _rank_patterns(
         else:
             plans.append(draw(_sampled(tuple(optional))) if mode == "all" else -1)
 
-    rank = _one_rank(tuple(optional), tuple(plans))
-    ranks = draw(st.lists(rank, min_size=1, max_size=max_world_size))
+    per_rank = _one_rank(tuple(optional), tuple(plans))
+    ranks = draw(st.lists(per_rank, min_size=1, max_size=max_world_size))
     return tuple(tuple(rank[step] for rank in ranks) for step in range(steps))
 
 
