@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from hypothesis import event
 from torch import Tensor
 
 import fakepg
@@ -57,6 +58,24 @@ class Scenario:
 def active_branches(spec: ModelSpec, optional: frozenset[int]) -> frozenset[int]:
     """The branches that run: every non-optional one, and the ``optional`` ones picked."""
     return frozenset({i for i, b in enumerate(spec.branches) if not b.optional} | optional)
+
+
+def note_coverage(scenario: Scenario) -> None:
+    """Record what ``scenario`` covers as Hypothesis events, for
+    ``pytest property_tests --hypothesis-show-statistics``."""
+    s = scenario
+    event(f"world size {s.world_size}, {s.replicas} replica(s)")
+    event(f"{len(s.buckets)} bucket(s), {len(s.steps) - 1} local step(s)")
+    branches = s.model.branches
+    for what, present in (
+        ("a wide layer", any(b.width > 4 for b in branches)),
+        ("a sparse gradient", any(b.sparse for b in branches)),
+        ("shared layers", any(b.shared_with is not None for b in branches)),
+        ("float32 and float64", len({b.dtype for b in branches}) > 1),
+        ("gradients as bucket views", s.as_view),
+        ("outputs given to prepare_for_backward", s.find_unused),
+    ):
+        event(f"{'with' if present else 'without'} {what}")
 
 
 def sync_intra_op_threads() -> None:

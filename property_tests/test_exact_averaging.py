@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from hypothesis import example, given, settings
 
-from .harness import Scenario, check_against_reference
+from .harness import Scenario, check_against_reference, note_coverage
 from .model import BranchSpec, ModelSpec, wide_width
 from .strategies import model_specs, scenarios
 
@@ -51,4 +51,5 @@ _MIXED = ModelSpec(
     )
 )
 def test_every_gradient_is_the_exact_average(scenario: Scenario) -> None:
+    note_coverage(scenario)
     check_against_reference(scenario)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from hypothesis import event, example, given, settings
 
-from .harness import Scenario, check_against_reference, reference
+from .harness import Scenario, check_against_reference, note_coverage, reference
 from .model import BranchSpec, ModelSpec
 from .strategies import model_specs, scenarios
 
@@ -53,4 +53,5 @@ _OPTIONAL = ModelSpec(
 def test_unused_parameters_are_zero_locally_and_untouched_globally(scenario: Scenario) -> None:
     untouched = sum(e.untouched for e in reference(scenario))
     event(f"globally unused parameters: {min(untouched, 3)}{'+' if untouched > 3 else ''}")
+    note_coverage(scenario)
     check_against_reference(scenario)
