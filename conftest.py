@@ -1,13 +1,22 @@
 """Hypothesis profiles for every test directory, chosen with HYPOTHESIS_PROFILE.
 
 - ``ci``: bounded and derandomized, so CI on two cores is quick and repeatable.
-- ``dev`` (the default): more examples, random, failures saved and replayed from the database.
+- ``dev`` (the default): more examples, random, failures saved and replayed from the database
+  (``.hypothesis/examples``; a failing example is tried first on the next run).
 - ``thorough``: many examples, for a long hunt (``tox -e property``).
+
+Also one intra-op thread per test process, unless OMP_NUM_THREADS says otherwise: the tests
+run tiny tensors on many threads (ranks, fake-world workers, pytest-xdist workers), where
+torch's OpenMP teams only oversubscribe the cores; on a busy two-core machine they made a
+small convolution's backward 30 times slower. It must be set before torch is imported (this
+file is loaded first), so that every thread of the process agrees on it.
 """
 
 from __future__ import annotations
 
 import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hypothesis import HealthCheck, settings
 

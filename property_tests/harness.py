@@ -13,12 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from hypothesis import event
 from torch import Tensor
 
 import fakepg
 import reducer
 
-from .model import ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
+from .model import GeneratedModel, ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
 from .reference import rank_order_average, sparse_average
 
 ReducerFactory = Callable[..., reducer.Reducer]
@@ -32,7 +33,9 @@ class Scenario:
     ``steps[k][r]`` is the set of optional branches active on rank ``r`` in step ``k`` (the
     non-optional branches always run). ``find_unused`` passes the outputs to
     ``prepare_for_backward``. ``preset_grads`` starts every dense parameter with a ``.grad``
-    of ``PRESET`` (so "untouched" is observable), else with None.
+    of ``PRESET`` (so "untouched" is observable), else with None; ``preset_sparse`` does the
+    same for sparse-gradient parameters (a sparse ``.grad`` with ``PRESET`` in row 0).
+    ``as_view`` builds the reducer with ``gradient_as_bucket_view``.
     """
 
     model: ModelSpec
@@ -43,6 +46,7 @@ class Scenario:
     find_unused: bool
     preset_grads: bool = False
     as_view: bool = False
+    preset_sparse: bool = False
 
     def active(self, step: int, rank: int) -> frozenset[int]:
         return active_branches(self.model, self.steps[step][rank])
@@ -54,6 +58,38 @@ class Scenario:
 def active_branches(spec: ModelSpec, optional: frozenset[int]) -> frozenset[int]:
     """The branches that run: every non-optional one, and the ``optional`` ones picked."""
     return frozenset({i for i, b in enumerate(spec.branches) if not b.optional} | optional)
+
+
+def note_coverage(scenario: Scenario) -> None:
+    """Record what ``scenario`` covers as Hypothesis events, for
+    ``pytest property_tests --hypothesis-show-statistics``."""
+    s = scenario
+    event(f"world size {s.world_size}, {s.replicas} replica(s)")
+    event(f"{len(s.buckets)} bucket(s), {len(s.steps) - 1} local step(s)")
+    branches = s.model.branches
+    for what, present in (
+        ("a wide layer", any(b.width > 4 for b in branches)),
+        ("a sparse gradient", any(b.sparse for b in branches)),
+        ("shared layers", any(b.shared_with is not None for b in branches)),
+        ("float32 and float64", len({b.dtype for b in branches}) > 1),
+        ("gradients as bucket views", s.as_view),
+        ("outputs given to prepare_for_backward", s.find_unused),
+    ):
+        event(f"{'with' if present else 'without'} {what}")
+
+
+def sync_intra_op_threads() -> None:
+    """Give the calling thread the intra-op thread count that torch.set_num_threads set.
+
+    Call it first thing on every thread that computes gradients to be compared bit for bit
+    with another thread's. torch applies the count to a thread lazily, at its first parallel
+    op; until then oneDNN kernels (convolutions) on a new thread use OpenMP's process default,
+    and a different count splits their reductions differently: a rank thread's conv gradient
+    then differs in the last bits from the main thread's after ``torch.set_num_threads``.
+    ``get_num_threads`` runs that lazy initialization (torch offers no other way to request
+    it).
+    """
+    torch.get_num_threads()
 
 
 def snapshot(grad: Tensor | None) -> Tensor | None:
@@ -72,18 +108,32 @@ def run_reducer(
     make_reducer: ReducerFactory = reducer.Reducer,
     *,
     network: fakepg.NetworkModel | None = None,
+    models: Sequence[Sequence[GeneratedModel]] | None = None,
 ) -> list[GradLists]:
-    """Play ``scenario`` on a fake world; per rank, the gradients every replica ends with."""
+    """Play ``scenario`` on a fake world; per rank, the gradients every replica ends with.
+
+    ``models[rank][replica]``, if given, are used instead of fresh ones (their ``.grad`` as
+    they are, then preset as the scenario says), e.g. to train again after an error.
+    """
     s = scenario
     last = len(s.steps) - 1
+    if models is not None and [len(m) for m in models] != [s.replicas] * s.world_size:
+        raise ValueError(
+            f"run_reducer: models must hold {s.replicas} replica(s) for each of "
+            f"{s.world_size} ranks, got {[len(m) for m in models]}"
+        )
 
     def rank_fn(pg: fakepg.FakeProcessGroup) -> GradLists:
+        sync_intra_op_threads()
         rank = pg.rank()
-        models = [build_model(s.model) for _ in range(s.replicas)]
-        params = [list(m.parameters()) for m in models]
-        sparse = sparse_flags(models[0])
-        if s.preset_grads:
-            _preset(params, sparse)
+        replicas = (
+            list(models[rank])
+            if models is not None
+            else [build_model(s.model) for _ in range(s.replicas)]
+        )
+        params = [list(m.parameters()) for m in replicas]
+        sparse = sparse_flags(replicas[0])
+        preset(s, params, sparse)
         red = make_reducer(
             params,
             [list(b) for b in s.buckets],
@@ -94,7 +144,7 @@ def run_reducer(
         try:
             for step in range(len(s.steps)):
                 outputs: list[Tensor] = []
-                for d, model in enumerate(models):
+                for d, model in enumerate(replicas):
                     inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
                     outputs += model(inputs, s.active(step, rank))
                 if step == last:
@@ -124,15 +174,17 @@ class Expected:
 def reference(scenario: Scenario) -> list[Expected]:
     """Per parameter, the expectation from plain local autograd (no reducer, no threads)."""
     s = scenario
+    sync_intra_op_threads()
     contributions: list[list[Tensor | None]] = []  # [contribution][parameter]
     sparse: list[bool] = []
+    starts: list[Tensor | None] = []
     for rank in range(s.world_size):
         for d in range(s.replicas):
             model = build_model(s.model)
             params = list(model.parameters())
             sparse = sparse_flags(model)
-            if s.preset_grads:
-                _preset([params], sparse)
+            preset(s, [params], sparse)
+            starts = [snapshot(p.grad) for p in params]
             used = [False] * len(params)
             handles = [
                 p.register_post_accumulate_grad_hook(
@@ -154,8 +206,9 @@ def reference(scenario: Scenario) -> list[Expected]:
     for i, is_sparse in enumerate(sparse):
         column = [c[i] for c in contributions]
         if all(g is None for g in column):
-            start = None if (is_sparse or not s.preset_grads) else _preset_value(s, i)
-            expected.append(Expected(start, is_sparse, untouched=True))
+            start = starts[i]
+            value = None if start is None else start.to_dense() if start.is_sparse else start
+            expected.append(Expected(value, is_sparse, untouched=True))
         elif is_sparse:
             expected.append(Expected(sparse_average(column, s.world_size), True, False))
         else:
@@ -175,7 +228,12 @@ def check_against_reference(
     coalescing order is not fixed); untouched ones exactly as they started; and every rank
     and replica holds the same bits.
     """
-    got = run_reducer(scenario, make_reducer, network=network)
+    assert_matches_reference(run_reducer(scenario, make_reducer, network=network), scenario)
+
+
+def assert_matches_reference(got: list[GradLists], scenario: Scenario) -> None:
+    """Check gradients ``run_reducer`` returned against :func:`reference` (see
+    :func:`check_against_reference` for what is compared and how)."""
     want = reference(scenario)
     first = got[0][0]
     for rank, per_replica in enumerate(got):
@@ -191,7 +249,11 @@ def _check_one(grad: Tensor | None, exp: Expected, where: str) -> None:
         assert grad is None, f"{where}: unused on every rank, .grad must stay None; got {grad}"
         return
     assert grad is not None, f"{where}: expected a gradient, got None"
-    if exp.sparse and not exp.untouched:
+    if exp.sparse and exp.untouched:
+        assert grad.is_sparse, f"{where}: unused on every rank, its sparse .grad must stay"
+        assert torch.equal(grad.to_dense(), exp.value), f"{where}: must stay exactly as it was"
+        return
+    if exp.sparse:
         assert grad.is_sparse, f"{where}: expected a sparse gradient"
         dense = grad.to_dense()
         scale = float(exp.value.abs().max()) if exp.value.numel() else 0.0
@@ -216,13 +278,17 @@ def _check_same(grad: Tensor | None, first: Tensor | None, where: str) -> None:
     assert torch.equal(a, b), f"{where}: differs from rank 0 replica 0 (ranks must agree bitwise)"
 
 
-def _preset(params: Sequence[Sequence[Tensor]], sparse: list[bool]) -> None:
+def preset(scenario: Scenario, params: Sequence[Sequence[Tensor]], sparse: Sequence[bool]) -> None:
+    """Give every replica's parameters the starting ``.grad`` that ``scenario`` asks for."""
     for replica in params:
         for p, is_sparse in zip(replica, sparse, strict=True):
-            if not is_sparse:
-                p.grad = torch.full_like(p, PRESET)
+            if is_sparse and scenario.preset_sparse:
+                p.grad = _sparse_preset(p)
+            elif not is_sparse and scenario.preset_grads:
+                p.grad = torch.full_like(p, PRESET).detach()
 
 
-def _preset_value(scenario: Scenario, index: int) -> Tensor:
-    param = list(build_model(scenario.model).parameters())[index]
-    return torch.full_like(param, PRESET).detach()
+def _sparse_preset(param: Tensor) -> Tensor:
+    """A sparse gradient laid out as nn.Embedding's: ``PRESET`` in row 0."""
+    values = torch.full((1, *param.shape[1:]), PRESET, dtype=param.dtype)
+    return torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.int64), values, param.shape)

@@ -1,7 +1,9 @@
 """Random models described by plain data, built the same way on every rank and in the reference.
 
 A model is a set of *branches*, each a small stack of layers fed by an input of its own; the
-loss adds up every active branch. A branch marked optional can be switched off per rank and per
+loss adds up every active branch. Branches are kept tiny so one example runs in milliseconds,
+except that a branch may be *wide* (see ``wide_width``), so that parameters above the reducer's
+size thresholds are generated too. A branch marked optional can be switched off per rank and per
 step, which is how parameters go unused. A branch may reuse the layers of an earlier branch
 (shared parameters). Parameters are initialized from a local generator seeded by the spec, so
 building is deterministic and safe from any thread (torch's global generator is shared by all).
@@ -16,7 +18,24 @@ import torch
 from torch import Tensor, nn
 
 KINDS = ("linear", "mlp", "layernorm", "conv1d", "conv2d", "embedding")
+# Kinds whose output a ``head`` Linear can sit on (the others end in a Linear or LayerNorm).
+HEAD_KINDS = ("conv1d", "conv2d", "embedding")
 EMBEDDING_ROWS = 6
+# Elements of the first weight of a wide branch: as many as the reducer's size-dependent
+# paths need (its division fused into the copy starts at 2**16 elements), and no more.
+LARGE_NUMEL = 1 << 16
+
+
+def wide_width(out: int) -> int:
+    """Input features that give an ``out``-feature Linear a weight of ``LARGE_NUMEL`` or more."""
+    return -(-LARGE_NUMEL // out)
+
+
+# Parameters each kind of layer stack owns (conv2d has no bias; a head adds weight and bias).
+_PARAMS = {"linear": 2, "mlp": 3, "layernorm": 4, "conv1d": 2, "conv2d": 1, "embedding": 1}
+# Per kind, how many positions the head flattens: embedding looks up 3 indices per sample,
+# conv1d maps length 4 to 3, conv2d maps 3x3 to 2x2.
+_HEAD_POSITIONS = {"embedding": 3, "conv1d": 3, "conv2d": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +44,8 @@ class BranchSpec:
 
     ``sparse`` (embedding only) gives the embedding a sparse gradient. ``optional`` branches
     can be switched off. ``shared_with`` names an earlier branch whose layers this one reuses
-    (on an input of its own), so their parameters get gradients from both.
+    (on an input of its own), so their parameters get gradients from both. ``head`` (conv and
+    embedding only) stacks a Linear on the flattened output.
     """
 
     kind: str
@@ -35,6 +55,14 @@ class BranchSpec:
     sparse: bool = False
     optional: bool = False
     shared_with: int | None = None
+    head: bool = False
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters this branch's layers own (0 for a branch that reuses another's)."""
+        if self.shared_with is not None:
+            return 0
+        return _PARAMS[self.kind] + (2 if self.head else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +76,11 @@ class ModelSpec:
     def optional_branches(self) -> list[int]:
         return [i for i, b in enumerate(self.branches) if b.optional]
 
+    @property
+    def parameter_count(self) -> int:
+        """How many parameters the built model has."""
+        return sum(b.parameter_count for b in self.branches)
+
     def owner(self, branch: int) -> int:
         """The branch whose layers ``branch`` runs (itself unless shared)."""
         shared = self.branches[branch].shared_with
@@ -55,6 +88,16 @@ class ModelSpec:
 
 
 def _layers(spec: BranchSpec) -> nn.Module:
+    base = _base_layers(spec)
+    if not spec.head:
+        return base
+    if spec.kind not in HEAD_KINDS:
+        raise ValueError(f"a {spec.kind!r} branch takes no head; only {HEAD_KINDS} do")
+    flat = _HEAD_POSITIONS[spec.kind] * spec.out
+    return nn.Sequential(base, nn.Flatten(1), nn.Linear(flat, spec.out, dtype=spec.dtype))
+
+
+def _base_layers(spec: BranchSpec) -> nn.Module:
     w, o, dt = spec.width, spec.out, spec.dtype
     if spec.kind == "linear":
         return nn.Linear(w, o, dtype=dt)

@@ -1,11 +1,18 @@
 """Deliberately broken reducers ("bad machines") that the properties must catch.
 
 Each is the real :class:`reducer.Reducer` with one seeded bug, in one overridden method, so a
-property that lets any of them pass is too weak. ``MUTANTS`` maps a short name to the class.
+property that lets any of them pass is too weak. ``MUTANTS`` maps a short name to the class:
+the bugs of one synced iteration, caught by the exact-averaging properties (1-3).
+``TRAINING_MUTANTS``, ``BUCKETING_MUTANTS`` and ``MISUSE_MUTANTS`` are the bugs that the
+multi-iteration (4), torch-equivalence (5) and error (6) properties exist for.
+
+The mutants reach into the reducer's private state on purpose; if it is renamed, a mutant
+stops being broken and ``test_mutants.py`` says so (the property no longer fails).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -112,12 +119,16 @@ class GloballyUnusedAsZero(reducer.Reducer):
 
 
 class LoseAccumulated(reducer.Reducer):
-    """Forgets gradients accumulated while hooks were not expected (no_sync steps)."""
+    """Forgets that a parameter got a gradient while hooks were not expected (no_sync
+    steps): if the synced step does not use it, what it accumulated is not contributed."""
 
     def _autograd_hook(self, replica_index: int, index: int) -> None:
-        if not self._expect_autograd_hooks:
+        if self._expect_autograd_hooks:
+            super()._autograd_hook(replica_index, index)
             return
+        was_used = self._used[replica_index][index]
         super()._autograd_hook(replica_index, index)
+        self._used[replica_index][index] = was_used
 
 
 class ReduceOnlyReplicaZero(reducer.Reducer):
@@ -148,6 +159,66 @@ class _Prepend:
         return self._work.result()[:1] + [torch.Tensor.coalesce(t) for t in self._others]
 
 
+class KeepLocallyUsed(reducer.Reducer):
+    """Never clears the per-iteration "locally used" map: a parameter used in one iteration
+    still counts as used in the next ones."""
+
+    def _finalize_backward(self) -> None:
+        used = [list(per_replica) for per_replica in self._used]
+        super()._finalize_backward()
+        self._used = used
+
+
+class VagueErrors(reducer.Reducer):
+    """Every misuse during training raises a bare RuntimeError that names nothing."""
+
+    def _fail(self, error: BaseException) -> BaseException:
+        super()._fail(error)
+        return RuntimeError("reduction failed")
+
+
+class AcceptInvalidBuckets(reducer.Reducer):
+    """Silently replaces an invalid bucket assignment with one bucket per parameter."""
+
+    def initialize_buckets(self, bucket_indices: list[list[int]]) -> None:
+        try:
+            super().initialize_buckets(bucket_indices)
+        except reducer.BucketAssignmentError:
+            super().initialize_buckets([[i] for i in range(len(self._replicas[0]))])
+
+
+Assign = Callable[[Sequence[Tensor], Sequence[int], Sequence[bool] | None], list[list[int]]]
+_assign = reducer.compute_bucket_assignment_by_size
+
+
+def _close_above_limit(
+    tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
+) -> list[list[int]]:
+    """Closes a bucket only once it exceeds the limit (``>`` for ``>=``)."""
+    return _assign(tensors, [limit + 1 for limit in limits], sparse)
+
+
+def _first_limit_only(
+    tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
+) -> list[list[int]]:
+    """Never moves on to the next limit."""
+    return _assign(tensors, limits[:1], sparse)
+
+
+def _sparse_not_alone(
+    tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
+) -> list[list[int]]:
+    """Ignores the sparse flags: a sparse-gradient tensor shares a bucket."""
+    return _assign(tensors, limits, None)
+
+
+def _unsorted(
+    tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
+) -> list[list[int]]:
+    """Returns the buckets last first instead of sorted by their smallest index."""
+    return _assign(tensors, limits, sparse)[::-1]
+
+
 MUTANTS: dict[str, type[reducer.Reducer]] = {
     "skip the divide": SkipDivide,
     "off-by-one bucket offset": OffByOneOffset,
@@ -157,4 +228,20 @@ MUTANTS: dict[str, type[reducer.Reducer]] = {
     "globally unused as zero": GloballyUnusedAsZero,
     "lose accumulated gradients": LoseAccumulated,
     "reduce only replica 0": ReduceOnlyReplicaZero,
+}
+
+TRAINING_MUTANTS: dict[str, type[reducer.Reducer]] = {
+    "stale locally-used map": KeepLocallyUsed,
+}
+
+BUCKETING_MUTANTS: dict[str, Assign] = {
+    "close a bucket above the limit": _close_above_limit,
+    "never move to the next limit": _first_limit_only,
+    "sparse gradients not alone": _sparse_not_alone,
+    "buckets unsorted": _unsorted,
+}
+
+MISUSE_MUTANTS: dict[str, type[reducer.Reducer]] = {
+    "vague errors": VagueErrors,
+    "accept invalid buckets": AcceptInvalidBuckets,
 }

@@ -4,17 +4,33 @@ Each strategy is usable alone and shrinks toward the simplest case (one branch, 
 bucket, everything used), so a failing property reports a minimal counterexample:
 
 - :func:`branch_specs`, :func:`model_specs`: random models (Linear, MLP, LayerNorm, Conv1d,
-  Conv2d, Embedding dense or sparse; float32 and float64 mixed; shared layers; optional
-  branches, the source of unused parameters), small enough to run in milliseconds.
+  Conv2d, Embedding dense or sparse, a Linear head stacked on conv and embedding layers;
+  float32 and float64 mixed; shared layers; optional branches, the source of unused
+  parameters), small enough to run in milliseconds, optionally with a wide layer whose
+  weight exceeds the reducer's size thresholds.
 - :func:`bucket_assignments`: valid bucket partitions of a model's parameters, either from
   ``compute_bucket_assignment_by_size`` with random limits or arbitrary groupings that respect
   dtype, device and sparse-alone, in arbitrary bucket order.
+- :func:`bucketing_inputs`: tensors of any dtype on two devices (CPU and meta), sparse flags
+  and size limits, for comparing bucket assignment with torch's.
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
-  step (none, some ranks, every rank).
-- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`.
+  step (none, some ranks, every rank). :func:`scenarios` draws the ranks as a list instead,
+  so that shrinking can drop a rank with everything it ran.
+- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
+  replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
+  steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
+  gradients, gradients as bucket views.
+
+The number of synced iterations is drawn by the multi-iteration state machine
+(``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -23,40 +39,75 @@ from torch import Tensor
 import reducer
 
 from .harness import Scenario
-from .model import BranchSpec, ModelSpec, build_model, sparse_flags
+from .model import HEAD_KINDS, KINDS, BranchSpec, ModelSpec, build_model, sparse_flags, wide_width
 
 __all__ = [
     "branch_specs",
     "bucket_assignments",
+    "bucketing_inputs",
     "model_specs",
     "scenarios",
+    "size_limits",
     "unused_patterns",
     "world_sizes",
 ]
 
-# Parameters each kind of branch owns (embedding: one table; conv2d has no bias).
-_PARAMS = {"linear": 2, "mlp": 3, "layernorm": 4, "conv1d": 2, "conv2d": 1, "embedding": 1}
 DTYPES = (torch.float32, torch.float64)
+# Kinds whose first layer reads ``width`` features, so that a wide input makes a large weight.
+_WIDE_KINDS = ("linear", "mlp", "layernorm")
+# One wide branch in 16, drawn as a choice that shrinks to "not wide".
+_WIDE = st.sampled_from([False] * 15 + [True])
+# Strategies built once: building one (and validating it) costs more than drawing from it.
+_BOOLEANS = st.booleans()
+_FEATURES = st.integers(1, 4)
+_SEEDS = st.integers(0, 2**16)
+_SHARE = st.integers(0, 3)  # 0: the new branch reuses an earlier branch's layers
+_MODES = st.sampled_from(["none", "some", "all"])
 
 
 @st.composite
 def branch_specs(
     draw: st.DrawFn,
     *,
-    kinds: tuple[str, ...] = tuple(_PARAMS),
+    kinds: tuple[str, ...] = KINDS,
     dtypes: tuple[torch.dtype, ...] = DTYPES,
     allow_sparse: bool = True,
     optional: bool | None = None,
+    allow_head: bool = True,
+    allow_wide: bool = False,
 ) -> BranchSpec:
-    """One branch. ``optional=None`` draws whether it can be switched off."""
-    kind = draw(st.sampled_from(kinds))
+    """One branch. ``optional=None`` draws whether it can be switched off.
+
+    ``allow_head`` may stack a Linear on a conv or embedding layer. ``allow_wide`` rarely makes
+    the first layer of a linear, MLP or LayerNorm branch so wide (``model.wide_width``) that
+    its weight is large enough for the reducer's size-dependent paths.
+    """
+    kind = draw(_sampled(kinds))
+    dtype = draw(_sampled(dtypes))
+    out = draw(_FEATURES)
+    wide = allow_wide and kind in _WIDE_KINDS and draw(_WIDE)
     return BranchSpec(
         kind=kind,
-        dtype=draw(st.sampled_from(dtypes)),
-        width=draw(st.integers(1, 4)),
-        out=draw(st.integers(1, 4)),
-        sparse=kind == "embedding" and allow_sparse and draw(st.booleans()),
-        optional=draw(st.booleans()) if optional is None else optional,
+        dtype=dtype,
+        width=wide_width(out) if wide else draw(_FEATURES),
+        out=out,
+        sparse=kind == "embedding" and allow_sparse and draw(_BOOLEANS),
+        optional=draw(_BOOLEANS) if optional is None else optional,
+        head=allow_head and kind in HEAD_KINDS and draw(_BOOLEANS),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(values)
+
+
+@functools.lru_cache(maxsize=64)
+def _branches(
+    allow_sparse: bool, optional: bool, allow_head: bool, allow_wide: bool
+) -> st.SearchStrategy[BranchSpec]:
+    return branch_specs(
+        allow_sparse=allow_sparse, optional=optional, allow_head=allow_head, allow_wide=allow_wide
     )
 
 
@@ -70,44 +121,53 @@ def model_specs(
     allow_unused: bool = True,
     allow_shared: bool = True,
     require_optional: bool = False,
+    allow_head: bool = True,
+    allow_wide: bool = False,
 ) -> ModelSpec:
     """A model of 1 to ``max_branches`` branches with at most ``max_params`` parameters.
 
     Branch 0 always runs, so every rank computes some gradient in every step. With
     ``allow_shared``, a later branch may reuse an earlier branch's layers. With
     ``require_optional``, at least one branch can be switched off (one more branch is added
-    if needed, even beyond ``max_params``).
+    if needed, even beyond ``max_params``). ``allow_head`` and ``allow_wide``: see
+    :func:`branch_specs`.
     """
-    branches = [draw(branch_specs(allow_sparse=allow_sparse, optional=False))]
-    params = _PARAMS[branches[0].kind]
+
+    def branch(optional: bool) -> st.SearchStrategy[BranchSpec]:
+        return _branches(allow_sparse, optional, allow_head, allow_wide)
+
+    branches = [draw(branch(False))]
+    params = branches[0].parameter_count
     for _ in range(draw(st.integers(0, max_branches - 1))):
-        optional = allow_unused and draw(st.booleans())
+        optional = allow_unused and draw(_BOOLEANS)
         owners = [i for i, b in enumerate(branches) if b.shared_with is None]
-        if allow_shared and draw(st.integers(0, 3)) == 0:
-            owner = draw(st.sampled_from(owners))
-            o = branches[owner]
-            branches.append(
-                BranchSpec(o.kind, o.dtype, o.width, o.out, o.sparse, optional, shared_with=owner)
-            )
+        if allow_shared and draw(_SHARE) == 0:
+            owner = draw(_sampled(tuple(owners)))
+            branches.append(replace(branches[owner], optional=optional, shared_with=owner))
             continue
-        branch = draw(branch_specs(allow_sparse=allow_sparse, optional=optional))
-        if params + _PARAMS[branch.kind] > max_params:
+        new = draw(branch(optional))
+        if params + new.parameter_count > max_params:
             break
-        params += _PARAMS[branch.kind]
-        branches.append(branch)
+        params += new.parameter_count
+        branches.append(new)
     if require_optional and not any(b.optional for b in branches):
-        branches.append(draw(branch_specs(allow_sparse=allow_sparse, optional=True)))
-    return ModelSpec(tuple(branches), seed=draw(st.integers(0, 2**16)))
+        branches.append(draw(branch(True)))
+    return ModelSpec(tuple(branches), seed=draw(_SEEDS))
 
 
 @st.composite
 def bucket_assignments(
-    draw: st.DrawFn, params: list[Tensor], sparse: list[bool]
+    draw: st.DrawFn, params: Sequence[Tensor], sparse: Sequence[bool]
 ) -> list[list[int]]:
-    """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order."""
-    if draw(st.booleans()):
-        total = sum(p.numel() * p.element_size() for p in params)
-        limits = draw(st.lists(st.integers(0, 2 * total + 1), min_size=1, max_size=3))
+    """A valid bucket partition of ``params``, in arbitrary bucket and intra-bucket order.
+
+    Either ``compute_bucket_assignment_by_size`` with random limits (some of them exactly
+    where a bucket closes), or any grouping that respects dtype, device and sparse-alone. One
+    bucket per dtype and device, in index order, takes the fewest choices, so that failing
+    examples shrink toward it.
+    """
+    if draw(_BOOLEANS):
+        limits = draw(size_limits([p.numel() * p.element_size() for p in params]))
         buckets = reducer.compute_bucket_assignment_by_size(params, limits, sparse)
     else:
         groups: dict[object, list[int]] = {}
@@ -116,14 +176,58 @@ def bucket_assignments(
             groups.setdefault(key, []).append(i)
         buckets = []
         for members in groups.values():
-            labels = [draw(st.integers(0, len(members) - 1)) for _ in members]
+            count = draw(st.integers(1, len(members)))
+            if count == 1:
+                buckets.append(members)
+                continue
             by_label: dict[int, list[int]] = {}
-            for member, label in zip(members, labels, strict=True):
-                by_label.setdefault(label, []).append(member)
+            for member in members:
+                by_label.setdefault(draw(st.integers(0, count - 1)), []).append(member)
             buckets += list(by_label.values())
-    if draw(st.booleans()):
+    if draw(_BOOLEANS):
         buckets = [draw(st.permutations(b)) for b in draw(st.permutations(buckets))]
     return [list(b) for b in buckets]
+
+
+def size_limits(sizes: Sequence[int]) -> st.SearchStrategy[list[int]]:
+    """1 to 4 bucket size limits in bytes for tensors of ``sizes`` bytes: from 0 to about
+    twice their total, or exactly a running total of them (where a bucket closes only if the
+    comparison is ``>=``, as it must be)."""
+    total = sum(sizes)
+    running = sorted({sum(sizes[: i + 1]) for i in range(len(sizes))} | set(sizes))
+    limit = st.integers(0, 2 * total + 1) | st.sampled_from(running)
+    return st.lists(limit, min_size=1, max_size=4)
+
+
+_BUCKETING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@st.composite
+def _bucketing_tensor(draw: st.DrawFn) -> Tensor:
+    numel = draw(st.integers(1, 2048))
+    rows = draw(st.sampled_from([1, *(r for r in (2, 3, 4) if numel % r == 0)]))
+    shape = (numel,) if rows == 1 else (rows, numel // rows)
+    device = draw(st.sampled_from(["cpu", "meta"]))
+    return torch.empty(shape, dtype=draw(st.sampled_from(_BUCKETING_DTYPES)), device=device)
+
+
+@st.composite
+def bucketing_inputs(
+    draw: st.DrawFn, *, max_tensors: int = 12
+) -> tuple[list[Tensor], list[int], list[bool] | None]:
+    """Inputs of ``compute_bucket_assignment_by_size``: tensors, limits, sparse flags.
+
+    Tensors of 1 to 2048 elements in four dtypes, on the CPU or the meta device (so that the
+    (dtype, device) keys of buckets vary; meta tensors cost nothing), shaped flat or 2-D. The
+    sparse flags are absent (None) or one per tensor, drawn with it (so that shrinking drops
+    a tensor with its flag).
+    """
+    flagged = draw(st.booleans())
+    entry = st.tuples(_bucketing_tensor(), st.booleans() if flagged else st.just(False))
+    entries = draw(st.lists(entry, min_size=1, max_size=max_tensors))
+    tensors = [t for t, _ in entries]
+    limits = draw(size_limits([t.numel() * t.element_size() for t in tensors]))
+    return tensors, limits, [f for _, f in entries] if flagged else None
 
 
 def world_sizes(max_size: int = 8) -> st.SearchStrategy[int]:
@@ -147,17 +251,61 @@ def unused_patterns(
         if not optional or (synced_all_used and step == steps - 1):
             result.append(tuple(frozenset(optional) for _ in range(world_size)))
             continue
-        mode = draw(st.sampled_from(["none", "some", "all"]))
+        mode = draw(_MODES)
         if mode == "none":
             result.append(tuple(frozenset(optional) for _ in range(world_size)))
             continue
-        skipped_everywhere = draw(st.sampled_from(optional)) if mode == "all" else None
+        skipped_everywhere = draw(_sampled(tuple(optional))) if mode == "all" else None
         per_rank = []
         for _ in range(world_size):
-            active = {b for b in optional if b != skipped_everywhere and draw(st.booleans())}
+            active = {b for b in optional if b != skipped_everywhere and draw(_BOOLEANS)}
             per_rank.append(frozenset(active))
         result.append(tuple(per_rank))
     return tuple(result)
+
+
+@st.composite
+def _rank_patterns(
+    draw: st.DrawFn,
+    spec: ModelSpec,
+    steps: int,
+    *,
+    synced_all_used: bool,
+    unused: bool,
+    max_world_size: int,
+) -> tuple[tuple[frozenset[int], ...], ...]:
+    """Like :func:`unused_patterns`, but the number of ranks (1 to ``max_world_size``) is
+    drawn here, as a list of ranks: shrinking then deletes a rank together with what it ran,
+    which a world size drawn first cannot do."""
+    optional = spec.optional_branches
+    # Per step: None (every branch runs), or the branch every rank skips, or -1 (none is).
+    plans: list[int | None] = []
+    for step in range(steps):
+        if not unused or not optional or (synced_all_used and step == steps - 1):
+            plans.append(None)
+            continue
+        mode = draw(_MODES)
+        if mode == "none":
+            plans.append(None)
+        else:
+            plans.append(draw(_sampled(tuple(optional))) if mode == "all" else -1)
+
+    per_rank = _one_rank(tuple(optional), tuple(plans))
+    ranks = draw(st.lists(per_rank, min_size=1, max_size=max_world_size))
+    return tuple(tuple(rank[step] for rank in ranks) for step in range(steps))
+
+
+@st.composite
+def _one_rank(
+    draw: st.DrawFn, optional: tuple[int, ...], plans: tuple[int | None, ...]
+) -> tuple[frozenset[int], ...]:
+    """One rank's optional branches per step, under each step's plan (see _rank_patterns)."""
+    return tuple(
+        frozenset(optional)
+        if plan is None
+        else frozenset(b for b in optional if b != plan and draw(_BOOLEANS))
+        for plan in plans
+    )
 
 
 @st.composite
@@ -173,24 +321,28 @@ def scenarios(
     preset_grads: bool | None = None,
     as_view: bool | None = None,
     model: st.SearchStrategy[ModelSpec] | None = None,
+    preset_sparse: bool | None = None,
 ) -> Scenario:
-    """A whole scenario. ``None`` for a flag means "draw it"."""
+    """A whole scenario. ``None`` for a flag means "draw it".
+
+    ``unused=False`` runs every branch in every step; ``find_unused`` passes the outputs to
+    ``prepare_for_backward``; ``min_local_steps``/``max_local_steps`` bound the local
+    (no-sync) backward passes before the synced one.
+    """
     spec = draw(model if model is not None else model_specs(allow_unused=unused))
-    built = build_model(spec)
-    params, sparse = list(built.parameters()), sparse_flags(built)
-    world_size = draw(world_sizes(max_world_size))
+    params, sparse = _parameters_of(spec)
     local_steps = draw(st.integers(min_local_steps, max_local_steps))
-    search = draw(st.booleans()) if find_unused is None else find_unused
+    search = draw(_BOOLEANS) if find_unused is None else find_unused
     steps = draw(
-        unused_patterns(spec, world_size, local_steps + 1, synced_all_used=not search)
-        if unused
-        else st.just(
-            tuple(
-                tuple(frozenset(spec.optional_branches) for _ in range(world_size))
-                for _ in range(local_steps + 1)
-            )
+        _rank_patterns(
+            spec,
+            local_steps + 1,
+            synced_all_used=not search,
+            unused=unused,
+            max_world_size=max_world_size,
         )
     )
+    world_size = len(steps[0])
     return Scenario(
         model=spec,
         world_size=world_size,
@@ -198,6 +350,21 @@ def scenarios(
         buckets=tuple(tuple(b) for b in draw(bucket_assignments(params, sparse))),
         steps=steps,
         find_unused=search,
-        preset_grads=draw(st.booleans()) if preset_grads is None else preset_grads,
-        as_view=draw(st.booleans()) if as_view is None else as_view,
+        preset_grads=draw(_BOOLEANS) if preset_grads is None else preset_grads,
+        as_view=draw(_BOOLEANS) if as_view is None else as_view,
+        preset_sparse=draw(_BOOLEANS) if preset_sparse is None else preset_sparse,
     )
+
+
+def _parameters_of(spec: ModelSpec) -> tuple[list[Tensor], list[bool]]:
+    """The parameters of the model ``spec`` describes and their sparse flags."""
+    params, sparse = _cached_parameters(spec)
+    return list(params), list(sparse)
+
+
+# Generation only reads the parameters' sizes and dtypes, and Hypothesis redraws the same spec
+# often while it shrinks: build each model once. A few entries, since wide models are large.
+@functools.lru_cache(maxsize=16)
+def _cached_parameters(spec: ModelSpec) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
+    model = build_model(spec)
+    return tuple(model.parameters()), tuple(sparse_flags(model))

@@ -1,6 +1,24 @@
-"""Property 6: generated misuse raises the documented error, never a hang or a wrong gradient."""
+"""Property 6: generated misuse raises the documented error, never a hang or a wrong gradient.
+
+Three kinds of misuse, each generated over models, bucket assignments and world sizes:
+
+- a parameter used outside forward (its branch was skipped, then its weights enter the loss):
+  ``ReductionError`` "marked ready twice", naming the parameter by index and name;
+- a second iteration before the first finished its reduction (a rank skipped a branch while
+  every hook was expected): ``ReductionError`` from ``prepare_for_backward`` on that rank,
+  naming exactly the parameters that never got a gradient;
+- invalid bucket indices: ``BucketAssignmentError`` (a ``ValueError``) at construction,
+  naming the parameter or bucket.
+
+Each run has bounded waits (the fake world's collectives time out), so a hang fails the test
+instead of blocking it. After the error the reducers are closed and new ones built on the very
+same models: the next iteration's gradients must be exactly the reference's. Each check takes
+the reducer class, so ``test_mutants.py`` can run it against broken ones.
+"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -10,28 +28,43 @@ from hypothesis import strategies as st
 import fakepg
 import reducer
 
-from .harness import Scenario
-from .model import branch_inputs, build_model, loss_of, sparse_flags
+from .harness import ReducerFactory, Scenario, assert_matches_reference, run_reducer
+from .model import GeneratedModel, branch_inputs, build_model, loss_of, sparse_flags
 from .strategies import bucket_assignments, model_specs, scenarios
 
 unshared_with_optional = model_specs(allow_shared=False, require_optional=True)
+WAIT_S = 10.0  # every collective of these runs fails after this long instead of hanging
 
 
-def _train(scenario: Scenario, rank_fn_extra_loss: bool, iterations: int) -> None:
-    """Run ``iterations`` synced steps; optionally use an unused branch outside forward."""
+def _train(
+    scenario: Scenario,
+    models: list[GeneratedModel],
+    make_reducer: ReducerFactory,
+    *,
+    iterations: int,
+    use_skipped_outside_forward: bool = False,
+) -> None:
+    """Run ``iterations`` synced steps of ``scenario``'s first step pattern on ``models``
+    (one per rank); optionally add a skipped branch's parameters to the loss."""
     s = scenario
 
     def rank_fn(pg: fakepg.FakeProcessGroup) -> None:
-        model = build_model(s.model)
-        params = list(model.parameters())
-        red = reducer.Reducer([params], [list(b) for b in s.buckets], pg, [sparse_flags(model)])
+        model = models[pg.rank()]
+        names = [name for name, _ in model.named_parameters()]
+        red = make_reducer(
+            [list(model.parameters())],
+            [list(b) for b in s.buckets],
+            pg,
+            [sparse_flags(model)],
+            param_names=names,
+        )
         try:
             for step in range(iterations):
                 active = s.active(0, pg.rank())
                 outputs = model(branch_inputs(s.model, s.input_seed(pg.rank(), 0, step)), active)
                 red.prepare_for_backward(outputs if s.find_unused else [])
                 loss = loss_of(outputs)
-                if rank_fn_extra_loss:
+                if use_skipped_outside_forward:
                     skipped = [b for b in s.model.optional_branches if b not in active]
                     for p in model.branches[s.model.owner(skipped[0])].parameters():
                         loss = loss + p.double().sum()  # a parameter used outside forward
@@ -39,60 +72,130 @@ def _train(scenario: Scenario, rank_fn_extra_loss: bool, iterations: int) -> Non
         finally:
             red.close()
 
-    fakepg.run(rank_fn, s.world_size, timeout=20.0)
+    fakepg.run(rank_fn, s.world_size, timeout=WAIT_S)
+
+
+def _branch_parameters(scenario: Scenario, model: GeneratedModel, branch: int) -> dict[int, str]:
+    """Index -> name of the parameters of ``branch`` (which shares no layers)."""
+    mine = {id(p) for p in model.branches[branch].parameters()}
+    return {i: name for i, (name, p) in enumerate(model.named_parameters()) if id(p) in mine}
+
+
+def _described(index: int, name: str) -> str:
+    return re.escape(f"parameter {index} ({name!r})")
+
+
+def _check_recovers(scenario: Scenario, models: list[GeneratedModel]) -> None:
+    """Close-and-rebuild works: on the same models (gradients cleared), one clean synced
+    iteration with every branch running gives exactly the reference's gradients."""
+    s = scenario
+    clean = Scenario(
+        s.model,
+        s.world_size,
+        1,
+        s.buckets,
+        ((frozenset(s.model.optional_branches),) * s.world_size,),
+        find_unused=False,
+    )
+    for model in models:
+        model.zero_grad(set_to_none=True)
+    assert_matches_reference(run_reducer(clean, models=[[m] for m in models]), clean)
+
+
+# -- a parameter used outside forward ---------------------------------------------------------
 
 
 @st.composite
 def used_outside_forward(draw: st.DrawFn) -> Scenario:
     """A scenario whose ranks all skip one optional branch (no shared layers), so that the
     training loop can then use that branch's parameters outside forward."""
-    spec = draw(model_specs(allow_shared=False, require_optional=True))
+    spec = draw(unshared_with_optional)
     skipped = draw(st.sampled_from(spec.optional_branches))
     world_size = draw(st.integers(1, 4))
     others = [b for b in spec.optional_branches if b != skipped]
     active = frozenset(b for b in others if draw(st.booleans()))
-    params = list(build_model(spec).parameters())
-    buckets = draw(bucket_assignments(params, sparse_flags(build_model(spec))))
+    model = build_model(spec)
+    buckets = draw(bucket_assignments(list(model.parameters()), sparse_flags(model)))
     steps = ((active,) * world_size,)
     return Scenario(spec, world_size, 1, tuple(map(tuple, buckets)), steps, find_unused=True)
 
 
+def check_used_outside_forward(
+    scenario: Scenario, make_reducer: ReducerFactory = reducer.Reducer
+) -> None:
+    models = [build_model(scenario.model) for _ in range(scenario.world_size)]
+    skipped = next(b for b in scenario.model.optional_branches if b not in scenario.steps[0][0])
+    named = _branch_parameters(scenario, models[0], skipped)
+    which = "|".join(_described(i, name) for i, name in named.items())
+    with pytest.raises(reducer.ReductionError, match=f"({which}) was marked ready twice"):
+        _train(scenario, models, make_reducer, iterations=1, use_skipped_outside_forward=True)
+    _check_recovers(scenario, models)
+
+
 @given(used_outside_forward())
 def test_a_parameter_used_outside_forward_is_reported(scenario: Scenario) -> None:
-    with pytest.raises(reducer.ReductionError, match="marked ready twice"):
-        _train(scenario, rank_fn_extra_loss=True, iterations=1)
+    check_used_outside_forward(scenario)
 
 
-@given(
-    scenarios(model=unshared_with_optional, find_unused=False, max_replicas=1, max_world_size=4),
-    st.data(),
-)
-def test_a_second_iteration_before_the_reduction_finished_is_reported(
-    scenario: Scenario, data: st.DataObject
-) -> None:
-    # Every hook expected (no outputs given), but some rank skips a branch of its own.
-    spec = scenario.model
-    rank = data.draw(st.integers(0, scenario.world_size - 1))
-    skipped = data.draw(st.sampled_from(spec.optional_branches))
-    steps = tuple(
-        tuple(
-            frozenset(spec.optional_branches) - ({skipped} if r == rank else set())
-            for r in range(scenario.world_size)
-        )
-        for _ in scenario.steps
-    )
-    broken = Scenario(
-        scenario.model, scenario.world_size, 1, scenario.buckets, steps, find_unused=False
-    )
-    with pytest.raises(reducer.ReductionError, match=f"on rank {rank}, these parameters never"):
-        _train(broken, rank_fn_extra_loss=False, iterations=2)
+# -- a second iteration before the reduction finished ---------------------------------------
 
 
 @st.composite
-def corrupted(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[bool], list[list[int]], str]:
+def unfinished_iterations(draw: st.DrawFn) -> tuple[Scenario, int]:
+    """Every hook expected (no outputs given), but one rank skips a branch of its own: that
+    rank's next ``prepare_for_backward`` must fail. Returns the scenario and the rank."""
+    base = draw(
+        scenarios(model=unshared_with_optional, find_unused=False, max_replicas=1, max_world_size=4)
+    )
+    spec = base.model
+    rank = draw(st.integers(0, base.world_size - 1))
+    skipped = draw(st.sampled_from(spec.optional_branches))
+    pattern = tuple(
+        frozenset(spec.optional_branches) - ({skipped} if r == rank else set())
+        for r in range(base.world_size)
+    )
+    return Scenario(spec, base.world_size, 1, base.buckets, (pattern,), find_unused=False), rank
+
+
+def check_unfinished_iteration(
+    case: tuple[Scenario, int], make_reducer: ReducerFactory = reducer.Reducer
+) -> None:
+    scenario, rank = case
+    models = [build_model(scenario.model) for _ in range(scenario.world_size)]
+    skipped = next(b for b in scenario.model.optional_branches if b not in scenario.steps[0][rank])
+    named = _branch_parameters(scenario, models[0], skipped)
+    with pytest.raises(
+        reducer.ReductionError, match=f"on rank {rank}, these parameters never got a gradient"
+    ) as info:
+        _train(scenario, models, make_reducer, iterations=2)
+    # Exactly the skipped branch's parameters are named, each by index and name.
+    message = str(info.value)
+    listed = message.split("never got a gradient:", 1)[1].split(". ", 1)[0]
+    assert set(map(int, re.findall(r"parameter (\d+)", listed))) == set(named), message
+    for i, name in named.items():
+        assert re.search(_described(i, name), listed), f"parameter {i} not named: {message}"
+    _check_recovers(scenario, models)
+
+
+@given(unfinished_iterations())
+def test_a_second_iteration_before_the_reduction_finished_is_reported(
+    case: tuple[Scenario, int],
+) -> None:
+    check_unfinished_iteration(case)
+
+
+# -- invalid bucket indices -------------------------------------------------------------------
+
+BucketCase = tuple[list[torch.Tensor], list[bool], list[list[int]], str]
+
+
+@st.composite
+def corrupted(draw: st.DrawFn) -> BucketCase:
+    """A model's parameters, their sparse flags, a bucket assignment broken in one way, and
+    the words the error must contain."""
     spec = draw(model_specs())
     model = build_model(spec)
-    params = list(model.parameters())
+    params: list[torch.Tensor] = list(model.parameters())
     sparse = sparse_flags(model)
     buckets = draw(bucket_assignments(params, sparse))
     kinds = ["drop", "duplicate", "out of range", "empty"]
@@ -135,10 +238,12 @@ def corrupted(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[bool], list[lis
     return params, sparse, buckets, match
 
 
-@given(corrupted())
-def test_invalid_bucket_indices_raise_value_error(
-    case: tuple[list[torch.Tensor], list[bool], list[list[int]], str],
-) -> None:
+def check_invalid_buckets(case: BucketCase, make_reducer: ReducerFactory = reducer.Reducer) -> None:
     params, sparse, buckets, match = case
     with fakepg.World(1) as world, pytest.raises(reducer.BucketAssignmentError, match=match):
-        reducer.Reducer([params], buckets, world.group(0), [sparse])
+        make_reducer([params], buckets, world.group(0), [sparse])
+
+
+@given(corrupted())
+def test_invalid_bucket_indices_raise_value_error(case: BucketCase) -> None:
+    check_invalid_buckets(case)

@@ -1,28 +1,59 @@
-"""Property 5: bucket assignment equals torch's on the parameters of random models."""
+"""Property 5: bucket assignment equals torch's ``_compute_bucket_assignment_by_size``.
+
+On arbitrary tensor lists (four dtypes, two devices, sparse flags or none, any limits) and on
+the parameters of random models, in forward order and in the reverse order DDP buckets in.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import Tensor
 
 import reducer
 
 from .model import ModelSpec, build_model, sparse_flags
-from .strategies import model_specs
+from .strategies import bucketing_inputs, model_specs, size_limits
+
+Assign = Callable[[Sequence[Tensor], Sequence[int], Sequence[bool] | None], list[list[int]]]
 
 
-@given(
-    model_specs(max_branches=6, max_params=16),
-    st.lists(st.integers(0, 4096), min_size=1, max_size=4),
-    st.booleans(),
-)
-def test_bucket_assignment_equals_torchs(spec: ModelSpec, limits: list[int], reverse: bool) -> None:
+def check_bucket_assignment(
+    tensors: Sequence[Tensor],
+    limits: Sequence[int],
+    sparse: Sequence[bool] | None,
+    assign: Assign = reducer.compute_bucket_assignment_by_size,
+) -> None:
+    ours = assign(tensors, limits, sparse)
+    # torch takes [] for "no sparse flags"; ours takes None too.
+    theirs, _ = dist._compute_bucket_assignment_by_size(  # type: ignore[attr-defined]
+        list(tensors), list(limits), list(sparse or [])
+    )
+    assert ours == [list(b) for b in theirs], (
+        f"bucket assignment differs from torch's for limits {limits}, sparse {sparse}, tensors "
+        f"{[(t.numel(), str(t.dtype), str(t.device)) for t in tensors]}: ours {ours}, "
+        f"torch's {theirs}"
+    )
+
+
+@given(bucketing_inputs())
+def test_bucket_assignment_of_any_tensors_equals_torchs(
+    case: tuple[list[Tensor], list[int], list[bool] | None],
+) -> None:
+    check_bucket_assignment(*case)
+
+
+@given(model_specs(max_branches=6, max_params=16, allow_wide=True), st.booleans(), st.data())
+def test_bucket_assignment_of_model_parameters_equals_torchs(
+    spec: ModelSpec, reverse: bool, data: st.DataObject
+) -> None:
     model = build_model(spec)
     params = list(model.parameters())
     sparse = sparse_flags(model)
     if reverse:  # the order DDP buckets in: last layers first
         params, sparse = params[::-1], sparse[::-1]
-    ours = reducer.compute_bucket_assignment_by_size(params, limits, sparse)
-    theirs, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
-    assert ours == [list(b) for b in theirs]
+    limits = data.draw(size_limits([p.numel() * p.element_size() for p in params]))
+    check_bucket_assignment(params, limits, sparse)
