@@ -1,4 +1,4 @@
-"""The data movement of each collective: local validation, fingerprints, and the kernels.
+"""The data movement of each collective: argument rules, fingerprints, and the kernels.
 
 A collective's kernel is a list of independent *tasks* that the world's executor runs on its
 worker threads once every rank has joined. Tasks never take a lock: the world hands them
@@ -25,13 +25,14 @@ tensors that no rank touches until the collective's ``Work`` completes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from reducer._collective_args import SPEC_FIELDS, CollectiveRules, TensorSpec
 from reducer.process_group import ReduceOp
 
 __all__: list[str] = []
@@ -41,29 +42,6 @@ Task = Callable[[], None]
 _BLOCK_BYTES = 256 * 1024
 # Below this many elements per part, splitting costs more in hand-offs than it saves.
 _MIN_PART_ELEMENTS = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """What must agree about a tensor across ranks: dtype, shape, layout, device."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    layout: torch.layout
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: Tensor) -> TensorSpec:
-        return cls(tensor.dtype, tuple(tensor.shape), tensor.layout, tensor.device)
-
-    def __str__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        text = f"{dtype}[{', '.join(str(s) for s in self.shape)}]"
-        if self.layout != torch.strided:
-            text += f" {str(self.layout).removeprefix('torch.')}"
-        if self.device.type != "cpu":
-            text += f" on {self.device}"
-        return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +71,7 @@ class Fingerprint:
         if len(self.specs) != len(other.specs):
             found.append("tensor count")
         else:
-            for field in ("dtype", "shape", "layout", "device"):
+            for field in SPEC_FIELDS:
                 if any(
                     getattr(a, field) != getattr(b, field)
                     for a, b in zip(self.specs, other.specs, strict=True)
@@ -103,77 +81,16 @@ class Fingerprint:
 
 
 # --------------------------------------------------------------------------------------------
-# Local validation: raised from the call on the rank that passed the bad argument.
+# Local validation: the checks are shared with reducer.TorchProcessGroup; these are the fake
+# world's rules. They raise ValueError from the call on the rank that passed the bad argument.
 
-
-def check_tensor_list(tensors: object, what: str) -> list[Tensor]:
-    """``tensors`` as a list, or a ValueError saying what is wrong with it."""
-    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
-        raise ValueError(f"{what} takes a list of tensors, got {type(tensors).__name__}")
-    if not tensors:
-        raise ValueError(f"{what} got an empty list of tensors; pass at least one tensor")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{what}: element {i} is a {type(t).__name__}, not a tensor")
-    return list(tensors)
-
-
-def check_allreduce(tensors: object, op: object) -> list[Tensor]:
-    """Validate one rank's allreduce arguments; every tensor must match the first one."""
-    if not isinstance(op, ReduceOp):
-        raise ValueError(f"allreduce: op must be a reducer.ReduceOp, got {op!r}")
-    tensors = check_tensor_list(tensors, "allreduce")
-    first = TensorSpec.of(tensors[0])
-    for i, t in enumerate(tensors):
-        if TensorSpec.of(t) != first:
-            raise ValueError(
-                f"allreduce: tensor {i} is {TensorSpec.of(t)} but tensor 0 is {first}; all "
-                "tensors of one allreduce (one per replica) must have the same dtype, shape, "
-                "layout and device"
-            )
-        if t.layout == torch.strided and not t.is_contiguous():
-            raise ValueError(
-                f"allreduce: tensor {i} ({first}) is not contiguous; pass .contiguous() and "
-                "copy the result back"
-            )
-    if first.layout not in (torch.strided, torch.sparse_coo):
-        raise ValueError(f"allreduce: layout {first.layout} is not supported (dense or COO)")
-    if first.layout == torch.sparse_coo and op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise ValueError(f"allreduce: sparse tensors support SUM and AVG only, not {op.name}")
-    if op == ReduceOp.AVG and not (first.dtype.is_floating_point or first.dtype.is_complex):
-        raise ValueError(f"allreduce: AVG needs a floating dtype, got {first.dtype}")
-    return tensors
-
-
-def check_allgather(
-    output_lists: object, inputs: object, world_size: int
-) -> tuple[list[list[Tensor]], list[Tensor]]:
-    checked_inputs = check_tensor_list(inputs, "allgather inputs")
-    if (
-        isinstance(output_lists, Tensor)
-        or not isinstance(output_lists, Sequence)
-        or len(output_lists) != len(checked_inputs)
-    ):
-        raise ValueError(
-            f"allgather: got {len(checked_inputs)} input tensor(s) and output lists "
-            f"{type(output_lists).__name__}; pass one list of world_size outputs per input"
-        )
-    outputs = []
-    for i, (raw, inp) in enumerate(zip(output_lists, checked_inputs, strict=True)):
-        out = check_tensor_list(raw, f"allgather output list {i}")
-        if len(out) != world_size:
-            raise ValueError(
-                f"allgather: output list {i} has {len(out)} tensor(s); it needs one per rank "
-                f"({world_size})"
-            )
-        for r, t in enumerate(out):
-            if TensorSpec.of(t) != TensorSpec.of(inp):
-                raise ValueError(
-                    f"allgather: output {i}[{r}] is {TensorSpec.of(t)} but input {i} is "
-                    f"{TensorSpec.of(inp)}; outputs must match their input"
-                )
-        outputs.append(out)
-    return outputs, checked_inputs
+RULES = CollectiveRules(
+    error=ValueError,
+    name="fakepg's kernels",
+    allreduce_match=SPEC_FIELDS,
+    allgather_match=SPEC_FIELDS,
+    contiguous_everywhere=False,
+)
 
 
 # --------------------------------------------------------------------------------------------

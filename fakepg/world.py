@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from reducer import _collective_args as _args
 from reducer.process_group import ReduceOp
 
 from . import collectives as _c
@@ -426,8 +427,10 @@ class FakeProcessGroup:
 
     def allreduce(self, tensors: list[Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
         """Reduce in place; see Note [Deterministic reduction order] in fakepg.collectives."""
-        tensors = _c.check_allreduce(tensors, op)
-        fingerprint = _c.Fingerprint("allreduce", op, None, tuple(map(_c.TensorSpec.of, tensors)))
+        tensors = _args.check_allreduce(tensors, op, _c.RULES)
+        fingerprint = _c.Fingerprint(
+            "allreduce", op, None, tuple(map(_args.TensorSpec.of, tensors))
+        )
         sparse = tensors[0].is_sparse
         max_parts = self._world.executor.num_threads
 
@@ -440,8 +443,12 @@ class FakeProcessGroup:
         return self._world._issue(self._rank, fingerprint, tensors, tensors, plan, _nbytes(tensors))
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> Work:
-        outputs, inputs = _c.check_allgather(output_lists, inputs, self._world.world_size)
-        fingerprint = _c.Fingerprint("allgather", None, None, tuple(map(_c.TensorSpec.of, inputs)))
+        outputs, inputs = _args.check_allgather(
+            output_lists, inputs, self._world.world_size, _c.RULES
+        )
+        fingerprint = _c.Fingerprint(
+            "allgather", None, None, tuple(map(_args.TensorSpec.of, inputs))
+        )
 
         def plan(per_rank: list[tuple[list[list[Tensor]], list[Tensor]]]) -> list[_c.Task]:
             return _c.allgather_tasks([o for o, _ in per_rank], [i for _, i in per_rank])
@@ -452,12 +459,14 @@ class FakeProcessGroup:
         )
 
     def broadcast(self, tensors: list[Tensor], root: int) -> Work:
-        tensors = _c.check_tensor_list(tensors, "broadcast")
+        tensors = _args.check_tensor_list(tensors, "broadcast", _c.RULES)
         if not isinstance(root, int) or not 0 <= root < self._world.world_size:
             raise ValueError(
                 f"broadcast: root must be a rank in [0, {self._world.world_size}), got {root!r}"
             )
-        fingerprint = _c.Fingerprint("broadcast", None, root, tuple(map(_c.TensorSpec.of, tensors)))
+        fingerprint = _c.Fingerprint(
+            "broadcast", None, root, tuple(map(_args.TensorSpec.of, tensors))
+        )
 
         def plan(per_rank: list[list[Tensor]]) -> list[_c.Task]:
             return _c.broadcast_tasks(per_rank, root)

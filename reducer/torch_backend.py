@@ -78,6 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _collective_args as _args
 from .errors import InvalidArgument, ReductionError
 from .process_group import ReduceOp
 
@@ -112,6 +113,16 @@ _COMBINE: dict[ReduceOp, Callable[..., Tensor]] = {
     ReduceOp.MIN: torch.minimum,
     ReduceOp.MAX: torch.maximum,
 }
+# What torch's backends require of collective arguments, checked before torch is called (the
+# checks are shared with fakepg). Replicas of one allreduce may be on several devices: see Note
+# [Tensor lists on real backends].
+_RULES = _args.CollectiveRules(
+    error=InvalidArgument,
+    name="torch backends",
+    allreduce_match=("dtype", "shape", "layout"),
+    allgather_match=("dtype", "shape", "device"),
+    contiguous_everywhere=True,
+)
 # Backends known to implement ReduceOp.AVG themselves. See Note [AVG where the backend lacks it].
 _NATIVE_AVG = frozenset({"nccl", "fakepg"})
 # Backends known to have no sparse allreduce (stock NCCL builds).
@@ -179,7 +190,7 @@ class TorchProcessGroup:
         """Reduce in place across ranks; a list is combined locally first (see Note [Tensor
         lists on real backends]). Sparse tensors (gloo) come back through ``result()`` and
         are also copied into the inputs."""
-        tensors = _check_allreduce(tensors, op)
+        tensors = _args.check_allreduce(tensors, op, _RULES)
         if tensors[0].is_sparse:
             return self._sparse_allreduce(tensors, op)
         first, count = tensors[0], len(tensors)
@@ -254,7 +265,7 @@ class TorchProcessGroup:
 
     def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> TorchWork:
         """``output_lists[i][r]`` = rank r's ``inputs[i]``; one torch all_gather per input."""
-        outputs, inputs = _check_allgather(output_lists, inputs, self._size)
+        outputs, inputs = _args.check_allgather(output_lists, inputs, self._size, _RULES)
         stage = self._stage_device(inputs[0], "allgather")
         for t in [*inputs, *(t for out in outputs for t in out)]:
             if self._stage_device(t, "allgather") != stage:
@@ -286,7 +297,7 @@ class TorchProcessGroup:
 
     def broadcast(self, tensors: list[Tensor], root: int) -> TorchWork:
         """Rank ``root``'s tensors into everyone's; one torch broadcast per tensor."""
-        tensors = _check_tensor_list(tensors, "broadcast")
+        tensors = _args.check_tensor_list(tensors, "broadcast", _RULES)
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self._size:
             raise InvalidArgument(
                 f"broadcast: root must be a rank in [0, {self._size}), got {root!r}"
@@ -520,10 +531,6 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(text.split())[:600]
 
 
-# -------------------------------------------------------------------------------------------
-# Local validation: raised from the call on the rank that passed the bad argument.
-
-
 def _describe(
     kind: str, seq: int, op: ReduceOp | None, tensors: Sequence[Tensor], extra: str = ""
 ) -> str:
@@ -539,79 +546,3 @@ def _describe(
             spec += " sparse"
         parts.append(f"{len(tensors)} x {spec}" if len(tensors) > 1 else spec)
     return f"{kind} #{seq} ({', '.join(parts)})" if parts else f"{kind} #{seq}"
-
-
-def _check_tensor_list(tensors: object, what: str) -> list[Tensor]:
-    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
-        raise InvalidArgument(
-            f"{what} takes a list of tensors, got {type(tensors).__name__}; wrap a single "
-            "tensor as [tensor]"
-        )
-    if not tensors:
-        raise InvalidArgument(f"{what} got an empty list of tensors; pass at least one tensor")
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            raise InvalidArgument(f"{what}: element {i} is a {type(t).__name__}, not a tensor")
-        if t.layout == torch.strided and not t.is_contiguous():
-            raise InvalidArgument(
-                f"{what}: tensor {i} is not contiguous; torch backends need contiguous tensors: "
-                "pass .contiguous() and copy the result back"
-            )
-    return list(tensors)
-
-
-def _check_allreduce(tensors: object, op: object) -> list[Tensor]:
-    if not isinstance(op, ReduceOp):
-        raise InvalidArgument(f"allreduce: op must be a reducer.ReduceOp, got {op!r}")
-    checked = _check_tensor_list(tensors, "allreduce")
-    first = checked[0]
-    for i, t in enumerate(checked[1:], start=1):
-        # Devices may differ (replicas on several GPUs): see Note [Tensor lists on real
-        # backends].
-        if (t.dtype, t.shape, t.layout) != (first.dtype, first.shape, first.layout):
-            raise InvalidArgument(
-                f"allreduce: tensor {i} is {t.dtype} {tuple(t.shape)} {t.layout} but tensor 0 is "
-                f"{first.dtype} {tuple(first.shape)} {first.layout}; all tensors of one "
-                "allreduce (one per replica) must match"
-            )
-    if first.layout not in (torch.strided, torch.sparse_coo):
-        raise InvalidArgument(f"allreduce: layout {first.layout} is not supported (dense or COO)")
-    if first.is_sparse and op not in (ReduceOp.SUM, ReduceOp.AVG):
-        raise InvalidArgument(f"allreduce: sparse tensors support SUM and AVG only, not {op.name}")
-    if op is ReduceOp.AVG and not (first.dtype.is_floating_point or first.dtype.is_complex):
-        raise InvalidArgument(
-            f"allreduce: AVG needs a floating dtype, got {first.dtype}; use SUM and divide"
-        )
-    return checked
-
-
-def _check_allgather(
-    output_lists: object, inputs: object, size: int
-) -> tuple[list[list[Tensor]], list[Tensor]]:
-    checked_inputs = _check_tensor_list(inputs, "allgather inputs")
-    if (
-        isinstance(output_lists, Tensor)
-        or not isinstance(output_lists, Sequence)
-        or len(output_lists) != len(checked_inputs)
-    ):
-        raise InvalidArgument(
-            f"allgather: got {len(checked_inputs)} input tensor(s) and output lists of type "
-            f"{type(output_lists).__name__}; pass one list of size() outputs per input"
-        )
-    outputs = []
-    for i, (raw, inp) in enumerate(zip(output_lists, checked_inputs, strict=True)):
-        out = _check_tensor_list(raw, f"allgather output list {i}")
-        if len(out) != size:
-            raise InvalidArgument(
-                f"allgather: output list {i} has {len(out)} tensor(s); it needs one per rank "
-                f"({size})"
-            )
-        for r, t in enumerate(out):
-            if (t.dtype, t.shape, t.device) != (inp.dtype, inp.shape, inp.device):
-                raise InvalidArgument(
-                    f"allgather: output {i}[{r}] is {t.dtype} {tuple(t.shape)} on {t.device} but "
-                    f"input {i} is {inp.dtype} {tuple(inp.shape)} on {inp.device}; outputs must "
-                    "match their input"
-                )
-        outputs.append(out)
-    return outputs, checked_inputs
