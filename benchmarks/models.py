@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -27,3 +29,17 @@ MODELS = {
 
 def batch(width: int, batch_size: int = 32, seed: int = 0) -> torch.Tensor:
     return torch.randn(batch_size, width, generator=torch.Generator().manual_seed(seed))
+
+
+def with_copies(build: Callable[[], nn.Module]) -> tuple[nn.Module, Callable[[], nn.Module]]:
+    """A model built under seed 0, and a function that builds more with the same weights (one
+    per variant that a benchmark compares, so that all compute the same)."""
+    torch.manual_seed(0)
+    base = build()
+
+    def copy_of() -> nn.Module:
+        model = build()
+        model.load_state_dict(base.state_dict())
+        return model
+
+    return base, copy_of

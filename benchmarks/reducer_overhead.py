@@ -15,70 +15,40 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine, median_ms, table
-from models import MODELS, batch
+from _common import Variant, interleave, machine, median_ms, reducer_and_torch_ddp, table
+from models import MODELS, batch, with_copies
 
 import fakepg
-import reducer
+
+WARMUP = 10
 
 
 def measure(name: str, steps: int, batch_size: int, cap_mb: float) -> list[list[object]]:
     build, width = MODELS[name]
-    torch.manual_seed(0)
-    base = build()
+    base, copy_of = with_copies(build)
     x = batch(width, batch_size)
     world = fakepg.World(1)
+    variants, reducers = reducer_and_torch_ddp(base, copy_of, world.group(0), cap_mb, plain="plain")
 
-    def copy_of() -> nn.Module:
-        model = build()
-        model.load_state_dict(base.state_dict())
-        return model
+    def backward(_step: int, variant: Variant) -> float:
+        model, forward, prepare = variant
+        loss = forward(x).sum()
+        t0 = time.perf_counter()
+        prepare()
+        loss.backward()
+        elapsed = time.perf_counter() - t0
+        model.zero_grad(set_to_none=False)
+        return elapsed
 
-    variants: dict[
-        str, tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], Callable[[], None]]
-    ] = {}
-    variants["plain"] = (base, base, lambda: None)
-    for view in (False, True):
-        model = copy_of()
-        params = list(model.parameters())
-        red = reducer.Reducer(
-            [params],
-            reducer.ddp_bucket_assignment(params, bucket_cap_mb=cap_mb),
-            world.group(0),
-            gradient_as_bucket_view=view,
-        )
-        variants[f"reducer{' views' if view else ''}"] = (
-            model,
-            model,
-            lambda r=red: r.prepare_for_backward([]),
-        )
-    for view in (False, True):
-        model = copy_of()
-        ddp = nn.parallel.DistributedDataParallel(
-            model, bucket_cap_mb=cap_mb, gradient_as_bucket_view=view
-        )
-        variants[f"torch DDP{' views' if view else ''}"] = (model, ddp, lambda: None)
-
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for step in range(steps + 10):
-        for label, (model, forward, prepare) in variants.items():
-            loss = forward(x).sum()
-            t0 = time.perf_counter()
-            prepare()
-            loss.backward()
-            elapsed = time.perf_counter() - t0
-            if step >= 10:
-                samples[label].append(elapsed)
-            model.zero_grad(set_to_none=False)
+    samples = interleave(variants, steps, WARMUP, backward)
+    for red in reducers:
+        red.close()
     world.close()
     plain = median_ms(samples["plain"])
     return [

@@ -19,22 +19,19 @@ the fitted link and, per cap, predicted and measured median step times and their
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine, table
+import _gloo
+from _common import interleave, machine, table
 
 import fakepg
 import reducer
@@ -42,7 +39,7 @@ from reducer import _sim_models as models
 from reducer import simulate
 from reducer.whatif import BackwardProfile, sweep
 
-WORLD_SIZE = 2
+WORLD_SIZE = _gloo.WORLD_SIZE
 WARMUP = 3
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -87,76 +84,69 @@ def measure_gloo(args: argparse.Namespace, rank: int) -> dict[float | None, floa
         )
         optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
         variants[cap] = (module, ddp, optimizer)
-    samples: dict[float | None, list[float]] = {cap: [] for cap in variants}
-    for step in range(args.steps + WARMUP):
-        for cap, (module, ddp, optimizer) in variants.items():
-            generator = models.batch_generator(args.seed, rank, step, 0)
-            x, y = module.make_batch(generator, args.batch_size)
-            dist.barrier()  # untimed: both ranks start the step together
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = module.loss(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            if step >= WARMUP:
-                samples[cap].append(time.perf_counter() - t0)
+
+    def timed_step(step: int, variant: tuple[Any, Any, torch.optim.Optimizer]) -> float:
+        module, ddp, optimizer = variant
+        generator = models.batch_generator(args.seed, rank, step, 0)
+        x, y = module.make_batch(generator, args.batch_size)
+        dist.barrier()  # untimed: both ranks start the step together
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = module.loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - t0
+
+    samples = interleave(variants, args.steps, WARMUP, timed_step)
     for _, ddp, _ in variants.values():
         if isinstance(ddp, reducer.DistributedDataParallel):
             ddp.reducer.close()
     return {cap: statistics.median(s) for cap, s in samples.items()}
 
 
-def rank_main(rank: int, args: argparse.Namespace, port: int, profile: BackwardProfile) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=300)
-    )
-    try:
-        alpha, bandwidth, points = fit_link(args.repeats)
-        measured = measure_gloo(args, rank)
-        if rank != 0:
-            return
-        link = fakepg.AlphaBeta(alpha, bandwidth, "ring", "gloo loopback (fitted)")
-        print(f"# machine: {machine()}")
-        print(f"# model {args.model}, width {args.width}, batch {args.batch_size}, 2 ranks")
-        print(f"# link fitted from {len(points)} sizes: {link}")
-        fit_rows = [
-            [f"{n >> 10} KiB", s * 1e3, link.collective_time_s("allreduce", n, 2) * 1e3]
-            for n, s in points
-        ]
-        print(table(["allreduce", "gloo ms", "fitted model ms"], fit_rows))
-        print()
-        rows: list[list[object]] = []
-        no_comm = sweep(profile, args.caps, WORLD_SIZE, None)
-        for p, alone in zip(sweep(profile, args.caps, WORLD_SIZE, link), no_comm, strict=True):
-            real = measured[p.bucket_cap_mb] * 1e3
-            rows.append(
-                [
-                    f"{p.bucket_cap_mb:g}",
-                    len(p.bucket_nbytes),
-                    alone.step_ns / 1e6,
-                    p.step_ns / 1e6,
-                    real,
-                    f"{p.step_ns / 1e6 / real:.2f}",
-                ]
-            )
-        headers = [
-            "bucket cap MiB",
-            "buckets",
-            "predicted, no comm ms",
-            "predicted ms",
-            "gloo measured ms",
-            "predicted / measured",
-        ]
-        print(table(headers, rows))
-        print(
-            f"\nthe same step without any reduction, measured on the gloo ranks: "
-            f"{measured[None] * 1e3:.1f} ms (the profile's compute: "
-            f"{(profile.optimizer_ns + profile.forward_ns + max(profile.ready_ns)) / 1e6:.1f} ms)"
+def rank_main(rank: int, args: argparse.Namespace, profile: BackwardProfile) -> None:
+    alpha, bandwidth, points = fit_link(args.repeats)
+    measured = measure_gloo(args, rank)
+    if rank != 0:
+        return
+    link = fakepg.AlphaBeta(alpha, bandwidth, "ring", "gloo loopback (fitted)")
+    print(f"# machine: {machine()}")
+    print(f"# model {args.model}, width {args.width}, batch {args.batch_size}, 2 ranks")
+    print(f"# link fitted from {len(points)} sizes: {link}")
+    fit_rows = [
+        [f"{n >> 10} KiB", s * 1e3, link.collective_time_s("allreduce", n, 2) * 1e3]
+        for n, s in points
+    ]
+    print(table(["allreduce", "gloo ms", "fitted model ms"], fit_rows))
+    print()
+    rows: list[list[object]] = []
+    no_comm = sweep(profile, args.caps, WORLD_SIZE, None)
+    for p, alone in zip(sweep(profile, args.caps, WORLD_SIZE, link), no_comm, strict=True):
+        real = measured[p.bucket_cap_mb] * 1e3
+        rows.append(
+            [
+                f"{p.bucket_cap_mb:g}",
+                len(p.bucket_nbytes),
+                alone.step_ns / 1e6,
+                p.step_ns / 1e6,
+                real,
+                f"{p.step_ns / 1e6 / real:.2f}",
+            ]
         )
-    finally:
-        dist.destroy_process_group()
+    headers = [
+        "bucket cap MiB",
+        "buckets",
+        "predicted, no comm ms",
+        "predicted ms",
+        "gloo measured ms",
+        "predicted / measured",
+    ]
+    print(table(headers, rows))
+    print(
+        f"\nthe same step without any reduction, measured on the gloo ranks: "
+        f"{measured[None] * 1e3:.1f} ms (the profile's compute: "
+        f"{(profile.optimizer_ns + profile.forward_ns + max(profile.ready_ns)) / 1e6:.1f} ms)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,18 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if profile is None:
         raise SystemExit(f"whatif_vs_gloo: the measuring run failed: {result.failure}")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    context = mp.spawn(rank_main, args=(args, port, profile), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + args.timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-                process.join(5.0)
-            raise SystemExit(f"whatif_vs_gloo: the ranks did not finish within {args.timeout:g} s")
+    # One intra-op thread per process, as each simulated rank has.
+    _gloo.run("whatif_vs_gloo", rank_main, (args, profile), threads=1, timeout=args.timeout)
 
 
 if __name__ == "__main__":
