@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -150,23 +151,52 @@ def dense_allreduce_tasks(contributions: list[Tensor], op: ReduceOp, max_parts: 
     return [_torch_part(flats, lo, hi, block, op, count) for lo, hi in _parts(numel, max_parts)]
 
 
+_Flat = TypeVar("_Flat", np.ndarray, Tensor)
+_np_copy: Callable[[np.ndarray, np.ndarray], object] = np.copyto  # dst[...] = src
+
+
+def _reduce_blocks(
+    flats: list[_Flat],
+    lo: int,
+    hi: int,
+    block: int,
+    scratch: _Flat,
+    combine: Callable[..., object],
+    average: Callable[[_Flat], None] | None,
+    assign: Callable[[_Flat, _Flat], object],
+) -> None:
+    """Elements ``lo:hi`` of every flat contribution become their reduction, block by block.
+
+    The one loop of both element paths (NumPy and torch), so that both add in the same order:
+    see Note [Deterministic reduction order] and Note [Cache-blocked reduction]. ``scratch``
+    (at least ``min(block, hi - lo)`` long) holds the accumulator; ``assign(dst, src)`` copies
+    it into each flat.
+    """
+    for start in range(lo, hi, block):
+        end = min(start + block, hi)
+        acc = scratch[: end - start]
+        combine(flats[0][start:end], flats[1][start:end], out=acc)
+        for f in flats[2:]:
+            combine(acc, f[start:end], out=acc)
+        if average is not None:
+            average(acc)
+        for f in flats:
+            assign(f[start:end], acc)
+
+
 def _numpy_part(
     arrays: list[np.ndarray], lo: int, hi: int, block: int, op: ReduceOp, count: int
 ) -> Task:
     combine = _NUMPY_OPS[op]
 
+    def divide(acc: np.ndarray) -> None:
+        np.true_divide(acc, count, out=acc)
+
+    average = divide if op == ReduceOp.AVG else None
+
     def run() -> None:
         scratch = np.empty(min(block, hi - lo), dtype=arrays[0].dtype)
-        for start in range(lo, hi, block):
-            end = min(start + block, hi)
-            acc = scratch[: end - start]
-            combine(arrays[0][start:end], arrays[1][start:end], out=acc)
-            for a in arrays[2:]:
-                combine(acc, a[start:end], out=acc)
-            if op == ReduceOp.AVG:
-                np.true_divide(acc, count, out=acc)
-            for a in arrays:
-                a[start:end] = acc
+        _reduce_blocks(arrays, lo, hi, block, scratch, combine, average, _np_copy)
 
     return run
 
@@ -176,19 +206,15 @@ def _torch_part(
 ) -> Task:
     combine = _TORCH_OPS[op]
 
+    def divide(acc: Tensor) -> None:
+        acc.div_(count)
+
+    average = divide if op == ReduceOp.AVG else None
+
     def run() -> None:
         with torch.no_grad():
             scratch = torch.empty(min(block, hi - lo), dtype=flats[0].dtype, device=flats[0].device)
-            for start in range(lo, hi, block):
-                end = min(start + block, hi)
-                acc = scratch[: end - start]
-                combine(flats[0][start:end], flats[1][start:end], out=acc)
-                for f in flats[2:]:
-                    combine(acc, f[start:end], out=acc)
-                if op == ReduceOp.AVG:
-                    acc.div_(count)
-                for f in flats:
-                    f[start:end].copy_(acc)
+            _reduce_blocks(flats, lo, hi, block, scratch, combine, average, Tensor.copy_)
 
     return run
 
