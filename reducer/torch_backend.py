@@ -534,15 +534,12 @@ def _first_line(exc: BaseException) -> str:
 def _describe(
     kind: str, seq: int, op: ReduceOp | None, tensors: Sequence[Tensor], extra: str = ""
 ) -> str:
-    """``allreduce #3 (op=SUM, 2 x float32[1024])``: how errors name a collective."""
+    """``allreduce #3 (op=SUM, 2 x float32[1024])``: how errors name a collective (a tensor not
+    on the CPU adds its device, a sparse one its layout)."""
     parts = [] if op is None else [f"op={op.name}"]
     if extra:
         parts.append(extra)
     if tensors:
-        t = tensors[0]
-        dtype = str(t.dtype).removeprefix("torch.")
-        spec = f"{dtype}[{', '.join(str(s) for s in t.shape)}]"
-        if t.is_sparse:
-            spec += " sparse"
-        parts.append(f"{len(tensors)} x {spec}" if len(tensors) > 1 else spec)
+        spec = _args.TensorSpec.of(tensors[0])  # as fakepg's errors print it
+        parts.append(f"{len(tensors)} x {spec}" if len(tensors) > 1 else str(spec))
     return f"{kind} #{seq} ({', '.join(parts)})" if parts else f"{kind} #{seq}"

@@ -582,5 +582,22 @@ def test_torch_process_group_rejects_what_is_not_a_group() -> None:
         reducer.TorchProcessGroup(object())  # type: ignore[arg-type]
 
 
+def test_errors_name_a_collective_by_kind_number_op_and_tensors() -> None:
+    from reducer.torch_backend import _describe
+
+    pair = [torch.zeros(1024), torch.zeros(1024)]
+    assert _describe("allreduce", 3, reducer.ReduceOp.SUM, pair) == (
+        "allreduce #3 (op=SUM, 2 x float32[1024])"
+    )
+    sparse = [torch.eye(2).to_sparse()]
+    assert _describe("allreduce", 0, reducer.ReduceOp.AVG, sparse) == (
+        "allreduce #0 (op=AVG, float32[2, 2] sparse_coo)"
+    )
+    assert _describe("broadcast", 1, None, [torch.zeros(2, 3)], "root=1") == (
+        "broadcast #1 (root=1, float32[2, 3])"
+    )
+    assert _describe("barrier", 2, None, []) == "barrier #2"
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), sys.argv[2])
