@@ -362,7 +362,8 @@ class Reducer:
                 replica.views[intra].zero_()
             else:
                 torch.div(grad, self._world_size, out=replica.views[intra])
-        # Otherwise the gradient is copied with the rest of its replica, below.
+        # Otherwise the gradient is copied with the rest of its replica, below: see Note
+        # [Copies batched per bucket replica].
         replica.pending -= 1
         if replica.pending == 0:
             if not (bucket.expect_sparse_gradient or self._as_view):
@@ -392,17 +393,17 @@ class Reducer:
             raise self._fail(self._layout_error(replica_index, index, expected="dense"))
         return grad
 
+    # Note [Copies batched per bucket replica]
+    # Copying each gradient at its hook costs one op dispatch per parameter, which dominates
+    # for many small parameters; the replica's copies instead go together when its last
+    # gradient is ready. Nothing is lost by waiting: the bucket cannot launch before then, and
+    # a gradient cannot change after its hook (a second accumulation would mark it ready
+    # twice). Large gradients are still divided on the way in at their own hook (see Note
+    # [Division fused into the copy]).
+
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
-
-        # Note [Copies batched per bucket replica]
-        # Copying each gradient at its hook costs one op dispatch per parameter, which
-        # dominates for many small parameters; the replica's copies instead go together when
-        # its last gradient is ready. Nothing is lost by waiting: the bucket cannot launch
-        # before then, and a gradient cannot change after its hook (a second accumulation
-        # would mark it ready twice). Large gradients are still divided on the way in at
-        # their own hook (see Note [Division fused into the copy]).
-        """
+        See Note [Copies batched per bucket replica]."""
         destinations: list[Tensor] = []
         sources: list[Tensor] = []
         for intra, (index, param, view) in enumerate(
