@@ -19,19 +19,37 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+# Every profile states its randomness and database outright: under a ``CI`` environment
+# variable Hypothesis's own defaults turn derandomized with no database, and a profile that
+# inherited them would silently stop saving and replaying failures.
+_SAVED_FAILURES = DirectoryBasedExampleDatabase(".hypothesis/examples")
 
 settings.register_profile(
     "ci",
     max_examples=25,
     deadline=None,
     derandomize=True,
+    database=None,
     print_blob=True,
     suppress_health_check=_SLOW_OK,
 )
-settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=_SLOW_OK)
 settings.register_profile(
-    "thorough", max_examples=2000, deadline=None, suppress_health_check=_SLOW_OK
+    "dev",
+    max_examples=60,
+    deadline=None,
+    derandomize=False,
+    database=_SAVED_FAILURES,
+    suppress_health_check=_SLOW_OK,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    deadline=None,
+    derandomize=False,
+    database=_SAVED_FAILURES,
+    suppress_health_check=_SLOW_OK,
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
