@@ -527,7 +527,8 @@ class Reducer:
     # 3. When backward ends.
 
     def _finalize_from_engine(self) -> None:
-        with self._lock:
+        # No grad mode: after backward(create_graph=True) the engine runs callbacks with it on.
+        with self._lock, torch.no_grad():
             try:
                 self._finalize_backward()
             except BaseException as exc:
@@ -540,7 +541,7 @@ class Reducer:
         A parameter whose hook never fired is unused; all are marked ready now, in index
         order, which launches every bucket; then finalize as usual. See Note [Static graph].
         """
-        with self._lock:
+        with self._lock, torch.no_grad():
             try:
                 self._hook_counts = self._counting
                 self._unused_set = {
@@ -849,12 +850,17 @@ class Reducer:
             )
         else:
             cause = (
-                "Its gradient hook fired twice in one backward pass: reentrant activation "
-                "checkpointing (use torch.utils.checkpoint with use_reentrant=False), or a "
-                "second backward through the same graph before the reduction finished."
+                "Its gradient hook fired twice in one backward pass. Either it is used in two "
+                "reentrant activation checkpoints (or in one and outside it): each runs a "
+                "backward of its own, so the parameter gets two gradients; use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True if "
+                "the graph is the same every iteration. Or a second backward went through "
+                "the same graph (retain_graph=True) before the reduction finished; call "
+                "backward once per iteration (sum the losses first)."
             )
         return ReductionError(
-            f"{what}{where} was marked ready twice in one iteration on rank {self._rank()}. {cause}"
+            f"Expected to mark a variable ready only once: {what}{where} was marked ready "
+            f"twice in one iteration on rank {self._rank()}. {cause}"
         )
 
     def _not_static_error(self, replica_index: int, index: int) -> ReductionError:
@@ -886,7 +892,15 @@ def _grad_ready_hook(
 ) -> None:
     # Through a weak reference: the model must not keep a dropped reducer alive.
     reducer = reducer_ref()
-    if reducer is not None:
+    if reducer is None:
+        return
+    if torch.is_grad_enabled():
+        # backward(create_graph=True) runs hooks in grad mode: the reducer's copies and its
+        # in-place division of leaf-derived buffers must not be recorded (autograd refuses
+        # in-place ops on leaves that require grad). The checked fast path is the usual one.
+        with torch.no_grad():
+            reducer._autograd_hook(replica_index, index)
+    else:
         reducer._autograd_hook(replica_index, index)
 
 
@@ -905,14 +919,42 @@ def _remove_hooks(handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
-def _at_backward_end(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass ends, on the thread that runs it.
+# Note [Finalize at the outermost backward's end]
+# The engine runs a queued callback when the *current* graph task ends. A backward started
+# inside another one (reentrant activation checkpointing: the checkpoint's backward node runs
+# a backward of its own) is a graph task of its own, which ends while the outer backward may
+# still produce gradients: finalizing there would take every later gradient of this iteration
+# for local accumulation, silently. So a callback that finds itself at the end of a nested
+# backward (the engine is still inside the outer backward's node) does not run: it hooks that
+# node, and when the node is done, on the outer graph task, queues itself again. It runs once
+# the outermost backward ends. A parameter whose hook fires again meanwhile (the same layer in
+# two reentrant checkpoints) is then marked ready twice: a loud error, not a wrong gradient.
 
-    torch has no public API for this; the engine's ``queue_callback`` (what torch's own DDP
-    uses) is the only way, so it is isolated here. It must be called from inside backward.
+
+def _at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the outermost backward pass running now ends, on its thread.
+
+    See Note [Finalize at the outermost backward's end]. torch has no public API for either
+    step: the engine's ``queue_callback`` (what torch's own DDP uses) and
+    ``_current_autograd_node`` (the node whose execution the current backward is nested in)
+    are the only ways, so both are isolated here. It must be called from inside backward.
     """
     engine: Any = torch.autograd.Variable._execution_engine
-    engine.queue_callback(callback)
+
+    def at_end() -> None:
+        outer: Node | None = torch._C._current_autograd_node()
+        if outer is None:  # the outermost backward ended
+            callback()
+            return
+        handles: list[RemovableHandle] = []
+
+        def after_outer_node(*_: object) -> None:
+            handles.pop().remove()  # once
+            _at_backward_end(callback)  # now on the outer graph task
+
+        handles.append(outer.register_hook(after_outer_node))
+
+    engine.queue_callback(at_end)
 
 
 # -------------------------------------------------------------------------------------------

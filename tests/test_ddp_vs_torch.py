@@ -182,3 +182,92 @@ def test_same_as_torch_ddp_with_other_options(options: dict[str, bool]) -> None:
                 compare(a, b, True, f"grad {i}, rank {rank}, step {step}")
             for i, (a, b) in enumerate(zip(ours[step][1], theirs[step][1], strict=True)):
                 compare(a, b, True, f"param {i}, rank {rank}, step {step}")
+
+
+# -------------------------------------------------------------------------------------------
+# Higher-order and nested backward, as torch's own DDP tests run them.
+
+
+class _Square(nn.Module):
+    """torch's test_ddp_create_graph model: one scalar parameter, ``p ** 2``."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(1.0))
+        self.rank = rank
+
+    def forward(self) -> Tensor:
+        return self.p.pow(2) * (self.rank + 1)
+
+
+def test_backward_with_create_graph_matches_torch_ddp() -> None:
+    """Three steps of ``backward(create_graph=True)`` without zeroing: the same bits as
+    torch's DDP, gradients that still require grad, and the expected value."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[float, float, bool]]:
+        ours_model, theirs_model = _Square(pg.rank()), _Square(pg.rank())
+        ours = reducer.DistributedDataParallel(ours_model, pg)
+        theirs = nn.parallel.DistributedDataParallel(theirs_model)
+        out = []
+        for _ in range(3):
+            ours().backward(create_graph=True)
+            theirs().backward(create_graph=True)
+            a, b = ours_model.p.grad, theirs_model.p.grad
+            assert a is not None and b is not None
+            out.append((a.item(), b.item(), a.requires_grad and b.requires_grad))
+        return out
+
+    # Local d/dp (r + 1) p**2 at p = 1 is 2 (r + 1): 2 and 4, averaged 3; each later step adds
+    # the local gradient to the averaged .grad and averages again.
+    for per_step in fakepg.run_torch(fn, 2, timeout=30.0):
+        assert per_step == [(3.0, 3.0, True), (6.0, 6.0, True), (9.0, 9.0, True)]
+
+
+class _Checkpointed(nn.Module):
+    """An MLP whose blocks run under reentrant activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=True)  # type: ignore[assignment]
+        out: Tensor = self.head(x)
+        return out
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_reentrant_checkpointing_matches_torch_ddp(static_graph: bool) -> None:
+    """Each block's gradients arrive in a backward of its own, nested in the outer one."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Trace, Trace]:
+        models = [seeded(_Checkpointed, seed=3), seeded(_Checkpointed, seed=3)]
+        ours = reducer.DistributedDataParallel(
+            models[0], pg, bucket_cap_mb=1e-4, static_graph=static_graph
+        )
+        theirs = nn.parallel.DistributedDataParallel(
+            models[1], bucket_cap_mb=1e-4, static_graph=static_graph
+        )
+        traces: tuple[Trace, Trace] = ([], [])
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        for step in range(STEPS):
+            x = rank_input(pg.rank(), (4, 6), step).requires_grad_()
+            for ddp, model, opt, trace in zip(
+                (ours, theirs), models, optimizers, traces, strict=True
+            ):
+                opt.zero_grad(set_to_none=True)
+                ddp(x).pow(2).sum().backward()
+                grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                opt.step()
+                trace.append((grads, [p.detach().clone() for p in model.parameters()]))
+        return traces
+
+    for rank, (ours, theirs) in enumerate(fakepg.run_torch(fn, 2, timeout=30.0)):
+        for step in range(STEPS):
+            for kind, what in enumerate(("grad", "param")):
+                for i, (a, b) in enumerate(zip(ours[step][kind], theirs[step][kind], strict=True)):
+                    compare(a, b, True, f"{what} {i}, rank {rank}, step {step}")

@@ -545,3 +545,129 @@ def test_a_backward_that_raises_after_every_gradient_is_reported_as_unfinished()
     text = str(info.value)
     assert "every parameter got its gradient" in text
     assert "did not reach its end" in text and "close()" in text
+
+
+# -------------------------------------------------------------------------------------------
+# Nested and higher-order backward.
+
+
+def _penalized_loss(model: nn.Module, rank: int) -> torch.Tensor:
+    """A loss plus a gradient penalty: backward goes through the graph of the gradients."""
+    loss = mlp_loss(model, rank)
+    grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    return loss + sum(g.pow(2).sum() for g in grads)
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_gradient_penalty_is_reduced_exactly(as_view: bool) -> None:
+    world_size = 3
+    want = expected_average(mlp, _penalized_loss, world_size)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[torch.Tensor | None]:
+        model = mlp()
+        with reducer_for(model, pg, gradient_as_bucket_view=as_view) as red:
+            red.prepare_for_backward([])
+            _penalized_loss(model, pg.rank()).backward()
+        return [p.grad for p in model.parameters()]
+
+    for rank, grads in enumerate(run_ranks(fn, world_size)):
+        for i, (got, exp) in enumerate(zip(grads, want, strict=True)):
+            assert got is not None and exp is not None
+            assert torch.equal(got, exp), f"rank {rank}, parameter {i}"
+
+
+def test_backward_with_create_graph_averages_and_keeps_the_gradient_differentiable() -> None:
+    """Hooks run in grad mode under create_graph=True; the reducer must record nothing (its
+    in-place division of a leaf's gradient used to raise) and leave .grad requiring grad."""
+    world_size, steps = 2, 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[float, bool]]:
+        p = nn.Parameter(torch.tensor(float(pg.rank() + 1)))
+        out = []
+        with reducer.Reducer([[p]], [[0]], pg) as red:
+            for _ in range(steps):
+                red.prepare_for_backward([])
+                p.pow(2).backward(create_graph=True)
+                assert p.grad is not None
+                out.append((p.grad.item(), p.grad.requires_grad))
+        return out
+
+    # d/dp p**2 = 2p: 2 and 4 on the ranks, averaged 3, accumulated once per step
+    # (the averaged .grad plus the next step's local 2p, averaged again).
+    per_rank = run_ranks(fn, world_size)
+    assert per_rank[0] == per_rank[1]
+    assert [v for v, _ in per_rank[0]] == [3.0, 6.0, 9.0]
+    assert all(requires_grad for _, requires_grad in per_rank[0])
+
+
+class _TwiceCheckpointed(nn.Module):
+    """One layer applied twice, each time in a reentrant checkpoint of its own: its hook
+    fires once per checkpoint, and after the first, every bucket is complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        inner = checkpoint(self.lin, x, use_reentrant=True)
+        out = checkpoint(self.lin, inner, use_reentrant=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def test_a_layer_in_two_reentrant_checkpoints_is_an_error_not_a_wrong_gradient() -> None:
+    """The inner backward of the second checkpoint used to finalize the iteration; the first
+    checkpoint's gradient then went to local accumulation, silently, and the ranks diverged."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = seeded(_TwiceCheckpointed)
+        with reducer_for(model, pg, cap_mb=25.0) as red:
+            red.prepare_for_backward([])
+            x = rank_input(pg.rank(), (2, 3)).requires_grad_()
+            with pytest.raises(reducer.ReductionError) as info:
+                model(x).sum().backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "Expected to mark a variable ready only once" in message
+        assert "'lin.weight'" in message or "'lin.bias'" in message
+        assert "use_reentrant=False" in message and "static_graph=True" in message
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_reentrant_checkpointing_of_the_whole_model_finalizes_at_the_outer_end(
+    static_graph: bool,
+) -> None:
+    """Every gradient arrives inside the checkpoint's own backward; the reduction finishes
+    once, when the outer backward ends (without the DDP wrapper's help for static_graph)."""
+    from torch.utils.checkpoint import checkpoint
+
+    world_size, steps = 3, 2
+
+    def loss_of(model: nn.Module, rank: int, step: int = 0) -> torch.Tensor:
+        x = rank_input(rank, (4, 6), step).requires_grad_()
+        out = checkpoint(model, x, use_reentrant=True)
+        assert isinstance(out, torch.Tensor)
+        return out.pow(2).sum()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[torch.Tensor | None]]:
+        model = mlp()
+        per_step = []
+        with reducer_for(model, pg, static_graph=static_graph) as red:
+            for step in range(steps):
+                model.zero_grad(set_to_none=True)
+                red.prepare_for_backward([])
+                loss_of(model, pg.rank(), step).backward()
+                per_step.append([p.grad for p in model.parameters()])
+            assert red.iterations == steps
+        return per_step
+
+    results = run_ranks(fn, world_size)
+    for step in range(steps):
+        want = expected_average(mlp, lambda m, r, s=step: loss_of(m, r, s), world_size)
+        for rank in range(world_size):
+            for i, (got, exp) in enumerate(zip(results[rank][step], want, strict=True)):
+                assert got is not None and exp is not None
+                assert torch.equal(got, exp), f"step {step}, rank {rank}, parameter {i}"
