@@ -24,7 +24,9 @@ def run_ranks(fn: Callable[[fakepg.FakeProcessGroup], T], world_size: int) -> li
 
 
 # torch's default generator is shared by every thread: rank threads that seed and build models
-# at once would interleave its draws, so building takes this lock.
+# at once would interleave its draws, so building takes this lock. Reentrant checkpointing
+# sets and restores that generator's state during backward, outside the lock, so the tests
+# that use it on rank threads pass preserve_rng_state=False (their models draw nothing).
 _INIT_LOCK = threading.Lock()
 
 

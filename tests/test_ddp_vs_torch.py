@@ -235,7 +235,7 @@ class _Checkpointed(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=True)  # type: ignore[assignment]
+            x = checkpoint(block, x, use_reentrant=True, preserve_rng_state=False)  # type: ignore[assignment]
         out: Tensor = self.head(x)
         return out
 

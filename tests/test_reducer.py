@@ -371,7 +371,7 @@ def test_reentrant_checkpointing_with_unused_search_is_reported() -> None:
     model = mlp()
     with fakepg.World(1) as world, reducer_for(model, world.group(0)) as red:
         x = rank_input(0, (4, 6)).requires_grad_()
-        out = checkpoint(model, x, use_reentrant=True)
+        out = checkpoint(model, x, use_reentrant=True, preserve_rng_state=False)
         red.prepare_for_backward([out])
         with pytest.raises(reducer.ReductionError, match="reentrant"):
             out.sum().backward()
@@ -611,8 +611,8 @@ class _TwiceCheckpointed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        inner = checkpoint(self.lin, x, use_reentrant=True)
-        out = checkpoint(self.lin, inner, use_reentrant=True)
+        inner = checkpoint(self.lin, x, use_reentrant=True, preserve_rng_state=False)
+        out = checkpoint(self.lin, inner, use_reentrant=True, preserve_rng_state=False)
         assert isinstance(out, torch.Tensor)
         return out
 
@@ -648,7 +648,7 @@ def test_reentrant_checkpointing_of_the_whole_model_finalizes_at_the_outer_end(
 
     def loss_of(model: nn.Module, rank: int, step: int = 0) -> torch.Tensor:
         x = rank_input(rank, (4, 6), step).requires_grad_()
-        out = checkpoint(model, x, use_reentrant=True)
+        out = checkpoint(model, x, use_reentrant=True, preserve_rng_state=False)
         assert isinstance(out, torch.Tensor)
         return out.pow(2).sum()
 
