@@ -16,6 +16,16 @@ wakes everyone.
 # that shows both sides. A rank that finished its function (see ``run``) can never join a
 # later number, so collectives that wait for it fail at once instead of timing out.
 
+# Note [Each rank runs its own backward]
+# autograd runs the backward of CUDA tensors on one engine thread per device, shared by every
+# thread of the process, and runs a backward's end-of-backward callbacks on the thread that
+# finished it. A process per rank has that thread to itself; rank threads on one GPU would
+# share it, and a rank whose callback waits for a collective (the reducer's finalize, torch's
+# DDP) would block the backward of the peers it waits for: a deadlock. So each rank thread
+# runs with autograd's multithreading off (thread-local): its backward, hooks and callbacks
+# run on the rank thread itself, whatever the device. On the CPU nothing changes (CPU work
+# already runs on the thread that called backward).
+
 # Note [One link per world]
 # With a network model, the world is one simulated link that carries one collective at a time,
 # in the order collectives start (the last rank joins), as a real backend runs them on one
@@ -232,7 +242,9 @@ class World:
 
         def rank_main(rank: int) -> None:
             try:
-                results[rank] = fn(self.group(rank))
+                # See Note [Each rank runs its own backward].
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[rank] = fn(self.group(rank))
             except BaseException as exc:
                 with lock:
                     failures.append((rank, exc))

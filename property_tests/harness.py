@@ -5,10 +5,18 @@ assignment, and the steps (local accumulation steps, then one synced step) with 
 active branches. :func:`run_reducer` plays it on ``fakepg`` with any reducer class (the real
 one, or a deliberately broken one); :func:`reference` computes what every gradient must be from
 plain local autograd, independently of any reducer.
+
+Both build their models on the CPU, or on the device that the environment variable
+``PROPERTY_TESTS_DEVICE`` names (``cuda``: every rank thread and the reference on one GPU),
+so that the same properties run on a GPU::
+
+    PROPERTY_TESTS_DEVICE=cuda pytest property_tests/test_exact_averaging.py
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +32,36 @@ from .reference import rank_order_average, sparse_average
 
 ReducerFactory = Callable[..., reducer.Reducer]
 PRESET = 0.25  # the value pre-set into .grad when a scenario asks for existing gradients
+DEVICE_VARIABLE = "PROPERTY_TESTS_DEVICE"
+
+
+def harness_device() -> torch.device:
+    """Where :func:`run_reducer` and :func:`reference` build models: ``$PROPERTY_TESTS_DEVICE``,
+    default the CPU. Read on every call, so a test may set the variable."""
+    return _device(os.environ.get(DEVICE_VARIABLE, "cpu"))
+
+
+@functools.cache
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{DEVICE_VARIABLE}={text!r} is not a torch device; use cpu or cuda"
+        ) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_VARIABLE}={text!r}: the harness runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{DEVICE_VARIABLE}={text!r} but torch sees no CUDA device here; unset it to "
+                "run on the CPU"
+            )
+        # The reference recomputes every gradient and must get the rank's bits: cuDNN's
+        # atomic-add convolution algorithms would sum in a run-dependent order.
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    return device
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +161,15 @@ def run_reducer(
             f"{s.world_size} ranks, got {[len(m) for m in models]}"
         )
 
+    device = harness_device()
+
     def rank_fn(pg: fakepg.FakeProcessGroup) -> GradLists:
         sync_intra_op_threads()
         rank = pg.rank()
         replicas = (
             list(models[rank])
             if models is not None
-            else [build_model(s.model) for _ in range(s.replicas)]
+            else [build_model(s.model).to(device) for _ in range(s.replicas)]
         )
         params = [list(m.parameters()) for m in replicas]
         sparse = sparse_flags(replicas[0])
@@ -146,7 +186,7 @@ def run_reducer(
                 outputs: list[Tensor] = []
                 for d, model in enumerate(replicas):
                     inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
-                    outputs += model(inputs, s.active(step, rank))
+                    outputs += model([x.to(device) for x in inputs], s.active(step, rank))
                 if step == last:
                     red.prepare_for_backward(outputs if s.find_unused else [])
                 loss_of(outputs).backward()
@@ -175,12 +215,13 @@ def reference(scenario: Scenario) -> list[Expected]:
     """Per parameter, the expectation from plain local autograd (no reducer, no threads)."""
     s = scenario
     sync_intra_op_threads()
+    device = harness_device()
     contributions: list[list[Tensor | None]] = []  # [contribution][parameter]
     sparse: list[bool] = []
     starts: list[Tensor | None] = []
     for rank in range(s.world_size):
         for d in range(s.replicas):
-            model = build_model(s.model)
+            model = build_model(s.model).to(device)
             params = list(model.parameters())
             sparse = sparse_flags(model)
             preset(s, [params], sparse)
@@ -194,7 +235,7 @@ def reference(scenario: Scenario) -> list[Expected]:
             ]
             for step in range(len(s.steps)):
                 inputs = branch_inputs(s.model, s.input_seed(rank, d, step))
-                loss_of(model(inputs, s.active(step, rank))).backward()
+                loss_of(model([x.to(device) for x in inputs], s.active(step, rank))).backward()
             for handle in handles:
                 handle.remove()
             # A parameter this contribution did not use since the last sync adds zeros, even
@@ -290,5 +331,6 @@ def preset(scenario: Scenario, params: Sequence[Sequence[Tensor]], sparse: Seque
 
 def _sparse_preset(param: Tensor) -> Tensor:
     """A sparse gradient laid out as nn.Embedding's: ``PRESET`` in row 0."""
-    values = torch.full((1, *param.shape[1:]), PRESET, dtype=param.dtype)
-    return torch.sparse_coo_tensor(torch.zeros((1, 1), dtype=torch.int64), values, param.shape)
+    values = torch.full((1, *param.shape[1:]), PRESET, dtype=param.dtype, device=param.device)
+    indices = torch.zeros((1, 1), dtype=torch.int64, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape)

@@ -516,10 +516,14 @@ class Reducer:
             bucket.work = FutureWork(future, bucket.index, self._timeout)
 
     def _launch_used_map(self) -> None:
-        """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters]."""
+        """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters].
+
+        The map lives on the parameters' device, as torch's DDP keeps it: NCCL reduces CUDA
+        tensors only, and a CPU map would depend on the group moving it to the right GPU."""
         used = torch.tensor(
             [any(per_replica) for per_replica in zip(*self._used, strict=True)],
             dtype=torch.int32,
+            device=self._replicas[0][0].device,
         )
         self._used_map = (self._process_group.allreduce([used]), used)
 

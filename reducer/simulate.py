@@ -5,6 +5,7 @@
         --trace out.json                                         # open in ui.perfetto.dev
     python -m reducer simulate --find-unused --unused-pattern rank-skew --no-sync-every 2
     python -m reducer simulate --sweep-bucket-cap 1,5,25,100 --network 10gbe --world-size 64
+    python -m reducer simulate --model transformer-block --device cuda   # every rank on a GPU
 
 Each rank is a thread of one process on the in-memory fake world (fakepg), training its own
 copy of a built-in model through reducer.DistributedDataParallel on its own batches. After
@@ -18,6 +19,12 @@ bandwidth, ring or tree algorithm), so communication overlapping backward can be
 machine; --trace writes a Chrome/Perfetto timeline with one track per rank. --sweep-bucket-cap
 measures one rank's backward, then predicts the step time per bucket cap at --world-size
 ranks on --network, without running them, and names the best cap.
+
+--device cuda puts every rank's model, reference copy and batches on one GPU (the rank threads
+share it). The check stays bit for bit: cuDNN is held to deterministic algorithms and
+attention to its math kernel for the run, so that the reference copy computes the very bits
+the rank did. Times are then those of the host issuing GPU work, which is why the sweep, which
+predicts from them, runs on the CPU only.
 """
 
 from __future__ import annotations
@@ -105,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
     add("--seed", type=int, default=0, help="seed for weights, batches and patterns (0)")
     add(
+        "--device",
+        default="cpu",
+        help="where every rank's model and batches live: cpu (default), cuda or cuda:N (all "
+        "ranks share that GPU)",
+    )
+    add(
         "--timeout",
         type=float,
         default=60.0,
@@ -144,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"simulate: {exc}", file=sys.stderr)
         return 2
     console = report.console()
-    with warnings.catch_warnings(), _intra_op_threads(1):
+    with warnings.catch_warnings(), _intra_op_threads(1), _deterministic_kernels(config.device):
         # torch warns once per process that sparse invariant checks are off; noise here.
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
         if config.sweep_caps:
@@ -185,6 +198,7 @@ class _Config:
     network: fakepg.NetworkModel | None
     trace: str | None
     seed: int
+    device: torch.device
     timeout: float
     sweep_caps: tuple[float, ...]
     measure_world_size: int
@@ -220,6 +234,14 @@ class _Config:
                     f"--sweep-bucket-cap takes bucket caps in MiB, > 0, separated by commas "
                     f"(e.g. 1,5,25,100), got {args.sweep_bucket_cap!r}"
                 )
+        device = _parse_device(args.device)
+        if caps and device.type != "cpu":
+            raise ValueError(
+                f"--sweep-bucket-cap predicts from the times the host measures, which on "
+                f"{device.type} are when work was issued, not done; run the sweep with "
+                "--device cpu"
+            )
+        _check_available(device, args.device)
         corrupt = None
         if args.corrupt_grad is not None:
             corrupt = _corrupt_target(args)
@@ -238,6 +260,7 @@ class _Config:
             network=network,
             trace=args.trace,
             seed=args.seed,
+            device=device,
             timeout=args.timeout,
             sweep_caps=caps,
             measure_world_size=args.measure_world_size,
@@ -260,6 +283,7 @@ class _Config:
             "comm_hook": self.comm_hook,
             "network": self.network_name(),
             "seed": self.seed,
+            "device": str(self.device),
         }
 
 
@@ -308,7 +332,7 @@ class _Rank:
     def __init__(self, pg: fakepg.FakeProcessGroup, config: _Config) -> None:
         self.rank = pg.rank()
         self.config = config
-        self.module = models.build_model(config.model, config.width, config.seed)
+        self.module = models.build_model(config.model, config.width, config.seed).to(config.device)
         self.ddp = DistributedDataParallel(
             self.module,
             pg,
@@ -319,7 +343,9 @@ class _Rank:
         if hook is not None:
             self.ddp.register_comm_hook(None, hook)
         # The reference: a separate copy trained by plain autograd on the same batches.
-        self.reference = models.build_model(config.model, config.width, config.seed)
+        self.reference = models.build_model(config.model, config.width, config.seed).to(
+            config.device
+        )
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -339,7 +365,7 @@ class _Rank:
         )
         generator = models.batch_generator(c.seed, self.rank, step, micro)
         x, y = self.module.make_batch(generator, c.batch_size)
-        return active, x, y
+        return active, x.to(c.device), y.to(c.device)
 
     def train_step(self, step: int) -> RankStep:
         """zero_grad, the micro-batches (all but the last under no_sync), optimizer step."""
@@ -401,7 +427,8 @@ class _Rank:
         with torch.no_grad():
             flat = grad.view(-1)
             # The smallest change there is: the next float after the first element.
-            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+            inf = torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device)
+            flat[0] = torch.nextafter(flat[0], inf)
 
 
 # -------------------------------------------------------------------------------------------
@@ -424,6 +451,11 @@ def _simulate(
             params=[p.detach().to("meta") for p in first.params],
             sparse=sparse_gradient_flags(first.module, first.params),
         )
+        if config.device.type != "cpu":
+            result.notes.append(
+                f"device: {_device_name(config.device)}, shared by the {w} rank threads; "
+                "cuDNN deterministic and math attention for the run (bit-for-bit check)"
+            )
         _, wire = COMM_HOOKS[config.comm_hook]
         for step in range(config.steps):
             start = time.perf_counter_ns()
@@ -560,6 +592,64 @@ def _progress_text(records: Sequence[RankStep]) -> str:
     return f"comm {comm:.2f} ms, overlap {overlap:.2f} ms"
 
 
+def _parse_device(text: str) -> torch.device:
+    """--device: the CPU or a CUDA device."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device takes cpu, cuda or cuda:N, got {text!r}")
+    return device
+
+
+def _check_available(device: torch.device, text: str) -> None:
+    """A CUDA --device must exist here."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = "has no CUDA" if torch.version.cuda is None else "sees no GPU"
+        raise ValueError(
+            f"--device {text}: this torch ({torch.__version__}) {build}; run on the CPU "
+            "(--device cpu) or on a machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {text}: only {count} GPU(s) visible (cuda:0 ...)")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+@contextmanager
+def _deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """On CUDA, kernels that give the same bits on every run, for the run's duration.
+
+    The check compares each rank's reduced gradient with one its reference copy computes
+    again; a kernel that sums in a run-dependent order (cuDNN's atomic-add algorithms, the
+    fused attention kernels' backward) would make them differ with no reducer at fault. Both
+    switches are process-wide torch settings, restored afterwards. A no-op on the CPU.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    deterministic = torch.backends.cudnn.deterministic
+    benchmark = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+        torch.backends.cudnn.benchmark = benchmark
+
+
 @contextmanager
 def _intra_op_threads(count: int) -> Iterator[None]:
     """Each rank thread computes single-threaded, as a real rank would on its own cores:
@@ -581,7 +671,7 @@ def simulate(args: argparse.Namespace) -> SimulationResult:
     raises ValueError for invalid arguments. ``--trace`` and ``--sweep-bucket-cap`` are
     ignored: see :func:`run`."""
     config = _Config.from_args(args)
-    with _intra_op_threads(1):
+    with _intra_op_threads(1), _deterministic_kernels(config.device):
         return _simulate(config)
 
 
@@ -590,7 +680,7 @@ def measure_profile(args: argparse.Namespace) -> tuple[SimulationResult, Backwar
     ``--measure-world-size`` ranks, no simulated network, every step verified. The profile is
     None if the run failed (the result says why)."""
     config = _Config.from_args(args)
-    with _intra_op_threads(1):
+    with _intra_op_threads(1), _deterministic_kernels(config.device):
         return _measure(config, None)
 
 

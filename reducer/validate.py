@@ -3,6 +3,7 @@
     python -m reducer validate --backend gloo --nproc 2      # 2 processes, localhost rendezvous
     python -m reducer validate --backend fakepg --nproc 3    # 3 threads on the fake world
     python -m reducer validate --backend nccl --nproc 8      # one GPU per rank
+    python -m reducer validate --backend gloo --device cuda  # CUDA tensors over gloo
     torchrun --nnodes 2 --nproc-per-node 8 ... -m reducer validate --backend nccl
 
 Without RANK and WORLD_SIZE in the environment it starts --nproc ranks itself: processes for
@@ -12,6 +13,12 @@ for fakepg. Under torchrun it joins the existing rendezvous instead, so the same
 across machines. Rank 0 prints a table of the checks; the exit code is 1 if any check failed
 on any rank. With --backend nccl and fewer GPUs than ranks on the machine it prints why and
 exits 0 without starting anything (under torchrun, every rank of the machine skips alike).
+
+--device says where the models and gradients live: cpu (the default for gloo and fakepg) or
+cuda (NCCL's only choice). With gloo or fakepg on cuda, ranks may share a GPU: a gloo process
+with local rank i uses GPU i mod the GPUs visible (two processes on a one-GPU machine share
+it), and fakepg's threads all use the first GPU. Without a GPU, --device cuda prints why and
+exits 0, as NCCL does.
 
 The checks build small models whose weights and inputs are integers times powers of two, and
 scale each rank's loss by the world size W, so every gradient g is W times a dyadic number
@@ -39,7 +46,8 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -55,6 +63,7 @@ from .torch_backend import TorchProcessGroup
 __all__ = ["add_arguments", "main", "run"]
 
 BACKENDS = ("fakepg", "gloo", "nccl")
+DEVICES = ("cpu", "cuda")
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 # Bucket cap for the multi-bucket checks: 100 bytes, so that the tiny models get several.
 _SMALL_BUCKET_MB = 100 / (1 << 20)
@@ -64,6 +73,13 @@ _STEPS = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=BACKENDS, default="gloo", help="the process group (default: gloo)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="where models and gradients live: cpu (default for gloo and fakepg) or cuda "
+        "(NCCL's default and only choice; with gloo or fakepg, ranks may share a GPU)",
     )
     parser.add_argument(
         "--nproc",
@@ -86,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
     """Validate on ``args.backend``; 0 if every check passed (or NCCL lacks GPUs), else 1."""
     if args.timeout <= 0:
         print(f"validate: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    if args.backend == "nccl" and args.device == "cpu":
+        print(
+            "validate: --backend nccl reduces CUDA tensors only; drop --device cpu (NCCL uses "
+            "--device cuda), or validate CPU tensors with --backend gloo",
+            file=sys.stderr,
+        )
         return 2
     if args.break_check is not None and args.break_check not in _CHECK_NAMES:
         print(
@@ -116,6 +139,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 2
     if backend == "nccl":
         skip = _nccl_skip_reason(args.nproc)
+        if skip is not None:
+            print(f"validate: skipped: {skip}")
+            return 0
+    elif args.device == "cuda":
+        skip = _cuda_skip_reason()
         if skip is not None:
             print(f"validate: skipped: {skip}")
             return 0
@@ -152,6 +180,44 @@ def _nccl_skip_reason(nproc: int, option: str = "--nproc") -> str | None:
     return None
 
 
+def _cuda_skip_reason() -> str | None:
+    """Why --device cuda cannot run here, or None."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"--device cuda: this torch build ({torch.__version__}) has no CUDA"
+    return "--device cuda: no GPU visible here (torch.cuda.is_available() is False)"
+
+
+def _rank_device(backend: str, device: str | None, local_rank: int) -> torch.device:
+    """The device of the rank with ``local_rank`` on this machine: its own GPU for NCCL, GPU
+    ``local_rank`` mod the GPUs visible for --device cuda (ranks may share one), else the CPU.
+    (fakepg passes local rank 0 for every thread: one device for the whole world.)"""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    if device == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@contextmanager
+def _exact_float32(device: torch.device) -> Iterator[None]:
+    """IEEE float32 matmuls and convolutions on CUDA while the checks run: TF32 would round
+    the products of the dyadic data (see Note [Dyadic data]). A no-op on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
 def _free_port() -> int:
     """A TCP port free right now on 127.0.0.1, for rank 0's rendezvous store (as torchrun's
     --standalone picks one)."""
@@ -169,17 +235,7 @@ def _spawn(args: argparse.Namespace) -> int:
     """
     nproc = int(args.nproc)
     port = _free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "reducer.validate",
-        "--backend",
-        args.backend,
-        "--timeout",
-        str(args.timeout),
-    ]
-    if args.break_check is not None:
-        command += ["--break-check", args.break_check]
+    command = _rank_command(args)
     procs: list[subprocess.Popen[bytes]] = []
     for rank in range(nproc):
         env = dict(os.environ)
@@ -221,6 +277,17 @@ def _spawn(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_command(args: argparse.Namespace) -> list[str]:
+    """What each started rank runs: this command with the same options, minus --nproc."""
+    command = [sys.executable, "-m", "reducer.validate", "--backend", args.backend]
+    if args.device is not None:
+        command += ["--device", args.device]
+    command += ["--timeout", str(args.timeout)]
+    if args.break_check is not None:
+        command += ["--break-check", args.break_check]
+    return command
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     """Terminate the children still running (only ours, by handle), then kill stragglers."""
     for p in procs:
@@ -239,20 +306,28 @@ def _join(args: argparse.Namespace) -> int:
     backend: str = args.backend
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cpu")
+    # Every rank of this machine sees the same GPUs, so they all skip together (a rank that
+    # skipped alone would leave the others waiting in the rendezvous).
+    skip = None
     if backend == "nccl":
-        # Every rank of this machine sees the same GPUs, so they all skip together (a rank
-        # that skipped alone would leave the others waiting in the rendezvous).
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         skip = _nccl_skip_reason(max(local_size, local_rank + 1), "--nproc-per-node")
-        if skip is not None:
-            print(f"validate: skipped on rank {rank}: {skip}")
-            return 0
-        device = torch.device("cuda", local_rank)
+    elif args.device == "cuda":
+        skip = _cuda_skip_reason()
+    if skip is not None:
+        print(f"validate: skipped on rank {rank}: {skip}")
+        return 0
+    device = _rank_device(backend, args.device, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        # Exactness needs IEEE float32 matmuls: TF32 would round the dyadic products.
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
+    with _exact_float32(device):
+        return _join_and_check(args, rank, world_size, device)
+
+
+def _join_and_check(
+    args: argparse.Namespace, rank: int, world_size: int, device: torch.device
+) -> int:
+    backend: str = args.backend
     dist.init_process_group(
         backend,
         timeout=timedelta(seconds=args.timeout),
@@ -281,12 +356,17 @@ def _run_fakepg(args: argparse.Namespace) -> int:
 
     nproc = int(args.nproc)
 
+    # Every rank thread on one device (the fake world's collectives take one device), the
+    # first GPU or the CPU.
+    device = _rank_device("fakepg", args.device, 0)
+
     def rank_main(pg: fakepg.FakeProcessGroup) -> list[tuple[str, str, str]]:
-        ctx = _Context(pg.rank(), nproc, "fakepg", torch.device("cpu"), pg, args.break_check)
+        ctx = _Context(pg.rank(), nproc, "fakepg", device, pg, args.break_check)
         return _run_checks(ctx)
 
-    per_rank = fakepg.run_torch(rank_main, nproc, timeout=args.timeout)
-    return _report("fakepg", f"{nproc} ranks as threads", torch.device("cpu"), per_rank, True)
+    with _exact_float32(device):
+        per_rank = fakepg.run_torch(rank_main, nproc, timeout=args.timeout)
+    return _report("fakepg", f"{nproc} ranks as threads", device, per_rank, True)
 
 
 # -------------------------------------------------------------------------------------------

@@ -4,13 +4,16 @@ unused parameters, comm hooks, the network, the sweep, bad arguments, and 64 ran
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from fakepg.executor import default_thread_count
 from reducer import cli, simulate
@@ -18,6 +21,7 @@ from reducer import cli, simulate
 OPTIONS = [
     "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",
     "--no-sync-every", "--comm-hook", "--network", "--trace", "--seed", "--sweep-bucket-cap",
+    "--device",
 ]  # fmt: skip
 
 
@@ -211,3 +215,74 @@ def test_64_ranks_run_with_bounded_threads(peak_fakepg_threads: list[int]) -> No
     assert len(result.steps) == 64 * 2
     # One thread per rank, the world's workers and its timer; nothing per collective or step.
     assert 64 < peak_fakepg_threads[0] <= 64 + default_thread_count() + 1
+
+
+# -------------------------------------------------------------------------------------------
+# --device: the run on a GPU is the GPU check's (tests/test_gpu.py, bash
+# benchmarks/gpu_check.sh); here, every path a machine without a GPU reaches.
+
+
+def test_device_cpu_verifies_and_is_recorded(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.json"
+    code, out, _ = run_cli(
+        capsys, "--device", "cpu", "--world-size", "2", "--steps", "2", "--trace", str(trace)
+    )
+    assert code == 0, out
+    assert verdict(out).startswith("verification: passed: 2 steps x 2 ranks x 12 parameters")
+    assert "device: " not in out  # the note is for GPUs
+    assert json.loads(trace.read_text())["otherData"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--device", "tpu"], "--device takes cpu, cuda or cuda:N, got 'tpu'"),
+        (["--device", "cuda:x"], "--device takes cpu, cuda or cuda:N, got 'cuda:x'"),
+        (
+            ["--device", "cuda", "--sweep-bucket-cap", "1,5"],
+            "--sweep-bucket-cap predicts from the times the host measures, which on cuda are "
+            "when work was issued, not done; run the sweep with --device cpu",
+        ),
+    ],
+)
+def test_bad_devices_say_what_to_do(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the run would use it")
+def test_device_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "--device", "cuda")
+    assert code == 2
+    assert "simulate: --device cuda: this torch (" in err
+    assert "; run on the CPU (--device cpu) or on a machine with a GPU" in err
+
+
+def test_on_cuda_kernels_are_deterministic_for_the_run_only() -> None:
+    """cuDNN's deterministic algorithms and the math attention kernel while a CUDA run lasts,
+    so that each rank's reference copy recomputes its bits; process-wide, hence restored."""
+    cuda = torch.backends.cuda
+    before = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    flags = cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()
+    try:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+        with simulate._deterministic_kernels(torch.device("cpu")):
+            assert torch.backends.cudnn.benchmark is True
+        with simulate._deterministic_kernels(torch.device("cuda")):
+            assert torch.backends.cudnn.deterministic is True
+            assert torch.backends.cudnn.benchmark is False
+            assert not cuda.flash_sdp_enabled() and not cuda.mem_efficient_sdp_enabled()
+            assert cuda.math_sdp_enabled()
+        assert (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) == (False, True)
+        assert (
+            cuda.flash_sdp_enabled(),
+            cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled(),
+        ) == flags
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before

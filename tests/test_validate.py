@@ -9,6 +9,7 @@ spawned ranks run); the torchrun test and ``test_the_cli_dispatches_validate`` g
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -194,3 +195,111 @@ def test_the_cli_dispatches_validate() -> None:
         f"module when it builds its parser:\n{out.stderr[-600:]}"
     )
     assert "--backend {fakepg,gloo,nccl}" in out.stdout and "--nproc" in out.stdout
+
+
+# -------------------------------------------------------------------------------------------
+# --device: where the models live. The CUDA runs themselves are the GPU check's
+# (bash benchmarks/gpu_check.sh); here, every path a machine without a GPU reaches.
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    validate.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_fakepg_with_device_cpu_passes_every_check(capsys: pytest.CaptureFixture[str]) -> None:
+    code = validate.main(["--backend", "fakepg", "--device", "cpu", "--nproc", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "backend fakepg, 2 ranks as threads, device cpu" in out
+    table = rows(out)
+    assert list(table) == CHECKS
+    assert all(result == "pass" for result, _ in table.values()), out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the suite runs on it")
+@pytest.mark.parametrize("backend", ["gloo", "fakepg"])
+def test_device_cuda_without_a_gpu_skips_with_a_clear_message(
+    backend: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert validate.main(["--backend", backend, "--device", "cuda", "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("validate: skipped: --device cuda: ")
+    assert "has no CUDA" in out or "no GPU visible here" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the suite runs on it")
+def test_device_cuda_under_torchrun_without_a_gpu_skips_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Decided before the rendezvous (nothing listens on the port: joining would fail)."""
+    for rank in range(2):
+        for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "1")
+        assert validate.main(["--backend", "gloo", "--device", "cuda", "--timeout", "5"]) == 0
+        assert f"skipped on rank {rank}: --device cuda: " in capsys.readouterr().out
+
+
+def test_nccl_on_the_cpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert validate.main(["--backend", "nccl", "--device", "cpu"]) == 2
+    assert "--backend nccl reduces CUDA tensors only; drop --device cpu" in capsys.readouterr().err
+
+
+def test_started_ranks_get_the_same_options() -> None:
+    args = parsed("--backend", "gloo", "--device", "cuda", "--nproc", "3", "--timeout", "9")
+    assert validate._rank_command(args)[1:] == [
+        *("-m", "reducer.validate", "--backend", "gloo", "--device", "cuda", "--timeout", "9.0")
+    ]
+    args = parsed("--backend", "gloo", "--break-check", "sparse gradients")
+    assert validate._rank_command(args)[1:] == [
+        *("-m", "reducer.validate", "--backend", "gloo", "--timeout", "120.0"),
+        *("--break-check", "sparse gradients"),
+    ]
+
+
+def test_each_rank_gets_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL: one GPU per local rank. --device cuda: ranks share the GPUs round robin (two
+    gloo processes on one GPU). Otherwise the CPU."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert validate._rank_device("nccl", None, 1) == torch.device("cuda", 1)
+    assert validate._rank_device("gloo", "cuda", 1) == torch.device("cuda", 0)
+    assert validate._rank_device("fakepg", "cuda", 0) == torch.device("cuda", 0)
+    assert validate._rank_device("gloo", None, 1) == torch.device("cpu")
+    assert validate._rank_device("gloo", "cpu", 0) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert validate._rank_device("gloo", "cuda", 3) == torch.device("cuda", 1)
+
+
+def test_checks_on_cuda_use_ieee_float32_and_restore_the_settings() -> None:
+    """TF32 would round the dyadic products (see Note [Dyadic data]); the settings are
+    process-wide, so they are put back afterwards. Nothing changes on the CPU."""
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        with validate._exact_float32(torch.device("cpu")):
+            assert torch.get_float32_matmul_precision() == "high"
+        with validate._exact_float32(torch.device("cuda", 0)):
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_the_cli_lists_the_device_option() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "reducer", "validate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-600:]
+    assert "--device {cpu,cuda}" in out.stdout
