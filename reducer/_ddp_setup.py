@@ -292,6 +292,8 @@ def synced_parameters(module: nn.Module, ignore: set[str]) -> list[tuple[str, nn
 
 def synced_buffers(module: nn.Module, ignore: set[str]) -> list[Tensor]:
     """The buffers no name of which is ignored (read again each time: modules reassign them)."""
+    if not ignore:
+        return list(module.buffers())
     ignored = {id(b) for n, b in module.named_buffers(remove_duplicate=False) if n in ignore}
     return [b for _, b in module.named_buffers() if id(b) not in ignored]
 
