@@ -27,7 +27,7 @@ class SkipDivide(reducer.Reducer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._world_size = 1
+        self._divisor = 1
 
 
 class OffByOneOffset(reducer.Reducer):

@@ -30,7 +30,13 @@ from .comm_hooks import (
     fp16_compress_hook,
 )
 from .ddp import DDPLoggingData, DistributedDataParallel
-from .errors import BucketAssignmentError, InvalidArgument, ReducerError, ReductionError
+from .errors import (
+    BucketAssignmentError,
+    InvalidArgument,
+    InvalidModel,
+    ReducerError,
+    ReductionError,
+)
 from .process_group import ProcessGroup, ReduceOp, Work
 from .reducer import Reducer
 from .stats import IterationStats
@@ -43,6 +49,7 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "InvalidArgument",
+    "InvalidModel",
     "IterationStats",
     "ProcessGroup",
     "ReduceOp",

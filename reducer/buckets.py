@@ -4,6 +4,17 @@
 and device, as torch's ``_compute_bucket_assignment_by_size`` does. ``build_buckets`` turns a
 bucket assignment into the reducer's buckets: per model replica, one flat tensor holding the
 gradients of its parameters back to back, and a view of it per parameter.
+
+# Note [Bucket views follow the parameter's strides]
+# A parameter's slot in the flat contents is ``numel`` elements from its offset; the view of
+# that slot has the parameter's own strides whenever the parameter is non-overlapping and
+# dense (a channels_last conv weight, a transposed weight), as in torch's reducer. Autograd
+# creates gradients with the parameter's strides, so copies into and out of the view are
+# plain element-for-element copies, and with gradient_as_bucket_view ``.grad`` has the
+# parameter's layout, as the optimizer expects. Other parameters get a row-major view. The
+# layout decides which element of the flat contents is which, so every rank (and every
+# replica) must lay a parameter out alike: DistributedDataParallel checks the strides across
+# ranks, build_buckets across replicas.
 """
 
 from __future__ import annotations
@@ -257,6 +268,8 @@ def build_buckets(
                 f"gradient, together with {len(indices) - 1} other parameter(s); a parameter "
                 "with a sparse gradient needs a bucket of its own"
             )
+        if not sparse:
+            _check_same_layout(replicas, indices, names)
         bucket_replicas = [
             _sparse_replica(replica, indices[0])
             if sparse
@@ -268,6 +281,22 @@ def build_buckets(
             locators[i] = Locator(b, intra)
     assert all(loc is not None for loc in locators)  # validate_bucket_indices guarantees it
     return buckets, [loc for loc in locators if loc is not None]
+
+
+def _check_same_layout(
+    replicas: list[list[Tensor]], indices: list[int], names: Sequence[str] | None
+) -> None:
+    """Replicas are reduced element by element: a parameter's strides must agree across
+    them. See Note [Bucket views follow the parameter's strides]."""
+    for r, replica in enumerate(replicas[1:], start=1):
+        for i in indices:
+            if replica[i].stride() != replicas[0][i].stride():
+                raise InvalidArgument(
+                    f"{describe_param(i, names)} has strides {replica[i].stride()} in replica "
+                    f"{r} but {replicas[0][i].stride()} in replica 0; replicas must have the "
+                    "same memory layout (convert every replica alike, e.g. "
+                    ".to(memory_format=torch.channels_last))"
+                )
 
 
 def _dense_replica(
@@ -297,10 +326,7 @@ def _dense_replica(
         lengths.append(replica[i].numel())
         offset += replica[i].numel()
     contents = torch.zeros(offset, dtype=first.dtype, device=first.device)
-    views = [
-        contents[o : o + n].view(replica[i].shape)
-        for o, n, i in zip(offsets, lengths, indices, strict=True)
-    ]
+    views = [bucket_view(contents, o, replica[i]) for o, i in zip(offsets, indices, strict=True)]
     # See Note [Division fused into the copy].
     fused = [fuse_division and n >= FUSED_DIVISION_MIN_NUMEL for n in lengths]
     scale_runs = []
@@ -316,8 +342,51 @@ def _dense_replica(
     )
 
 
+def bucket_view(contents: Tensor, offset: int, param: Tensor) -> Tensor:
+    """``param``'s slot of ``contents`` (its ``numel`` elements from ``offset``), shaped like
+    ``param``. See Note [Bucket views follow the parameter's strides]."""
+    if _is_non_overlapping_and_dense(param):
+        return contents.as_strided(param.shape, param.stride(), contents.storage_offset() + offset)
+    return contents[offset : offset + param.numel()].view(param.shape)
+
+
+def _is_non_overlapping_and_dense(t: Tensor) -> bool:
+    """Its elements fill ``numel`` consecutive memory slots, each once, in some dimension
+    order: the strides, sorted, are the running products of the matching sizes (dimensions
+    of size 1 aside). torch has no public test for it."""
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _sparse_replica(replica: list[Tensor], index: int) -> BucketReplica:
     return BucketReplica([replica[index]], empty_sparse_like(replica[index]))
+
+
+def shadow_bucket(bucket: Bucket) -> Bucket:
+    """A copy of ``bucket`` with the same layout and zero contents: what a rank whose inputs
+    ran out contributes while the others train (DDP's join). Reducing it issues the same
+    collective as the bucket itself, and leaves the real contents (which may be .grad) alone."""
+    replicas = []
+    for replica in bucket.replicas:
+        if bucket.expect_sparse_gradient:
+            replicas.append(_sparse_replica(replica.variables, 0))
+            continue
+        contents = torch.zeros_like(replica.contents)
+        views = [
+            bucket_view(contents, o, param)
+            for o, param in zip(replica.offsets, replica.variables, strict=True)
+        ]
+        offsets, lengths = list(replica.offsets), list(replica.lengths)
+        replicas.append(BucketReplica(list(replica.variables), contents, offsets, lengths, views))
+    return Bucket(
+        bucket.index, list(bucket.variable_indices), replicas, bucket.expect_sparse_gradient
+    )
 
 
 def empty_sparse_like(param: Tensor) -> Tensor:

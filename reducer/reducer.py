@@ -37,10 +37,14 @@ Communication of early buckets thus overlaps with the computation of later gradi
 # With gradient_as_bucket_view, each dense .grad is a view of its bucket: autograd accumulates
 # straight into the bucket, the division and the allreduce happen in place, and nothing is
 # copied in or out. A fresh gradient (after zero_grad(set_to_none=True)) is copied in once
-# and .grad is pointed back at the view. A locally unused parameter must contribute zeros
-# without losing its .grad, which may stay untouched if it is unused on every rank: its old
-# values move to a detached copy that stays as .grad, and finalize points .grad back at the
-# view only if some rank used it.
+# and .grad is pointed back at the view. .grad stays that one view object from iteration to
+# iteration (until the buckets are rebuilt), as in torch, so an optimizer or user code that
+# holds on to it keeps seeing the gradient. A locally unused parameter (found unused, or
+# reached only by outputs the loss did not use) must contribute zeros, yet keep its .grad
+# exactly if it is unused on every rank: its values are set aside (``_kept``), the view is
+# zeroed for the reduction, and finalize copies them back if no rank used it. The view
+# follows the parameter's strides: see Note [Bucket views follow the parameter's strides] in
+# reducer.buckets.
 
 # Note [Static graph]
 # With static_graph=True the reducer trusts that every iteration runs the same graph. The
@@ -88,10 +92,18 @@ from .buckets import (
     BucketReplica,
     build_buckets,
     empty_sparse_like,
+    shadow_bucket,
     validate_bucket_indices,
 )
 from .comm_hooks import CommHook, FutureWork, GradBucket
-from .errors import InvalidArgument, ReductionError, describe_param, describe_params
+from .errors import (
+    REDUCER_WORDING,
+    InvalidArgument,
+    ReductionError,
+    Wording,
+    describe_param,
+    describe_params,
+)
 from .graph import gradient_accumulator, reached_accumulators
 from .process_group import ProcessGroup, Work
 from .stats import IterationStats
@@ -169,11 +181,16 @@ class Reducer:
         # An error raised during an iteration leaves the ranks out of step; the reducer then
         # refuses further use until it is closed and replaced.
         self._failure: BaseException | None = None
+        # How errors name the caller's API; the DDP wrapper sets its own (see errors.Wording).
+        self._wording: Wording = REDUCER_WORDING
         self._closed = False
         # A comm hook replaces the allreduce; the hook divides, so buckets are not prescaled.
         self._comm_hook: tuple[object, CommHook] | None = None
-        # On one rank the division is by 1, the identity bit for bit: skip that pass.
-        self._prescale = self._world_size > 1
+        # Bucket contents are divided by this before the allreduce: the world size, or the
+        # number of ranks still training under DDP's join (see _set_divisor).
+        self._divisor = self._world_size
+        # A division by 1 is the identity bit for bit: skip that pass.
+        self._prescale = self._divisor > 1
         self._timeout = float(timeout)
         # See Note [Static graph]: hook calls counted in the first iteration, then expected.
         self._static_graph = bool(static_graph)
@@ -190,8 +207,9 @@ class Reducer:
         self._iterations = 0
         self._last_iteration: IterationStats | None = None
 
-        # Bucket views: gradients kept apart from their view for a locally unused parameter.
-        self._detached: dict[tuple[int, int], Tensor] = {}
+        # Bucket views: the .grad values of locally unused parameters, set aside while their
+        # views hold zeros for the reduction. See Note [Gradients as bucket views].
+        self._kept: dict[tuple[int, int], Tensor] = {}
         self._buckets: list[Bucket] = []
         # Per replica and parameter: its bucket, bucket replica and position there.
         self._slots: list[list[tuple[Bucket, BucketReplica, int]]] = []
@@ -361,7 +379,7 @@ class Reducer:
             if grad is None:
                 replica.views[intra].zero_()
             else:
-                torch.div(grad, self._world_size, out=replica.views[intra])
+                torch.div(grad, self._divisor, out=replica.views[intra])
         # Otherwise the gradient is copied with the rest of its replica, below: see Note
         # [Copies batched per bucket replica].
         replica.pending -= 1
@@ -372,7 +390,7 @@ class Reducer:
             # the average. See Note [Division fused into the copy].
             if self._prescale:
                 for run in replica.scale_runs:
-                    run.div_(self._world_size)
+                    run.div_(self._divisor)
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
@@ -427,11 +445,13 @@ class Reducer:
         See Note [Gradients as bucket views]."""
         view = replica.views[intra]
         param = replica.variables[intra]
+        if not self._used[replica_index][index]:
+            if param.grad is view:
+                # .grad keeps being the view; its values wait aside while it holds zeros.
+                self._kept[(replica_index, index)] = view.clone()
+            view.zero_()
+            return
         if param.grad is view:  # autograd accumulated into the bucket already
-            if not self._used[replica_index][index]:
-                # Keep the old values as .grad; the bucket gets zeros.
-                param.grad = self._detached[(replica_index, index)] = view.clone()
-                view.zero_()
             return
         grad = self._contribution(replica_index, index, param)
         if grad is None:
@@ -439,7 +459,6 @@ class Reducer:
         else:
             view.copy_(grad)
             param.grad = view  # a fresh gradient (after set_to_none): the bucket holds it now
-            self._detached.pop((replica_index, index), None)
 
     def _move_into_view(self, replica_index: int, index: int) -> None:
         """Bucket views: a gradient autograd created afresh (after set_to_none) moves into
@@ -451,7 +470,6 @@ class Reducer:
         if param.grad is not None and param.grad is not view:
             view.copy_(param.grad)
             param.grad = view
-            self._detached.pop((replica_index, index), None)
 
     def _set_sparse_contents(self, replica_index: int, index: int, replica: BucketReplica) -> None:
         """A sparse bucket's contents are the scaled gradient itself (a copy: .grad stays)."""
@@ -464,7 +482,7 @@ class Reducer:
         else:
             replica.contents = grad.clone()
             if self._prescale:
-                replica.contents.div_(self._world_size)
+                replica.contents.div_(self._divisor)
 
     def _mark_bucket_ready(self, bucket_index: int) -> None:
         """Launch this bucket and every ready one after it, if it is next in line."""
@@ -500,8 +518,8 @@ class Reducer:
                     ReductionError(
                         f"the comm hook {getattr(hook, '__name__', hook)!r} raised for bucket "
                         f"{bucket.index} on rank {self._rank()}: {type(exc).__name__}: {exc}. "
-                        "The ranks are out of step now; fix the hook, close() this reducer "
-                        "and build a new one"
+                        "The ranks are out of step now; fix the hook, then "
+                        f"{self._wording.recover}"
                     )
                 ) from exc
             if not _is_future(future):
@@ -619,16 +637,21 @@ class Reducer:
         return when - self._backward_stats_base
 
     def _point_grads_at_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
-        """Bucket views: the average is in the bucket; make every used .grad that view."""
+        """Bucket views: the average is in the bucket; make every used .grad that view.
+
+        A parameter unused on every rank gets its values back (see Note [Gradients as bucket
+        views])."""
         for r, replica in enumerate(bucket.replicas):
             for index, param, view in zip(
                 bucket.variable_indices, replica.variables, replica.views, strict=True
             ):
+                kept = self._kept.pop((r, index), None)
                 if globally_used is not None and not globally_used[index]:
-                    continue  # unused on every rank: .grad stays as it was
+                    if kept is not None:
+                        view.copy_(kept)  # unused on every rank: .grad as it was
+                    continue
                 if param.grad is not view:
                     param.grad = view
-                    self._detached.pop((r, index), None)
 
     # ---------------------------------------------------------------------------------------
     # Setup, inspection, teardown.
@@ -670,7 +693,7 @@ class Reducer:
 
     def _attach_views(self) -> None:
         """Move existing dense gradients into their bucket views and make .grad the view."""
-        self._detached = {}
+        self._kept = {}
         with torch.no_grad():
             for bucket in self._buckets:
                 if bucket.expect_sparse_gradient:
@@ -707,6 +730,77 @@ class Reducer:
                 )
             self._comm_hook = (state, hook)
             self._prescale = False
+
+    # ---------------------------------------------------------------------------------------
+    # What the DDP wrapper needs beyond the contract (torch's reducer has the same calls).
+
+    def _set_static_graph(self) -> None:
+        """Promise the same graph every iteration from now on, as ``static_graph=True`` does
+        (see Note [Static graph]). Only before the first iteration, which records the graph."""
+        with self._lock:
+            self._check_usable("_set_static_graph")
+            if self._iterations > 0 or self._expect_autograd_hooks:
+                raise ReductionError(
+                    f"_set_static_graph() was called after the first iteration started (this "
+                    f"{self._wording.owner} has run {self._iterations} synced iteration(s)); "
+                    "the first iteration records the graph, so call it right after "
+                    f"construction, before the first {self._wording.starts_iteration}, or "
+                    f"build the {self._wording.owner} with static_graph=True"
+                )
+            self._static_graph = True
+
+    def _set_divisor(self, divisor: int) -> None:
+        """Divide bucket contents by ``divisor`` from the next iteration on, not by the world
+        size: DDP's ``join(divide_by_initial_world_size=False)`` averages over the ranks still
+        training. A comm hook divides by itself and ignores it."""
+        with self._lock:
+            if self._expect_autograd_hooks:
+                raise ReductionError(
+                    "_set_divisor was called during an iteration; change it between iterations"
+                )
+            if isinstance(divisor, bool) or not isinstance(divisor, int):
+                raise InvalidArgument(f"_set_divisor: divisor must be an int, got {divisor!r}")
+            if not 1 <= divisor <= self._world_size:
+                raise InvalidArgument(
+                    f"_set_divisor: divisor must be a number of ranks, 1 to {self._world_size}, "
+                    f"got {divisor}"
+                )
+            self._divisor = divisor
+            self._prescale = self._comm_hook is None and divisor > 1
+
+    def _shadow_iteration(self, *, used_map: bool) -> None:
+        """Issue the collectives of one synced backward, contributing zeros, and wait for them.
+
+        A rank whose inputs ran out (DDP's join) must still match what the ranks that train
+        issue: one reduction per bucket in index order (through the comm hook, if one is
+        registered: the hook sees a bucket of zeros), then, where they search for unused
+        parameters, the used map (all zeros: nothing is used here). This rank's gradients and
+        buckets are left alone. Between iterations only.
+        """
+        works: list[Work] = []
+        with self._lock:
+            self._check_usable("join")
+            if self._expect_autograd_hooks:
+                raise ReductionError(
+                    f"rank {self._rank()} joined (ran out of inputs) in the middle of an "
+                    f"iteration: {self._wording.starts_iteration} ran, but its backward did not; "
+                    "leave the join context only after a complete iteration"
+                )
+            launch_ns = self._bucket_launch_ns  # the last real iteration's, kept for stats
+            self._bucket_launch_ns = [0] * len(self._buckets)
+            try:
+                for bucket in self._buckets:
+                    shadow = shadow_bucket(bucket)
+                    self._launch(shadow)
+                    assert shadow.work is not None  # _launch sets it or raises
+                    works.append(shadow.work)
+                if used_map:
+                    unused = torch.zeros(len(self._replicas[0]), dtype=torch.int32)
+                    works.append(self._process_group.allreduce([unused]))
+            finally:
+                self._bucket_launch_ns = launch_ns
+        for work in works:
+            work.wait()
 
     @property
     def last_iteration(self) -> IterationStats | None:
@@ -776,13 +870,16 @@ class Reducer:
     # Errors.
 
     def _check_usable(self, what: str) -> None:
+        words = self._wording
+        if what == "prepare_for_backward":
+            what = words.starts_iteration
         if self._closed:
-            raise ReductionError(f"{what} on a closed Reducer; build a new Reducer")
+            raise ReductionError(f"{what} on a closed {words.owner}; build a new {words.owner}")
         if self._failure is not None:
             raise ReductionError(
-                f"{what}: this Reducer failed in an earlier iteration "
+                f"{what}: this {words.owner} failed in an earlier iteration "
                 f"({type(self._failure).__name__}: {self._failure}); the ranks are out of "
-                "step. close() it and build a new Reducer (the model can be reused)"
+                f"step: {words.recover}"
             ) from self._failure
 
     def _fail(self, error: BaseException) -> BaseException:
@@ -796,12 +893,12 @@ class Reducer:
         for bucket in self._buckets:
             if bucket.expect_sparse_gradient:
                 continue
-            for r, replica in enumerate(bucket.replicas):
+            for replica in bucket.replicas:
                 for index, param, view in zip(
                     bucket.variable_indices, replica.variables, replica.views, strict=True
                 ):
                     grad = param.grad
-                    if grad is None or grad is view or grad is self._detached.get((r, index)):
+                    if grad is None or grad is view:
                         continue
                     raise ReductionError(
                         f"{describe_param(index, self._names)}: its .grad was replaced by a "
@@ -814,6 +911,12 @@ class Reducer:
         return self._process_group.rank()
 
     def _unfinished_error(self) -> ReductionError:
+        words = self._wording
+        what = (
+            f"{words.starts_iteration} started a new iteration before the previous one "
+            "finished its reduction (Expected to have finished reduction in the prior "
+            "iteration before starting a new one)"
+        )
         per_replica = []
         for r, ready in enumerate(self._ready):
             missing = [i for i, is_ready in enumerate(ready) if not is_ready]
@@ -822,21 +925,15 @@ class Reducer:
                 per_replica.append(prefix + describe_params(missing, self._names))
         if not per_replica:
             return ReductionError(
-                "prepare_for_backward started a new iteration before the previous one finished "
-                f"its reduction: on rank {self._rank()}, every parameter got its gradient, but "
-                "the backward pass did not reach its end (it raised after the last gradient, "
-                "or was interrupted), so the end-of-backward step that waits for the buckets "
-                "and writes .grad never ran. The ranks are out of step now: close() this "
-                "Reducer and build a new one."
+                f"{what}: on rank {self._rank()}, every parameter got its gradient, but the "
+                "backward pass did not reach its end (it raised after the last gradient, or "
+                "was interrupted), so the end-of-backward step that waits for the buckets and "
+                f"writes .grad never ran. The ranks are out of step now: {words.recover}."
             )
         return ReductionError(
-            "prepare_for_backward started a new iteration before the previous one finished "
-            f"its reduction: on rank {self._rank()}, these parameters never got a gradient: "
+            f"{what}: on rank {self._rank()}, these parameters never got a gradient: "
             f"{'; '.join(per_replica)}. They were not used to compute the loss, so their "
-            "buckets never launched. Pass the forward outputs to prepare_for_backward so "
-            "unused parameters are found (find_unused_parameters=True), or make every output "
-            "take part in the loss. If you already pass the outputs, the loss depends on a "
-            "tensor that is not among them."
+            f"buckets never launched. {words.search_for_unused}"
         )
 
     def _marked_twice_error(self, replica_index: int, index: int) -> ReductionError:
@@ -844,13 +941,12 @@ class Reducer:
         where = f" of replica {replica_index}" if len(self._replicas) > 1 else ""
         if (replica_index, index) in self._unused_set:
             cause = (
-                "It was found unused (its accumulator is not in the graph of the outputs given "
-                "to prepare_for_backward) and marked ready, then got a gradient anyway: it was "
-                "used outside the forward pass, in a tensor not among the outputs, or inside "
-                "reentrant activation checkpointing (which hides it from the search; use "
-                "torch.utils.checkpoint with use_reentrant=False). Use it inside forward and "
-                "return what depends on it, or do not search for unused parameters "
-                "(find_unused_parameters=False)."
+                f"It was found unused ({self._wording.found_unused_because}) and marked "
+                "ready, then got a gradient anyway: it was used outside the forward pass, in "
+                "a tensor not among the outputs, or inside reentrant activation checkpointing "
+                "(which hides it from the search; use torch.utils.checkpoint with "
+                "use_reentrant=False). Use it inside forward and return what depends on it, "
+                f"or {self._wording.no_search}."
             )
         else:
             cause = (
@@ -874,7 +970,7 @@ class Reducer:
             f"{describe_param(index, self._names)} got more gradient hook calls in this "
             f"iteration than the {recorded} recorded in the first one, on rank {self._rank()}; "
             "static_graph=True needs the same graph every iteration (the same parameters used "
-            "the same number of times). Build the reducer with static_graph=False."
+            f"the same number of times). {self._wording.no_static_graph}"
         )
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:

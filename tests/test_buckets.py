@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reducer
-from reducer.buckets import FUSED_DIVISION_MIN_NUMEL, build_buckets, validate_bucket_indices
+from reducer.buckets import (
+    FUSED_DIVISION_MIN_NUMEL,
+    _is_non_overlapping_and_dense,
+    build_buckets,
+    shadow_bucket,
+    validate_bucket_indices,
+)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]
 
@@ -135,3 +143,84 @@ def test_layout_views_alias_the_contents() -> None:
     assert locators[0] == reducer.buckets.Locator(0, 2)
     assert locators[3] == reducer.buckets.Locator(1, 0)
     assert buckets[0].nbytes == 4 * (17 + big)
+
+
+# -------------------------------------------------------------------------------------------
+# Views that follow each parameter's strides.
+
+
+def occupied(view: torch.Tensor, contents: torch.Tensor) -> list[int]:
+    """The positions in ``contents`` that ``view`` covers, in sorted order."""
+    with torch.no_grad():
+        contents.copy_(torch.arange(contents.numel(), dtype=contents.dtype))
+    return sorted(int(v) for v in view.flatten().tolist())
+
+
+def test_views_follow_each_dense_parameters_strides() -> None:
+    """A channels_last weight and a transposed one get views with their own strides; a
+    parameter that is not dense (a strided slice) a row-major view. Each view covers exactly
+    its slot of the contents."""
+    channels_last = torch.zeros(4, 3, 3, 3).to(memory_format=torch.channels_last)
+    transposed = torch.zeros(3, 5).t()
+    sliced = torch.zeros(4, 6)[:, ::2]
+    plain = torch.zeros(2, 3)
+    params = [channels_last, transposed, sliced, plain]
+    (bucket,), _ = build_buckets([params], [[0, 1, 2, 3]], [False] * 4, None)
+    replica = bucket.replicas[0]
+    assert [v.stride() for v in replica.views] == [
+        channels_last.stride(),
+        transposed.stride(),
+        (3, 1),
+        plain.stride(),
+    ]
+    assert channels_last.stride() != (27, 9, 3, 1) and transposed.stride() == (1, 5)
+    for view, offset, length in zip(replica.views, replica.offsets, replica.lengths, strict=True):
+        assert occupied(view, replica.contents) == list(range(offset, offset + length))
+
+
+def test_a_replica_laid_out_differently_is_refused() -> None:
+    first = [torch.zeros(4, 3, 3, 3)]
+    second = [torch.zeros(4, 3, 3, 3).to(memory_format=torch.channels_last)]
+    with pytest.raises(reducer.InvalidArgument, match=r"parameter 0 \('w'\) has strides"):
+        build_buckets([first, second], [[0]], [False], ["w"])
+
+
+@given(
+    st.lists(st.integers(1, 4), min_size=0, max_size=4),
+    st.randoms(use_true_random=False),
+    st.integers(1, 2),
+)
+def test_the_density_check_agrees_with_torchs(
+    shape: list[int], rng: random.Random, step: int
+) -> None:
+    """Permuted dimensions, and slices with a step, against torch's own (private) check."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    t = torch.zeros(shape)
+    order = list(range(len(shape)))
+    rng.shuffle(order)
+    t = t.permute(order)
+    if t.dim() and step > 1:
+        t = t[..., ::step]
+    assert _is_non_overlapping_and_dense(t) == is_non_overlapping_and_dense_or_false(t)
+
+
+def test_a_shadow_bucket_has_the_layout_and_zeros() -> None:
+    """What a rank that ran out of inputs reduces: the same shapes and views, zeros, and the
+    real contents left alone."""
+    channels_last = torch.zeros(2, 3, 1, 2).to(memory_format=torch.channels_last)
+    params = [channels_last, torch.zeros(3), torch.zeros(4, 2)]
+    buckets, _ = build_buckets([params], [[0, 1], [2]], [False, False, True], None)
+    dense, sparse = buckets
+    dense.replicas[0].contents.fill_(7)
+    shadow = shadow_bucket(dense)
+    copy = shadow.replicas[0]
+    assert (shadow.index, shadow.variable_indices) == (0, [0, 1])
+    assert copy.contents.shape == dense.replicas[0].contents.shape
+    assert copy.contents.data_ptr() != dense.replicas[0].contents.data_ptr()
+    assert not copy.contents.any() and bool((dense.replicas[0].contents == 7).all())
+    assert copy.offsets == dense.replicas[0].offsets
+    assert [v.stride() for v in copy.views] == [v.stride() for v in dense.replicas[0].views]
+    assert all(v.data_ptr() >= copy.contents.data_ptr() for v in copy.views)
+    sparse_copy = shadow_bucket(sparse).replicas[0].contents
+    assert sparse_copy.is_sparse and sparse_copy.shape == (4, 2) and sparse_copy._nnz() == 0

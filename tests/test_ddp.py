@@ -683,3 +683,395 @@ def test_logging_data_reports_configuration_buckets_and_timings() -> None:
         assert 0 <= data.overlap_ms <= data.comm_ms
         assert data.avg_forward_ms > 0 and data.avg_comm_ms > 0
         assert 0 <= data.avg_overlap_ms <= data.avg_comm_ms
+
+
+# -------------------------------------------------------------------------------------------
+# torch's constructor: the process group, devices, arguments honoured or refused by name.
+
+
+def test_the_group_is_torchs_default_group_or_the_one_given() -> None:
+    """No group: the default group, which on fakepg's torch backend is used through its own
+    FakeProcessGroup; a raw torch group likewise; the fake group itself, second or by
+    keyword. Each reduces over the rank's FakeProcessGroup."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[bool]:
+        given: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+            ((), {}),
+            ((dist.group.WORLD,), {}),
+            ((), {"process_group": dist.group.WORLD}),
+            ((pg,), {}),
+            ((), {"process_group": pg}),
+        ]
+        return [DDP(tower(), *args, **kwargs).process_group is pg for args, kwargs in given]
+
+    fakepg.register_torch_backend()
+    for same in fakepg.run_torch(fn, 2, timeout=20.0):
+        assert same == [True] * 5
+
+
+def test_without_a_group_or_a_default_group_the_error_says_what_to_do() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        with pytest.raises(reducer.InvalidArgument) as info:
+            DDP(tower())
+        return str(info.value)
+
+    for message in run_ranks(fn, 1):
+        assert "no process_group was given" in message
+        assert "init_process_group" in message and "process_group=" in message
+
+
+def test_a_group_given_twice_is_refused() -> None:
+    with fakepg.World(1) as world:
+        pg = world.group(0)
+        with pytest.raises(reducer.InvalidArgument, match="pass it once"):
+            DDP(tower(), pg, process_group=pg)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device_ids": [0]}, r"device_ids=\[0\] and output_device=None name a device.*cpu"),
+        ({"output_device": 0}, r"output_device=0 name a device.*CPU module"),
+        ({"device_ids": [0, 1]}, r"device_ids=\[0, 1\] names several devices"),
+        ({"device_ids": 0}, r"device_ids must be a list of one device"),
+    ],
+)
+def test_device_ids_on_a_cpu_module_are_refused_as_by_torch(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    """torch's DDP refuses device_ids and output_device for a CPU module (ValueError), and
+    several devices for any module; so does this wrapper, naming the argument."""
+    with fakepg.World(1) as world:
+        with pytest.raises(reducer.InvalidArgument, match=match):
+            DDP(tower(), process_group=world.group(0), **kwargs)
+        assert DDP(tower(), None, process_group=world.group(0)).device_ids is None
+
+
+def test_inputs_move_to_the_device_as_torchs_ddp_moves_them() -> None:
+    """To the module's device (``device_ids[0]``), through nested containers; shown with the
+    meta device, which every machine has."""
+    from reducer._ddp_setup import move_inputs
+
+    x, y, z = torch.ones(2), torch.zeros(3), torch.ones(1)
+    inputs, kwargs = move_inputs((x, [y, {"k": z}], 3), {"w": (z,)}, torch.device("meta"))
+    assert inputs[0].device.type == "meta" and inputs[2] == 3
+    assert inputs[1][0].device.type == "meta" and inputs[1][1]["k"].device.type == "meta"
+    assert kwargs["w"][0].device.type == "meta" and inputs[0].shape == (2,)
+    assert move_inputs((), {}, torch.device("meta")) == ((), {})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device is needed")
+def test_a_module_on_one_gpu_takes_device_ids_and_gets_its_inputs_moved() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[int] | None, torch.device]:
+        model = tower().cuda(0)
+        ddp = DDP(model, pg, device_ids=[0])
+        seen: list[torch.device] = []
+        model.register_forward_pre_hook(lambda _m, args: seen.append(args[0].device))
+        ddp(x_of(pg.rank()))  # a CPU input
+        return ddp.device_ids, seen[0]
+
+    for ids, device in run_ranks(fn, 1):
+        assert ids == [0] and device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": None},
+        {"param_to_hook_all_reduce": object()},
+        {"mixed_precision": object()},
+        {"device_mesh": object()},
+        {"skip_all_reduce_unused_params": True},
+    ],
+    ids=lambda kwargs: next(k for k, v in kwargs.items() if v is not None),
+)
+def test_arguments_this_wrapper_cannot_honour_are_refused_by_name(kwargs: dict[str, Any]) -> None:
+    name = next(k for k, v in kwargs.items() if v is not None)
+    with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument) as info:
+        DDP(tower(), world.group(0), **kwargs)
+    assert f"{name} is not supported" in str(info.value)
+
+
+def test_check_reduction_warns_as_torchs_does() -> None:
+    with fakepg.World(1) as world, pytest.warns(FutureWarning, match="check_reduction"):
+        DDP(tower(), world.group(0), check_reduction=True)
+
+
+def test_bucket_cap_mb_list_sets_each_buckets_cap_as_in_torch() -> None:
+    model = seeded(lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]))
+    params = list(model.parameters())
+    caps = [0.01, 0.02, 0.04]
+    limits = [int(c * (1 << 20)) for c in caps]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[int]], list[list[int]], float]:
+        ddp = DDP(model, pg, bucket_cap_mb_list=caps)
+        initial = ddp.reducer.bucket_indices
+        ddp(torch.ones(1, 64)).sum().backward()
+        ddp(torch.ones(1, 64)).sum().backward()  # rebuilt first, in the ready order
+        return initial, ddp.reducer.bucket_indices, ddp.logging_data().bucket_cap_mb
+
+    initial, rebuilt, cap = run_ranks(fn, 1)[0]
+    theirs = dist._compute_bucket_assignment_by_size(params, limits)[0]
+    assert initial == [list(b) for b in reversed(theirs)]
+    order = [i for b in rebuilt for i in b]
+    by_order = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits)[0]
+    assert rebuilt == [[order[j] for j in b] for b in by_order]
+    assert cap == 0.04
+    with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument, match="pass one"):
+        DDP(model, world.group(0), bucket_cap_mb=1, bucket_cap_mb_list=caps)
+
+
+def test_init_sync_false_runs_no_collective_at_construction() -> None:
+    """Each rank keeps its own initial values (nothing verified, nothing broadcast)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> Tensor:
+        model = seeded(Tower, seed=pg.rank())
+        DDP(model, pg, init_sync=False)
+        return model.trunk.weight.detach().clone()
+
+    first, second = run_ranks(fn, 2)
+    assert torch.equal(first, seeded(Tower, seed=0).trunk.weight)
+    assert torch.equal(second, seeded(Tower, seed=1).trunk.weight)
+
+
+def test_a_lazy_module_is_refused_until_initialized() -> None:
+    with fakepg.World(1) as world, pytest.raises(RuntimeError, match="not initialized") as info:
+        DDP(nn.LazyLinear(3), world.group(0))
+    assert isinstance(info.value, reducer.InvalidModel)
+    assert "parameter 0 ('weight')" in str(info.value)
+
+
+def test_a_requires_grad_mismatch_across_ranks_is_a_runtime_error() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = tower()
+        model.trunk.bias.requires_grad_(pg.rank() == 0)
+        with pytest.raises(RuntimeError) as info:
+            DDP(model, pg)
+        assert isinstance(info.value, reducer.InvalidModel)  # and an InvalidArgument
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "parameter 1 ('trunk.bias') differs between ranks" in message
+        assert "rank 1 has float32 (5,) (frozen: requires_grad=False)" in message
+
+
+# -------------------------------------------------------------------------------------------
+# Ignored parameters and buffers.
+
+
+def test_ignored_names_must_name_parameters_or_buffers() -> None:
+    model = tower()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["trunk.weight", "module.trunk.bias"])
+    assert getattr(model.trunk.weight, "_ddp_ignored", False)
+    with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument) as info:
+        DDP(model, world.group(0))
+    assert "'module.trunk.bias'" in str(info.value) and "'trunk.weight'" not in str(info.value)
+
+
+def test_an_ignored_parameter_is_neither_reduced_nor_broadcast() -> None:
+    """``trunk.weight`` ignored: each rank keeps its own values and its local gradient; the
+    others are averaged, bit for bit."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Tensor, list[Tensor | None], int]:
+        model = tower()
+        with torch.no_grad():
+            model.trunk.weight.add_(pg.rank())
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["trunk.weight"])
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB)
+        tower_loss(ddp(x_of(pg.rank()))).backward()
+        reduced = sum(len(b) for b in ddp.reducer.bucket_indices)
+        return model.trunk.weight.detach().clone(), grads_of(model), reduced
+
+    def shifted(rank: int) -> nn.Module:
+        model = tower()
+        with torch.no_grad():
+            model.trunk.weight.add_(rank)
+        return model
+
+    per_rank = []
+    for rank in range(2):
+        local = shifted(rank)
+        tower_loss(local(x_of(rank))).backward()
+        per_rank.append(grads_of(local))
+    averaged = [rank_order_average([g[i] for g in per_rank], 2) for i in range(6)]
+    for rank, (weight, grads, reduced) in enumerate(run_ranks(fn, 2)):
+        assert reduced == 5
+        assert torch.equal(weight, shifted(rank).trunk.weight)
+        assert_bitwise(grads[:1], per_rank[rank][:1], f"rank {rank}: the ignored weight")
+        assert_bitwise(grads[1:], averaged[1:], f"rank {rank}: the reduced parameters")
+
+
+# -------------------------------------------------------------------------------------------
+# _set_static_graph, close, the comm hook's timeout.
+
+
+def test_set_static_graph_only_before_the_first_iteration() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(tower(), pg)
+        ddp._set_static_graph()
+        with pytest.warns(UserWarning, match="no need to set it again"):
+            ddp._set_static_graph()
+        late = DDP(tower(), pg)
+        tower_loss(late(x_of(pg.rank()))).backward()
+        with pytest.raises(RuntimeError) as info:
+            late._set_static_graph()
+        assert not late.static_graph
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "after the first iteration started" in message
+        assert "before the first forward" in message and "static_graph=True" in message
+
+
+def test_close_ends_the_wrapper_and_recovery_needs_no_private_attribute() -> None:
+    """After an error the ranks are out of step: close() the wrapper and wrap the model
+    again; the new wrapper averages as usual. A closed wrapper refuses forward."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[str, str, list[Tensor | None]]:
+        model = tower()
+        ddp = DDP(model, pg)
+        tower_loss(ddp(x_of(pg.rank()), use=(0,))).backward()  # heads.1 unused: unfinished
+        with pytest.raises(RuntimeError):
+            ddp(x_of(pg.rank()))
+        with pytest.raises(RuntimeError) as failed:
+            ddp(x_of(pg.rank()))
+        ddp.close()
+        ddp.close()  # idempotent
+        with pytest.raises(RuntimeError) as closed:
+            ddp(x_of(pg.rank()))
+        model.zero_grad(set_to_none=True)
+        fresh = DDP(model, pg)
+        tower_loss(fresh(x_of(pg.rank(), 1))).backward()
+        return str(failed.value), str(closed.value), grads_of(model)
+
+    want = reference(tower, lambda m, r: tower_loss(m(x_of(r, 1))).backward(), 2)
+    for rank, (failed, closed, grads) in enumerate(run_ranks(fn, 2)):
+        assert "forward: this DistributedDataParallel failed in an earlier iteration" in failed
+        assert "close() on this DistributedDataParallel and wrap the model in a new one" in failed
+        assert "forward on a closed DistributedDataParallel" in closed
+        assert_bitwise(grads, want, f"rank {rank} after recovery")
+
+
+def test_the_comm_hook_timeout_is_set_from_the_wrapper() -> None:
+    def never(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+        return torch.futures.Future()  # nothing completes it
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(tower(), pg, comm_hook_timeout=0.2)
+        ddp.register_comm_hook(None, never)
+        with pytest.raises(RuntimeError) as info:
+            tower_loss(ddp(x_of(pg.rank()))).backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "did not complete within 0.2 s" in message
+
+
+# -------------------------------------------------------------------------------------------
+# Errors in the DDP user's words.
+
+
+def test_errors_speak_of_the_wrappers_arguments_not_the_reducers_calls() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> list[str]:
+        messages = []
+        model = tower()
+        ddp = DDP(model, pg, find_unused_parameters=True)
+        out = ddp(x_of(pg.rank()), use=(0,))
+        head = model.heads[1]
+        assert isinstance(head, nn.Linear)
+        with pytest.raises(RuntimeError) as info:
+            (tower_loss(out) + head.weight.sum()).backward()
+        messages.append(str(info.value))
+        ddp.close()
+        static = DDP(seeded(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))), pg)
+        static._set_static_graph()
+        x = torch.ones(2, 3, requires_grad=True)
+        static(x).sum().backward()
+        out = static(x)
+        extra = checkpoint(static.module[0], x, use_reentrant=True)
+        assert isinstance(extra, Tensor)
+        with pytest.raises(RuntimeError) as info:
+            (out.sum() + extra.sum()).backward()
+        messages.append(str(info.value))
+        return messages
+
+    for twice, changed in run_ranks(fn, 2):
+        assert "Expected to mark a variable ready only once" in twice
+        assert "the outputs forward returned do not depend on it" in twice
+        assert "construct DistributedDataParallel with find_unused_parameters=False" in twice
+        assert "Construct DistributedDataParallel with static_graph=False" in changed
+        for message in (twice, changed):
+            assert "prepare_for_backward" not in message and "Build the reducer" not in message
+
+
+# -------------------------------------------------------------------------------------------
+# Bucket views: the parameter's strides, one .grad object for good.
+
+
+class Sometimes(nn.Module):
+    """``side``'s output is returned at every step, and in the loss only when ``use``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(4, 3)
+        self.side = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.main(x), self.side(x)
+
+
+def sometimes_loss(out: tuple[Tensor, Tensor], use: bool) -> Tensor:
+    main, side = out
+    return main.pow(2).sum() + (side.pow(2).sum() if use else 0)
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_bucket_view_grads_stay_the_same_objects_across_iterations(static_graph: bool) -> None:
+    """``side`` is reached by the outputs but not by the loss on rank 1 at step 2, and on no
+    rank at steps 3 and 4 (with static_graph: never, on any rank). Its .grad must stay the one view
+    object, holding the average where some rank used it and its old values where none did."""
+    world_size = 2
+
+    def use(rank: int, step: int) -> bool:
+        return not static_graph and (step < 2 or (step == 2 and rank == 0))
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        model = seeded(Sometimes)
+        if static_graph:  # a .grad that must survive every iteration untouched
+            model.side.weight.grad = torch.full((2, 4), 0.5)
+        ddp = DDP(
+            model,
+            pg,
+            gradient_as_bucket_view=True,
+            find_unused_parameters=not static_graph,
+            static_graph=static_graph,
+        )
+        after, objects = [], []
+        for step in range(5):
+            model.zero_grad(set_to_none=False)  # in place: the views stay
+            if static_graph:
+                model.side.weight.grad.fill_(0.5)
+            sometimes_loss(ddp(x_of(pg.rank(), step)[:, :4]), use(pg.rank(), step)).backward()
+            after.append(grads_of(model))
+            objects.append([p.grad for p in model.parameters()])
+        for step in range(2, 5):  # the buckets are rebuilt once, at step 1
+            for now, first in zip(objects[step], objects[1], strict=True):
+                assert now is first, f"step {step}: a .grad left its bucket view"
+        (bucket,) = ddp.reducer.bucket_indices  # one bucket: every .grad is a view of it
+        storages = {g.untyped_storage().data_ptr() for g in objects[-1] if g is not None}
+        assert len(bucket) == 4 and len(storages) == 1, "a .grad is not a bucket view"
+        return after
+
+    per_rank = run_ranks(fn, world_size)
+    for step in range(5):
+
+        def backward(model: nn.Module, rank: int, step: int = step) -> None:
+            sometimes_loss(model(x_of(rank, step)[:, :4]), use(rank, step)).backward()
+
+        want = reference(lambda: seeded(Sometimes), backward, world_size)
+        if static_graph:  # side: never used; its weight keeps the .grad it had, its bias none
+            want[2] = torch.full((2, 4), 0.5)
+        elif step >= 3:  # side: unused everywhere; as it was, zeroed in place
+            want[2], want[3] = torch.zeros(2, 4), torch.zeros(2)
+        for rank in range(world_size):
+            assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")

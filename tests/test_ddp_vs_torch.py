@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -77,21 +78,28 @@ def run_both(
     static_graph: bool = False,
     adapter: bool = False,
     hook: bool = False,
+    group: str = "fake",
 ) -> list[tuple[Trace, Trace]]:
     """Per rank, both wrappers' traces. With ``adapter``, this wrapper reduces through
     reducer.TorchProcessGroup over the torch group (the path gloo and NCCL take); with
-    ``hook``, both use their allreduce comm hook."""
+    ``hook``, both use their allreduce comm hook. ``group`` is what this wrapper is given:
+    the rank's fake group (second, where it always went), nothing (``"default"``: torch's
+    default group, as torch's wrapper here), or the torch group itself (``"torch"``)."""
 
     def fn(pg: fakepg.FakeProcessGroup) -> tuple[Trace, Trace]:
         # Parameters unused on every rank need the search or the static graph.
         dead = unused or static_graph
         ours_model, theirs_model = build(dead), build(dead)
-        group: reducer.ProcessGroup = pg
+        given: tuple[object, ...] = {
+            "fake": (pg,),
+            "default": (),
+            "torch": (dist.group.WORLD,),
+        }[group]
         if adapter:
-            group = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
+            given = (reducer.TorchProcessGroup(dist.group.WORLD),)  # type: ignore[arg-type]
         ours = reducer.DistributedDataParallel(
             ours_model,
-            group,
+            *given,  # type: ignore[arg-type]
             bucket_cap_mb=1e-4,
             find_unused_parameters=unused,
             gradient_as_bucket_view=as_view,
@@ -167,12 +175,23 @@ def test_same_gradients_and_parameters_as_torch_ddp(world_size: int, unused: boo
         {"static_graph": True},
         {"adapter": True, "unused": True},
         {"hook": True, "unused": True, "world_size": 3},
+        {"group": "default", "unused": True},
+        {"group": "torch", "as_view": True},
     ],
-    ids=["bucket-view", "static", "torch-process-group", "allreduce-hook"],
+    ids=[
+        "bucket-view",
+        "static",
+        "torch-process-group",
+        "allreduce-hook",
+        "default-group",
+        "raw-torch-group",
+    ],
 )
-def test_same_as_torch_ddp_with_other_options(options: dict[str, bool]) -> None:
+def test_same_as_torch_ddp_with_other_options(options: dict[str, Any]) -> None:
     """Bit-identical. With the allreduce hook even for W = 3: torch's allreduce_hook divides
-    the bucket by W (no reciprocal), as reducer.allreduce_hook does."""
+    the bucket by W (no reciprocal), as reducer.allreduce_hook does. Without a group this
+    wrapper, like torch's, reduces over torch.distributed's default group (here the fake
+    world's: its FakeProcessGroup, directly); given a torch group, over that."""
     kwargs = {"unused": False, "as_view": False, **options}
     world_size = int(kwargs.pop("world_size", 2))
     results = run_both(world_size, **kwargs)
@@ -271,3 +290,253 @@ def test_reentrant_checkpointing_matches_torch_ddp(static_graph: bool) -> None:
             for kind, what in enumerate(("grad", "param")):
                 for i, (a, b) in enumerate(zip(ours[step][kind], theirs[step][kind], strict=True)):
                     compare(a, b, True, f"{what} {i}, rank {rank}, step {step}")
+
+
+# -------------------------------------------------------------------------------------------
+# Uneven inputs: join, against torch's.
+
+
+def run_join_both(batches: list[int]) -> list[tuple[Trace, Trace]]:
+    """Rank r trains ``batches[r]`` steps inside ``join``; per rank, both wrappers' traces
+    (one entry per step trained, then the final parameters with no gradients)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Trace, Trace]:
+        ours_model, theirs_model = build(False), build(False)
+        ours = reducer.DistributedDataParallel(ours_model, bucket_cap_mb=1e-4)
+        theirs = nn.parallel.DistributedDataParallel(theirs_model, bucket_cap_mb=1e-4)
+        traces: tuple[Trace, Trace] = ([], [])
+        pairs: tuple[tuple[Any, nn.Module], ...] = ((ours, ours_model), (theirs, theirs_model))
+        for (ddp, model), trace in zip(pairs, traces, strict=True):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with ddp.join():
+                for step in range(batches[pg.rank()]):
+                    opt.zero_grad(set_to_none=True)
+                    x = rank_input(pg.rank(), (4, 6), step)
+                    ddp(x, True).pow(2).sum().backward()
+                    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                    opt.step()
+                    trace.append((grads, [p.detach().clone() for p in model.parameters()]))
+            trace.append(([], [p.detach().clone() for p in model.parameters()]))
+        return traces
+
+    return fakepg.run_torch(fn, len(batches), timeout=30.0)
+
+
+@pytest.mark.parametrize("batches", [[1, 2, 3, 4], [3, 1, 4, 2]])
+def test_join_matches_torchs_join(batches: list[int]) -> None:
+    """Bit-identical on four ranks, where the divisor is a power of two: torch multiplies by
+    the reciprocal, this reducer divides, which agree exactly then. (torch's own join with
+    find_unused_parameters, or with divide_by_initial_world_size=False, does not run on the
+    fake world's torch backend; test_ddp_join checks both cases exactly.)"""
+    for rank, (ours, theirs) in enumerate(run_join_both(batches)):
+        assert len(ours) == len(theirs) == batches[rank] + 1
+        for step, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
+            for kind, a_list, b_list in (
+                ("grad", mine[0], torchs[0]),
+                ("param", mine[1], torchs[1]),
+            ):
+                for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
+                    compare(a, b, True, f"{kind} {i}, rank {rank}, step {step}")
+
+
+# -------------------------------------------------------------------------------------------
+# Ignored parameters and buffers.
+
+
+class WithPrivate(nn.Module):
+    """A shared layer and a per-rank layer and buffer that DDP must leave alone."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 3)
+        self.private = nn.Linear(4, 3)
+        self.register_buffer("stat", torch.full((3,), float(rank)))
+        self.register_buffer("moving", torch.full((3,), float(rank)))
+        with torch.no_grad():
+            self.private.weight.fill_(rank + 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.moving += 1
+        out: Tensor = self.shared(x) * self.private(x) + self.stat.sum()
+        return out
+
+
+IGNORED = ["private.weight", "private.bias", "stat"]
+
+
+def test_ignored_parameters_and_buffers_match_torch() -> None:
+    """Neither reduced nor broadcast, in either wrapper: the private layer keeps each rank's
+    values and local gradient, ``stat`` each rank's value; the rest is averaged as usual and
+    ``moving`` broadcast from rank 0. Either wrapper's static method marks the module."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[dict[str, Tensor | None]]:
+        out = []
+        for i, wrapper in enumerate(
+            (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel)
+        ):
+            model = seeded(lambda: WithPrivate(pg.rank()), seed=3)
+            # Each marks the module with the other's static method: the same contract.
+            other = (
+                nn.parallel.DistributedDataParallel if i == 0 else reducer.DistributedDataParallel
+            )
+            other._set_params_and_buffers_to_ignore_for_model(model, IGNORED)
+            ddp = wrapper(model)  # type: ignore[operator]
+            ddp(rank_input(pg.rank(), (2, 4))).pow(2).sum().backward()
+            record: dict[str, Tensor | None] = {
+                f"{n}.grad": None if p.grad is None else p.grad.clone()
+                for n, p in model.named_parameters()
+            }
+            record.update({n: t.detach().clone() for n, t in model.state_dict().items()})
+            out.append(record)
+        return out
+
+    results = fakepg.run_torch(fn, 2, timeout=30.0)
+    for rank, (ours, theirs) in enumerate(results):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            compare(ours[key], theirs[key], True, f"{key}, rank {rank}")
+        stat = ours["stat"]
+        assert stat is not None and torch.equal(stat, torch.full((3,), float(rank)))
+        moving = ours["moving"]
+        assert moving is not None and torch.equal(moving, torch.full((3,), 1.0))  # rank 0's + 1
+        weight = ours["private.weight"]
+        assert weight is not None and torch.equal(weight, torch.full((3, 4), rank + 1.0))
+    local_grads = [ours["private.weight.grad"] for ours, _ in results]
+    assert local_grads[0] is not None and local_grads[1] is not None
+    assert not torch.equal(local_grads[0], local_grads[1]), "a private gradient was averaged"
+
+
+# -------------------------------------------------------------------------------------------
+# Memory formats: strides checked across ranks, bucket views that follow them.
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.conv(x).mean((2, 3)))
+        return out
+
+
+def conv(channels_last: bool) -> Conv:
+    model = seeded(Conv, seed=11)
+    if channels_last:
+        model.conv.to(memory_format=torch.channels_last)
+    return model
+
+
+def test_channels_last_bucket_views_match_torch() -> None:
+    """gradient_as_bucket_view with a channels_last conv weight: in both wrappers .grad has
+    the weight's strides (its bucket view follows them), and the same bits."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[list[Tensor], list[tuple[int, ...]]]]:
+        out = []
+        for wrapper in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            model = conv(channels_last=True)
+            ddp = wrapper(model, gradient_as_bucket_view=True, bucket_cap_mb=1e-4)  # type: ignore[operator]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(STEPS):
+                opt.zero_grad()
+                x = rank_input(pg.rank(), (2, 3, 5, 5), step)
+                ddp(x.to(memory_format=torch.channels_last)).sum().backward()
+                opt.step()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            strides = [p.grad.stride() for p in model.parameters() if p.grad is not None]
+            out.append((grads, strides))
+        return out
+
+    weight = conv(channels_last=True).conv.weight
+    assert weight.stride() != weight.contiguous().stride()  # the case under test
+    for rank, ((ours, our_strides), (theirs, their_strides)) in enumerate(
+        fakepg.run_torch(fn, 2, timeout=30.0)
+    ):
+        assert our_strides == their_strides
+        assert our_strides[0] == weight.stride()
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            compare(a, b, True, f"grad {i}, rank {rank}")
+
+
+def test_parameters_whose_strides_differ_across_ranks_are_refused_as_by_torch() -> None:
+    """Rank 1's conv weight is channels_last: its bucket layout would not match rank 0's.
+    Both wrappers refuse it at construction with a RuntimeError, on every rank."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[BaseException]:
+        errors = []
+        for wrapper in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            with pytest.raises(RuntimeError) as info:
+                wrapper(conv(channels_last=pg.rank() == 1))  # type: ignore[operator]
+            errors.append(info.value)
+        return errors
+
+    for rank, (ours, theirs) in enumerate(fakepg.run_torch(fn, 2, timeout=30.0)):
+        assert isinstance(ours, reducer.InvalidModel) and isinstance(theirs, RuntimeError)
+        message = str(ours)
+        assert "parameter 0 ('conv.weight') differs between ranks" in message, rank
+        assert "rank 0 has float32 (4, 3, 3, 3) with strides (27, 9, 3, 1)" in message
+        assert "rank 1 has float32 (4, 3, 3, 3) with strides (27, 1, 9, 3)" in message
+
+
+# -------------------------------------------------------------------------------------------
+# Error types and the phrases users search for.
+
+
+def test_error_types_and_phrases_match_torch() -> None:
+    """A module with nothing to train: RuntimeError from both. A new iteration before the
+    last reduction finished: RuntimeError from both, with torch's phrase; this wrapper's
+    names the parameters and DDP's own flag, not the reducer's calls."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[BaseException]:
+        errors: list[BaseException] = []
+        for wrapper in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            with pytest.raises(RuntimeError) as info:
+                wrapper(nn.Linear(2, 2).requires_grad_(False))  # type: ignore[operator]
+            errors.append(info.value)
+        for wrapper in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            ddp = wrapper(build(dead=False))  # type: ignore[operator]
+            ddp(torch.ones(2, 6), False).sum().backward()  # head 1 unused, no search
+            with pytest.raises(RuntimeError) as info:
+                ddp(torch.ones(2, 6), False)
+            errors.append(info.value)
+        return errors
+
+    for ours_frozen, theirs_frozen, ours, theirs in fakepg.run_torch(fn, 2, timeout=30.0):
+        assert isinstance(ours_frozen, reducer.InvalidModel)
+        assert "doesn't have any parameter that requires a gradient" in str(theirs_frozen)
+        assert "doesn't have any parameter that requires a gradient" in str(ours_frozen)
+        phrase = "Expected to have finished reduction in the prior iteration"
+        assert phrase in str(theirs) and phrase in str(ours)
+        assert "'heads.1.weight'" in str(ours) and "find_unused_parameters=True" in str(ours)
+        assert "prepare_for_backward" not in str(ours)
+
+
+# -------------------------------------------------------------------------------------------
+# _set_static_graph after construction.
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["constructor", "set-after"])
+def test_set_static_graph_after_construction_matches_torch(late: bool) -> None:
+    """Reentrant checkpointing needs the static graph; ``_set_static_graph()`` right after
+    construction (as torch allows) gives it, the same as ``static_graph=True``."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Trace, Trace]:
+        models = [seeded(_Checkpointed, seed=3), seeded(_Checkpointed, seed=3)]
+        wrappers = (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel)
+        traces: tuple[Trace, Trace] = ([], [])
+        for wrapper, model, trace in zip(wrappers, models, traces, strict=True):
+            ddp = wrapper(model, bucket_cap_mb=1e-4, static_graph=not late)  # type: ignore[operator]
+            if late:
+                ddp._set_static_graph()
+            for step in range(STEPS):
+                model.zero_grad(set_to_none=True)
+                ddp(rank_input(pg.rank(), (4, 6), step).requires_grad_()).pow(2).sum().backward()
+                grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                trace.append((grads, []))
+        return traces
+
+    for rank, (ours, theirs) in enumerate(fakepg.run_torch(fn, 2, timeout=30.0)):
+        for step in range(STEPS):
+            for i, (a, b) in enumerate(zip(ours[step][0], theirs[step][0], strict=True)):
+                compare(a, b, True, f"grad {i}, rank {rank}, step {step}")

@@ -648,6 +648,8 @@ def test_reentrant_checkpointing_of_the_whole_model_finalizes_at_the_outer_end(
 
     def loss_of(model: nn.Module, rank: int, step: int = 0) -> torch.Tensor:
         x = rank_input(rank, (4, 6), step).requires_grad_()
+        # No RNG state kept: the checkpoint's backward would set torch's global generator,
+        # shared by the rank threads, while another rank draws its initial weights.
         out = checkpoint(model, x, use_reentrant=True, preserve_rng_state=False)
         assert isinstance(out, torch.Tensor)
         return out.pow(2).sum()
