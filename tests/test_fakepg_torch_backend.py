@@ -268,13 +268,25 @@ def test_a_failing_rank_wakes_the_others(where: str) -> None:
     assert len(woke) == 2 and all("rank 1 failed" in m for m in woke)
 
 
-def test_unsupported_collectives_say_what_is_supported() -> None:
-    def fn(pg: fakepg.FakeProcessGroup) -> str:
-        with pytest.raises(RuntimeError, match="does not implement reduce_scatter") as info:
-            dist.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)])
-        return str(info.value)
+@pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor.* is deprecated:FutureWarning")
+def test_what_the_fake_world_refuses_says_what_to_do() -> None:
+    """A receive from any source (its match would depend on thread timing) and reduce ops the
+    fake world lacks are refused on the calling rank, saying what to pass instead."""
 
-    assert all("all_reduce" in m for m in fakepg.run_torch(fn, 2, timeout=20.0))
+    def fn(pg: fakepg.FakeProcessGroup) -> list[str]:
+        messages = []
+        with pytest.raises(RuntimeError, match="recv from any source") as info:
+            dist.irecv(torch.empty(2))
+        messages.append(str(info.value))
+        with pytest.raises(ValueError, match="reduce op .* is not supported") as err:
+            dist.reduce_scatter_tensor(torch.empty(1), torch.ones(2), op=dist.ReduceOp.BAND)
+        messages.append(str(err.value))
+        dist.barrier()  # nothing above consumed a sequence number
+        return messages
+
+    for messages in fakepg.run_torch(fn, 2, timeout=20.0):
+        assert "pass src" in messages[0]
+        assert "use SUM, AVG, PRODUCT, MIN or MAX" in messages[1]
 
 
 def test_torch_collectives_and_objects_on_fakepg() -> None:
