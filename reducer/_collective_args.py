@@ -304,7 +304,8 @@ def check_reduce_scatter_tensor(
     _check_op(op, what, rules)
     out = check_tensor(output, f"{what} output", rules)
     inp = check_tensor(input_tensor, f"{what} input", rules)
-    _check_flat_pair(out, inp, size, what, "input", "output", rules)
+    # The reduction works on flat views of both.
+    _check_flat_pair(out, inp, size, what, "input", "output", rules, contiguous=(out, inp))
     assert isinstance(op, ReduceOp)
     _check_reducible(TensorSpec.of(out), op, what, rules, sparse_ok=False)
     return out, inp
@@ -321,7 +322,8 @@ def check_allgather_into_tensor(
     ``output`` (flat order)."""
     out = check_tensor(output, f"{what} output", rules)
     inp = check_tensor(input_tensor, f"{what} input", rules)
-    _check_flat_pair(inp, out, size, what, "output", "input", rules)
+    # The output is written through flat views of its chunks; the input is only read.
+    _check_flat_pair(inp, out, size, what, "output", "input", rules, contiguous=(out,))
     return out, inp
 
 
@@ -333,12 +335,16 @@ def _check_flat_pair(
     big_name: str,
     small_name: str,
     rules: CollectiveRules,
+    *,
+    contiguous: tuple[Tensor, ...],
 ) -> None:
-    """``big`` holds ``size`` chunks of ``small``'s size, in flat order (contiguous)."""
-    for i, t in enumerate((small, big) if small_name == "output" else (big, small)):
+    """``big`` holds ``size`` chunks of ``small``'s size, in flat order; ``contiguous`` must be
+    (every tensor must, under ``rules.contiguous_everywhere``)."""
+    for i, t in enumerate((small, big)):
         if t.layout != torch.strided:
             raise rules.error(f"{what}: layout {t.layout} is not supported (dense tensors only)")
-        _check_contiguous(t, i, what, rules)
+        if rules.contiguous_everywhere or any(t is c for c in contiguous):
+            _check_contiguous(t, i, what, rules)
     differ = TensorSpec.of(small).differences(TensorSpec.of(big), ("dtype", "device"))
     if differ:
         raise rules.error(
@@ -350,7 +356,7 @@ def _check_flat_pair(
         raise rules.error(
             f"{what}: the {big_name} has {big.numel()} elements but needs size() x the "
             f"{small_name}'s = {size} x {small.numel()} = {size * small.numel()}; rank r's "
-            f"part is its r-th chunk"
+            "part is its r-th chunk"
         )
 
 
