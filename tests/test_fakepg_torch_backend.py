@@ -278,7 +278,7 @@ def test_what_the_fake_world_refuses_says_what_to_do() -> None:
         with pytest.raises(RuntimeError, match="recv from any source") as info:
             dist.irecv(torch.empty(2))
         messages.append(str(info.value))
-        with pytest.raises(ValueError, match="reduce op .* is not supported") as err:
+        with pytest.raises(ValueError, match=r"reduce op .* is not supported") as err:
             dist.reduce_scatter_tensor(torch.empty(1), torch.ones(2), op=dist.ReduceOp.BAND)
         messages.append(str(err.value))
         dist.barrier()  # nothing above consumed a sequence number
