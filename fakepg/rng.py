@@ -27,6 +27,10 @@ timing. See Note [Per-rank generators].
 #     does the same to the aten ops they reach. Both modes pass everything else through; the
 #     function mode costs a few percent of a small model's step, the dispatch mode is never on
 #     outside those calls.
+# (3) torch runs an intercepted function's body with the mode popped, and backward's body is
+#     the autograd engine, which runs Python (hooks, checkpoint's recomputed forward): so
+#     Tensor.backward and torch.autograd.backward are run by the mode itself, with the mode
+#     pushed again around the engine (see _backward_under).
 # What the modes cannot see (a thread the rank starts, a C++ extension drawing from the default
 # generator) still draws from the shared generator; ``RankStreams.check_global_untouched``
 # detects that after the run (the default generator moved while only ranks ran) and warns.
@@ -34,6 +38,7 @@ timing. See Note [Per-rank generators].
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -132,6 +137,60 @@ def _functions_drawing_inside() -> frozenset[Callable[..., Any]]:
 
 _TAKES_GENERATOR = _functions_taking_a_generator()
 _DRAWS_INSIDE = _functions_drawing_inside()
+_BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward})
+
+
+def _backward_under(
+    mode: TorchFunctionMode,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """``func`` (Tensor.backward or torch.autograd.backward) with ``mode`` on the stack while
+    the engine runs. See Note [Per-rank generators], (3).
+
+    torch.autograd.backward's own steps, through torch's private autograd helpers: torch
+    dispatches every call of the public functions to the modes on the stack first, so their
+    body can never run with the mode pushed.
+    """
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    if func is torch.Tensor.backward:
+        tensors: Any = given["self"]
+        grad_tensors = given["gradient"]
+    else:
+        tensors = given["tensors"]
+        grad_tensors = given["grad_tensors"]
+        if grad_tensors is None:
+            grad_tensors = given.get("grad_variables")
+    inputs = given["inputs"]
+    retain_graph, create_graph = given["retain_graph"], given["create_graph"]
+    if isinstance(inputs, dict):
+        inputs = tuple(inputs.values())
+    elif isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    inputs_tuple = () if inputs is None else tuple(inputs)
+    if inputs is not None and not inputs_tuple:
+        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    if isinstance(tensors, torch.Tensor | torch.autograd.graph.GradientEdge):
+        tensors = (tensors,)
+    tensors = tuple(tensors)
+    autograd: Any = torch.autograd
+    grads = autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
+    grads = autograd._make_grads(tensors, grads, is_grads_batched=False)
+    if retain_graph is None:
+        retain_graph = create_graph
+    with mode:
+        autograd.graph._engine_run_backward(
+            tensors,
+            grads,
+            retain_graph,
+            create_graph,
+            inputs_tuple,
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
 
 
 class _RankRandomness(TorchFunctionMode):
@@ -149,6 +208,8 @@ class _RankRandomness(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _BACKWARD:
+            return _backward_under(self, func, args, kwargs)
         if func in _TAKES_GENERATOR:
             given = kwargs.get("generator")
             if given is None or given is _REAL:
