@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -91,7 +92,7 @@ from .netmodel import NetworkModel
 from .work import Work
 from .world import FakeProcessGroup, World
 
-__all__ = ["register_torch_backend", "run_torch"]
+__all__ = ["init_torch_group", "register_torch_backend", "run_torch"]
 
 T = TypeVar("T")
 
@@ -107,6 +108,11 @@ _thread_default = threading.local()
 _PROCESS_LOCK = threading.Lock()
 _inits_in_flight = 0
 _saved_excepthook = sys.excepthook
+# One store per world for init_torch_group (init_process_group wants one; the backend does
+# not use it). Guarded by _PROCESS_LOCK.
+_stores: weakref.WeakKeyDictionary[World, Any] = weakref.WeakKeyDictionary()
+# torch's own, whatever replaces dist.init_process_group later (python -m reducer launch does).
+_torch_init_process_group = _c10d.init_process_group
 
 _OPS: dict[Any, ReduceOp] = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -139,6 +145,7 @@ def run_torch(
     *,
     timeout: float = 60.0,
     network: NetworkModel | None = None,
+    per_rank_rng: bool = True,
 ) -> list[T]:
     """Like :func:`fakepg.run`, with torch.distributed's default group on the fake world.
 
@@ -164,7 +171,29 @@ def run_torch(
             finally:
                 dist.destroy_process_group()
 
-        return world.run(rank_main)
+        return world.run(rank_main, per_rank_rng=per_rank_rng)
+
+
+def init_torch_group(world: World, rank: int) -> None:
+    """On rank ``rank``'s thread: torch.distributed's default group, on ``world``.
+
+    What :func:`run_torch` does on each rank before calling its function, for rank threads
+    started some other way (``World.run``, or ``python -m reducer launch``, which calls it from
+    the training script's own ``init_process_group``). The torch group's collectives time out
+    after ``world.timeout``; call ``dist.destroy_process_group()`` on the thread when done.
+    """
+    if not isinstance(world, World):
+        raise ValueError(f"init_torch_group: world must be a fakepg.World, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
+        raise ValueError(
+            f"init_torch_group: rank must be an int in [0, {world.world_size}), got {rank!r}"
+        )
+    register_torch_backend()
+    with _PROCESS_LOCK:
+        store = _stores.get(world)
+        if store is None:
+            store = _stores[world] = dist.HashStore()  # type: ignore[attr-defined]
+    _init_default_group(rank, world, store, world.timeout)
 
 
 def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> None:
@@ -182,7 +211,7 @@ def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> 
             _saved_excepthook = sys.excepthook
         _inits_in_flight += 1
     try:
-        dist.init_process_group(
+        _torch_init_process_group(
             _BACKEND,
             rank=rank,
             world_size=world.world_size,
