@@ -329,6 +329,22 @@ class Disagreement(Exception):
     """Ranks' arguments do not fit together; the message says which ranks and how."""
 
 
+def batched(tasks: list[Task], max_parts: int) -> list[Task]:
+    """``tasks`` shared round-robin among at most ``max_parts`` tasks: one hand-off to a worker
+    per part instead of one per small task (the parts are alike, so the shares balance)."""
+    if len(tasks) <= max_parts:
+        return tasks
+
+    def share(mine: list[Task]) -> Task:
+        def run() -> None:
+            for task in mine:
+                task()
+
+        return run
+
+    return [share(tasks[i::max_parts]) for i in range(max_parts)]
+
+
 def _copy(dst: Tensor, src: Tensor) -> None:
     """``dst[...] = src``, with NumPy (GIL released, no intra-op threads) where it can."""
     if dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous():

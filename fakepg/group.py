@@ -147,9 +147,10 @@ class FakeProcessGroup:
         max_parts = self._max_parts()
 
         def plan(per_rank: list[tuple[Tensor, list[Tensor]]]) -> list[_c.Task]:
-            return _c.reduce_scatter_tasks(
+            tasks = _c.reduce_scatter_tasks(
                 [ins for _, ins in per_rank], [out for out, _ in per_rank], op, max_parts
             )
+            return _c.batched(tasks, max_parts)
 
         payload = (output, inputs)
         nbytes = _nbytes(inputs)
@@ -188,7 +189,7 @@ class FakeProcessGroup:
                 chunks = [_c.flat_chunks(ins[i], size) for _, ins in per_rank]
                 outs = [outs[i] for outs, _ in per_rank]
                 tasks += _c.reduce_scatter_tasks(chunks, outs, op, max_parts)
-            return tasks
+            return _c.batched(tasks, max_parts)
 
         payload = (outputs, inputs)
         nbytes = _nbytes(inputs)
@@ -200,8 +201,11 @@ class FakeProcessGroup:
         # Only the dtype (and device) must agree: shapes are matched per pair by the plan.
         fingerprint = _c.Fingerprint("all_to_all", None, None, (_shapeless(inputs[0]),))
 
+        max_parts = self._max_parts()
+
         def plan(per_rank: list[tuple[list[Tensor], list[Tensor]]]) -> list[_c.Task]:
-            return _c.all_to_all_tasks([o for o, _ in per_rank], [i for _, i in per_rank])
+            tasks = _c.all_to_all_tasks([o for o, _ in per_rank], [i for _, i in per_rank])
+            return _c.batched(tasks, max_parts)
 
         payload = (outputs, inputs)
         return self._issue(fingerprint, payload, outputs, plan, _nbytes(inputs), "all_to_all")
@@ -224,13 +228,16 @@ class FakeProcessGroup:
         )
         fingerprint = _c.Fingerprint("all_to_all_single", None, None, (trailing,))
 
+        max_parts = self._max_parts()
+
         def plan(per_rank: list[tuple[Tensor, Tensor, list[int], list[int]]]) -> list[_c.Task]:
-            return _c.all_to_all_single_tasks(
+            tasks = _c.all_to_all_single_tasks(
                 [p[0] for p in per_rank],
                 [p[1] for p in per_rank],
                 [p[2] for p in per_rank],
                 [p[3] for p in per_rank],
             )
+            return _c.batched(tasks, max_parts)
 
         payload = (output, input_tensor, out_splits, in_splits)
         nbytes = _nbytes([input_tensor])
@@ -244,8 +251,11 @@ class FakeProcessGroup:
         )
         fingerprint = _c.Fingerprint("gather", None, root, (_Spec.of(tensor),))
 
+        max_parts = self._max_parts()
+
         def plan(per_rank: list[tuple[Tensor, list[Tensor]]]) -> list[_c.Task]:
-            return _c.gather_tasks([t for t, _ in per_rank], per_rank[root][1])
+            tasks = _c.gather_tasks([t for t, _ in per_rank], per_rank[root][1])
+            return _c.batched(tasks, max_parts)
 
         payload = (tensor, outputs)
         return self._issue(fingerprint, payload, outputs, plan, _nbytes([tensor]), "gather")
@@ -258,8 +268,11 @@ class FakeProcessGroup:
         )
         fingerprint = _c.Fingerprint("scatter", None, root, (_Spec.of(tensor),))
 
+        max_parts = self._max_parts()
+
         def plan(per_rank: list[tuple[Tensor, list[Tensor]]]) -> list[_c.Task]:
-            return _c.scatter_tasks(per_rank[root][1], [t for t, _ in per_rank])
+            tasks = _c.scatter_tasks(per_rank[root][1], [t for t, _ in per_rank])
+            return _c.batched(tasks, max_parts)
 
         payload = (tensor, inputs)
         return self._issue(fingerprint, payload, [tensor], plan, _nbytes([tensor]), "scatter")
@@ -284,10 +297,13 @@ class FakeProcessGroup:
     ) -> Work:
         fingerprint = _c.Fingerprint(what, None, None, _specs(inputs))
 
+        max_parts = self._max_parts()
+
         def plan(per_rank: list[tuple[list[Tensor], list[Tensor]]]) -> list[_c.Task]:
-            return _c.allgather_into_tensor_tasks(
+            tasks = _c.allgather_into_tensor_tasks(
                 [o for o, _ in per_rank], [i for _, i in per_rank]
             )
+            return _c.batched(tasks, max_parts)
 
         payload = (outputs, inputs)
         return self._issue(fingerprint, payload, outputs, plan, _nbytes(inputs), "allgather")

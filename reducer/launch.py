@@ -26,6 +26,7 @@ import os
 import runpy
 import signal
 import sys
+import sysconfig
 import threading
 import traceback
 from collections.abc import Iterator
@@ -94,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show the output of these ranks only (comma-separated), as torchrun's",
     )
     parser.add_argument(
+        "--full-stacks",
+        action="store_true",
+        help="show every frame of stacks and tracebacks (by default frames in torch, fakepg and "
+        "the standard library are folded into one line per run)",
+    )
+    parser.add_argument(
         "--shared-rng",
         action="store_true",
         help="let ranks share torch's default generator (by default each rank has its own)",
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    launch = _Launch(target, list(args.script_args), world, ranks)
+    launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     with world, launch.installed():
         try:
             world.run(launch.rank_main, per_rank_rng=not args.shared_rng)
@@ -203,9 +210,16 @@ class _Launch:
     """
 
     def __init__(
-        self, target: _Target, argv: list[str], world: Any, ranks: set[int] | None
+        self,
+        target: _Target,
+        argv: list[str],
+        world: Any,
+        ranks: set[int] | None,
+        *,
+        full_stacks: bool = False,
     ) -> None:
         self.target = target
+        self.full_stacks = full_stacks
         self.argv = argv
         self.world = world
         self.nproc: int = world.world_size
@@ -311,7 +325,7 @@ class _Launch:
         except BaseException as exc:
             self._record(rank, 1, exc)
             # What the worker process would print before dying (prefixed by rank).
-            frames = self._format(traceback.extract_tb(exc.__traceback__))
+            frames = self._format(traceback.extract_tb(exc.__traceback__), collapse=True)
             last = "".join(traceback.format_exception_only(exc)).rstrip("\n")
             print(f"Traceback (most recent call last):\n{frames}\n{last}", file=self.stderr)
             raise
@@ -341,7 +355,7 @@ class _Launch:
         for rank, ident in sorted(self.idents.items()):
             frame = frames.get(ident)
             if rank != exclude and frame is not None:
-                out[rank] = self._format(traceback.extract_stack(frame))
+                out[rank] = self._format(traceback.extract_stack(frame), collapse=True)
         return out
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
@@ -353,16 +367,40 @@ class _Launch:
         print("\n".join(lines), file=self.real_stderr, flush=True)
         raise KeyboardInterrupt
 
-    def _format(self, frames: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
+    def _format(
+        self,
+        frames: traceback.StackSummary | list[traceback.FrameSummary],
+        *,
+        collapse: bool = False,
+    ) -> str:
         """The frames from the script's own on, as a worker process would show them: the
         launcher's frames above the script and the per-rank generator mode's (every torch call
-        passes through it) are left out."""
+        passes through it) are left out. With ``collapse`` (unless --full-stacks), each run of
+        library frames (torch, fakepg, the standard library) becomes one line: the stack reads
+        as the script's."""
         frames = list(frames)
         start = next(
             (i for i, f in enumerate(frames) if not f.filename.endswith(_LAUNCHER_FILES)), 0
         )
         kept = [f for f in frames[start:] if not f.filename.endswith(_PLUMBING_FILES)]
-        return "".join(traceback.format_list(kept)).rstrip("\n")
+        if not collapse or self.full_stacks:
+            return "".join(traceback.format_list(kept)).rstrip("\n")
+        out: list[str] = []
+        hidden: list[traceback.FrameSummary] = []
+        for frame in [*kept, None]:
+            if frame is not None and _is_library(frame.filename):
+                hidden.append(frame)
+                continue
+            if hidden:
+                last = hidden[-1]
+                out.append(
+                    f"  ... {len(hidden)} frame(s) in libraries (innermost: {last.name} in "
+                    f"{Path(last.filename).name}:{last.lineno})\n"
+                )
+                hidden = []
+            if frame is not None:
+                out.extend(traceback.format_list([frame]))
+        return "".join(out).rstrip("\n")
 
     # ---------------------------------------------------------------------------------------
     # The report, as torchrun's, plus the stacks.
@@ -381,7 +419,8 @@ class _Launch:
             for rank in range(self.nproc):
                 if rank == first:
                     assert error is not None
-                    tb = self._format(traceback.extract_tb(error.__traceback__))
+                    frames = traceback.extract_tb(error.__traceback__)
+                    tb = self._format(frames, collapse=True)
                     lines += [f"[launch] rank {rank} (failed here):", tb]
                 elif rank in self.stacks:
                     lines += [f"[launch] rank {rank}:", self.stacks[rank]]
@@ -406,6 +445,21 @@ class _Launch:
         return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
 
 
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    here = Path(__file__).resolve().parent
+    dirs = {paths["stdlib"], paths["purelib"], paths["platlib"], str(here)}
+    dirs.add(str(here.parent / "fakepg"))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def _is_library(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
 def _exit_code(exc: SystemExit, stderr: Any) -> int:
     """Python's exit status for ``sys.exit(code)``: a message is printed and counts as 1."""
     code = exc.code
@@ -422,4 +476,5 @@ def _one_line(error: BaseException | None) -> str:
         return "(no exception)"
     if isinstance(error, SystemExit):
         return f"SystemExit({error.code!r})"
-    return f"{type(error).__name__}: {error}"
+    first_line = str(error).strip().split("\n", 1)[0]
+    return f"{type(error).__name__}: {first_line}"
