@@ -176,10 +176,12 @@ class World:
         return channel
 
     def _view(self, channel: Channel, rank: int) -> FakeProcessGroup:
+        """The one FakeProcessGroup of ``rank`` on ``channel`` (the same object every time)."""
         key = (channel.key, rank)
-        view = self._views.get(key)
-        if view is None:
-            view = self._views.setdefault(key, FakeProcessGroup(self, channel, rank))
+        with self._lock:
+            view = self._views.get(key)
+            if view is None:
+                view = self._views[key] = FakeProcessGroup(self, channel, rank)
         return view
 
     def _new_group(
@@ -364,9 +366,10 @@ class World:
         if self._abort is not None or self._closed:
             raise self._aborted_error(0, "World.run")
         results: list[Any] = [None] * self.world_size
-        # lock guards failures: the first failure recorded is the one re-raised.
+        # lock guards failures and returned: the first failure recorded is the one re-raised.
         lock = threading.Lock()
         failures: list[tuple[int, BaseException]] = []
+        returned: set[int] = set()  # ranks whose result is in results
         changed = threading.Event()  # set whenever a rank ends or fails
         streams = _rng.RankStreams(self.world_size) if per_rank_rng else None
 
@@ -386,6 +389,8 @@ class World:
                     fail(rank, exc)
                 else:
                     results[rank] = result
+                    with lock:
+                        returned.add(rank)
                     self._depart(rank)
             except _Stop:
                 pass  # delivered after fn had ended: there is nothing left to stop
@@ -399,6 +404,12 @@ class World:
         for thread in threads:
             thread.start()
         stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
+        with lock:
+            if not failures and len(returned) < self.world_size:
+                # Closed while a rank had not returned (stuck in a C call, or stopped between
+                # its return and recording it): no partial results.
+                missing = min(set(range(self.world_size)) - returned)
+                failures.append((missing, self._stopped_error(missing)))
         self._end_run()
         if streams is not None:
             streams.check_global_untouched()

@@ -322,3 +322,26 @@ def test_a_rank_stopped_while_computing_says_why() -> None:
     assert "was stopped while it computed outside any collective, because the world was closed" in (
         str(info.value)
     )
+
+
+def test_closing_while_a_rank_is_stuck_in_a_c_call_raises_instead_of_partial_results() -> None:
+    """time.sleep cannot be interrupted from Python: the rank is left behind, and run says so
+    rather than returning a result list with a hole in it."""
+    world = fakepg.World(2, timeout=0.1)
+    sleeping = threading.Event()
+
+    def fn(pg: FakeProcessGroup) -> int:
+        if pg.rank() == 1:
+            sleeping.set()
+            time.sleep(1.0)  # one C call, longer than both grace periods (2 x 0.1 s)
+        return pg.rank()
+
+    closer = threading.Thread(target=lambda: (sleeping.wait(10), world.close()))
+    closer.start()
+    with pytest.raises(fakepg.WorldAborted, match="rank 1 was stopped") as info:
+        world.run(fn)
+    closer.join(10)
+    assert any("rank 1 did not stop after the abort" in note for note in info.value.__notes__)
+    for thread in threading.enumerate():  # let the sleeper end, so no other test sees it
+        if thread.name == "fakepg-rank-1":
+            thread.join(5)
