@@ -18,27 +18,29 @@ timing. See Note [Per-rank generators].
 # generator. Instead nothing a rank draws goes through the default generator:
 # (1) ``torch.random.default_generator``, which torch.manual_seed, torch.seed, initial_seed,
 #     get_rng_state, set_rng_state and fork_rng (hence checkpoint's preserve_rng_state) read at
-#     call time, is replaced, once, by a proxy for the calling thread's rank generator (the real
-#     one on any other thread);
-# (2) a torch function mode, pushed on each rank thread, passes the rank's generator to every
-#     torch function and Tensor method that takes ``generator=`` and was given none (or the real
-#     default one), and runs the few functions that draw inside without taking one (dropout,
-#     RNN dropout, rrelu, scaled dot-product attention, nn.init, ...) under a dispatch mode that
-#     does the same to the aten ops they reach. Both modes pass everything else through; the
-#     function mode costs a few percent of a small model's step, the dispatch mode is never on
-#     outside those calls.
-# (3) torch runs an intercepted function's body with the mode popped, and backward's body is
-#     the autograd engine, which runs Python (hooks, checkpoint's recomputed forward): so
-#     Tensor.backward and torch.autograd.backward are run by the mode itself, with the mode
-#     pushed again around the engine (see _backward_under).
-# What the modes cannot see (a thread the rank starts, a C++ extension drawing from the default
-# generator) still draws from the shared generator; ``RankStreams.check_global_untouched``
-# detects that after the run (the default generator moved while only ranks ran) and warns.
+#     call time, is replaced by a proxy for the calling thread's rank generator (the real one on
+#     any other thread);
+# (2) the torch functions and Tensor methods that take ``generator=`` (found from the aten
+#     schemas: rand, randn, randint, randperm, normal, bernoulli, multinomial, Tensor.uniform_,
+#     normal_, random_, ...) are wrapped: on a rank thread, a call given no generator (or the
+#     real default one) gets the rank's; nn.init, samplers and user code reach them;
+# (3) the few that draw inside C++ without taking one (dropout and its variants, RNN dropout,
+#     scaled dot-product attention, the fused transformer and attention kernels) are wrapped
+#     to run, on a rank thread, under a dispatch mode that does (2) to the aten ops they reach.
+# The wrappers are installed once, process-wide and for good (like the per-thread group state of
+# fakepg.torch_backend), and cost a thread-local lookup per call outside rank threads. They are
+# found through the module and class attributes callers look up (torch's own modules that
+# imported one by name are rebound), so a call through a reference another module took before
+# installation (``from torch import randn`` at its import) is not covered, nor is a thread a
+# rank starts, nor a C++ extension drawing from the default generator: those still
+# draw from the shared generator, and ``RankStreams.check_global_untouched`` detects it after
+# the run (the default generator moved while only ranks ran) and warns.
 """
 
 from __future__ import annotations
 
-import inspect
+import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,7 +49,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__: list[str] = []
@@ -57,12 +58,18 @@ _REAL: torch.Generator = torch.default_generator
 
 # _state.generator: the rank generator of the calling thread (None outside rank threads).
 _state = threading.local()
-# Guards the one-time replacement of torch.random.default_generator.
+# Guards the one-time installation of the proxy and the wrappers.
 _install_lock = threading.Lock()
+_installed = False
+
+
+def _rank_generator() -> torch.Generator | None:
+    generator: torch.Generator | None = getattr(_state, "generator", None)
+    return generator
 
 
 def _current() -> torch.Generator:
-    generator: torch.Generator | None = getattr(_state, "generator", None)
+    generator = _rank_generator()
     return _REAL if generator is None else generator
 
 
@@ -77,147 +84,116 @@ class _DefaultGeneratorProxy:
         return f"<fakepg per-rank default generator: {_current()!r}>"
 
 
-def _install_proxy() -> None:
-    """Replace ``torch.random.default_generator`` by the proxy, once.
-
-    A private torch name, unavoidably: torch has no per-thread default generator, and the
-    functions of ``torch.random`` read this module global at call time.
-    """
-    with _install_lock:
-        namespace = vars(torch.random)
-        if not isinstance(namespace["default_generator"], _DefaultGeneratorProxy):
-            namespace["default_generator"] = _DefaultGeneratorProxy()
-
-
-def _functions_taking_a_generator() -> frozenset[Callable[..., Any]]:
-    """The torch functions and Tensor methods whose aten schemas take ``generator=``."""
-    names = set()
+def _generator_positions() -> dict[str, int | None]:
+    """Per aten op name that takes ``generator=``: its position where it may be passed
+    positionally (counting self or input), else None."""
+    found: dict[str, int | None] = {}
     for schema in torch._C._jit_get_all_schemas():
-        if schema.name.startswith("aten::") and any(
-            a.name == "generator" for a in schema.arguments
-        ):
-            names.add(schema.name.removeprefix("aten::"))
-    names -= {"seed", "manual_seed", "initial_seed"}
-    found: set[Callable[..., Any]] = set()
-    for name in names:
-        for owner in (torch, torch.Tensor):
-            fn = getattr(owner, name, None)
-            if callable(fn):
-                found.add(fn)
-    return frozenset(found)
+        if not schema.name.startswith("aten::"):
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.name == "generator":
+                name = schema.name.removeprefix("aten::")
+                position = None if argument.kwarg_only else i
+                found[name] = found.get(name) if position is None else position
+    for name in ("seed", "manual_seed", "initial_seed"):
+        found.pop(name, None)
+    return found
 
 
-def _functions_drawing_inside() -> frozenset[Callable[..., Any]]:
-    """Functions that draw from the default generator without taking one."""
-    torch_names = [
-        "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout",
-        "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
-        "lstm", "gru", "rnn_tanh", "rnn_relu", "_transformer_encoder_layer_fwd",
-        "_native_multi_head_attention", "scaled_dot_product_attention",
-    ]  # fmt: skip
-    functional_names = [
-        "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-        "feature_alpha_dropout", "rrelu", "rrelu_", "gumbel_softmax", "fractional_max_pool2d",
-        "fractional_max_pool3d", "fractional_max_pool2d_with_indices",
-        "fractional_max_pool3d_with_indices", "multi_head_attention_forward",
-        "scaled_dot_product_attention",
-    ]  # fmt: skip
-    found: set[Callable[..., Any]] = set()
-    for owner, names in ((torch, torch_names), (F, functional_names)):
-        for name in names:
-            fn = getattr(owner, name, None)
-            if callable(fn):
-                found.add(fn)
-    for name in dir(torch.nn.init):
-        fn = getattr(torch.nn.init, name)
-        if callable(fn) and getattr(fn, "__module__", "") == "torch.nn.init":
-            found.add(fn)
-    return frozenset(found)
+def _with_rank_generator(fn: Callable[..., Any], position: int | None) -> Callable[..., Any]:
+    """``fn``, given the rank's generator on a rank thread when the caller passed none."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        generator = _rank_generator()
+        if generator is not None:
+            if position is not None and len(args) > position:
+                if args[position] is None or args[position] is _REAL:
+                    args = (*args[:position], generator, *args[position + 1 :])
+            elif kwargs.get("generator") is None or kwargs.get("generator") is _REAL:
+                kwargs["generator"] = generator
+        return fn(*args, **kwargs)
+
+    wrapper.__fakepg_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
 
 
-_TAKES_GENERATOR = _functions_taking_a_generator()
-_DRAWS_INSIDE = _functions_drawing_inside()
-_BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward})
+def _drawing_inside(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run on a rank thread under a dispatch mode that gives its aten ops the rank's
+    generator."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        generator = _rank_generator()
+        if generator is None:
+            return fn(*args, **kwargs)
+        with _InjectGenerator(generator):
+            return fn(*args, **kwargs)
+
+    wrapper.__fakepg_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
 
 
-def _backward_under(
-    mode: TorchFunctionMode,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> None:
-    """``func`` (Tensor.backward or torch.autograd.backward) with ``mode`` on the stack while
-    the engine runs. See Note [Per-rank generators], (3).
+# Functions that draw from the default generator inside C++ without taking a generator, by the
+# namespaces callers find them in (torch._VF is where nn.functional and nn.RNN look).
+_DRAWS_INSIDE = (
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "alpha_dropout",
+    "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_", "native_dropout",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "_transformer_encoder_layer_fwd",
+    "_native_multi_head_attention",
+)  # fmt: skip
 
-    torch.autograd.backward's own steps, through torch's private autograd helpers: torch
-    dispatches every call of the public functions to the modes on the stack first, so their
-    body can never run with the mode pushed.
+
+def _install() -> None:
+    """Install the proxy and the wrappers, once. See Note [Per-rank generators].
+
+    Private torch names, unavoidably: torch has no per-thread default generator; the functions
+    of ``torch.random`` read their module global ``default_generator`` at call time, and
+    ``torch._VF`` is where torch's own modules find the C++ functions they call.
     """
-    bound = inspect.signature(func).bind(*args, **kwargs)
-    bound.apply_defaults()
-    given = bound.arguments
-    if func is torch.Tensor.backward:
-        tensors: Any = given["self"]
-        grad_tensors = given["gradient"]
-    else:
-        tensors = given["tensors"]
-        grad_tensors = given["grad_tensors"]
-        if grad_tensors is None:
-            grad_tensors = given.get("grad_variables")
-    inputs = given["inputs"]
-    retain_graph, create_graph = given["retain_graph"], given["create_graph"]
-    if isinstance(inputs, dict):
-        inputs = tuple(inputs.values())
-    elif isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    inputs_tuple = () if inputs is None else tuple(inputs)
-    if inputs is not None and not inputs_tuple:
-        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
-    if isinstance(tensors, torch.Tensor | torch.autograd.graph.GradientEdge):
-        tensors = (tensors,)
-    tensors = tuple(tensors)
-    autograd: Any = torch.autograd
-    grads = autograd._tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
-    grads = autograd._make_grads(tensors, grads, is_grads_batched=False)
-    if retain_graph is None:
-        retain_graph = create_graph
-    with mode:
-        autograd.graph._engine_run_backward(
-            tensors,
-            grads,
-            retain_graph,
-            create_graph,
-            inputs_tuple,
-            allow_unreachable=True,
-            accumulate_grad=True,
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        vars(torch.random)["default_generator"] = _DefaultGeneratorProxy()
+        wraps: list[tuple[Any, str, Callable[..., Any]]] = []
+        for name, position in _generator_positions().items():
+            for owner in (torch, torch.Tensor):
+                fn = getattr(owner, name, None)
+                if callable(fn):
+                    wraps.append((owner, name, _with_rank_generator(fn, position)))
+        for owner in (torch, torch._VF):
+            for name in _DRAWS_INSIDE:
+                fn = getattr(owner, name, None)
+                if callable(fn):
+                    wraps.append((owner, name, _drawing_inside(fn)))
+        wraps.append(
+            (F, "scaled_dot_product_attention", _drawing_inside(F.scaled_dot_product_attention))
         )
+        for owner, name, wrapper in wraps:
+            if owner is not torch.Tensor:
+                # TorchScript resolves a Python function through a table of builtins (a
+                # method by its name): the wrapper must resolve to the aten op it wraps.
+                torch.jit._builtins._register_builtin(wrapper, f"aten::{name}")
+            setattr(owner, name, wrapper)
+        _rebind_torch_imports({id(w.__fakepg_wrapped__): w for _, _, w in wraps})  # type: ignore[attr-defined]
+        _installed = True
 
 
-class _RankRandomness(TorchFunctionMode):
-    """Routes a rank's draws to its generator. See Note [Per-rank generators]."""
-
-    def __init__(self, generator: torch.Generator) -> None:
-        super().__init__()
-        self.generator = generator
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: object,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _BACKWARD:
-            return _backward_under(self, func, args, kwargs)
-        if func in _TAKES_GENERATOR:
-            given = kwargs.get("generator")
-            if given is None or given is _REAL:
-                kwargs = {**kwargs, "generator": self.generator}
-        elif func in _DRAWS_INSIDE:
-            with _InjectGenerator(self.generator):
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+def _rebind_torch_imports(wrappers: dict[int, Callable[..., Any]]) -> None:
+    """torch's own modules that imported a wrapped function by name (``from torch import
+    randperm`` in torch.utils.data.dataset, for random_split) get the wrapper too."""
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("torch.") or module is None:
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            wrapper = wrappers.get(id(value))
+            if wrapper is not None and wrapper.__fakepg_wrapped__ is value:  # type: ignore[attr-defined]
+                namespace[name] = wrapper
 
 
 class _InjectGenerator(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -267,7 +243,7 @@ class RankStreams:
     """The generators of one run's ranks, each a copy of the launching thread's generator."""
 
     def __init__(self, world_size: int) -> None:
-        _install_proxy()
+        _install()
         state = _current().get_state()
         self.generators = []
         for _ in range(world_size):
@@ -298,11 +274,9 @@ def rank_stream(streams: RankStreams | None, rank: int) -> Iterator[None]:
     if streams is None:
         yield
         return
-    generator = streams.generators[rank]
-    previous = getattr(_state, "generator", None)
-    _state.generator = generator
+    previous = _rank_generator()
+    _state.generator = streams.generators[rank]
     try:
-        with _RankRandomness(generator):
-            yield
+        yield
     finally:
         _state.generator = previous

@@ -140,3 +140,27 @@ def test_without_per_rank_generators_ranks_share_the_process_generator() -> None
     before = torch.get_rng_state()
     fakepg.run(lambda pg: torch.randn(2), 2, per_rank_rng=False)
     assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_samplers_and_random_split_draw_from_the_ranks_stream() -> None:
+    def draws() -> tuple[list[int], list[int]]:
+        split = torch.utils.data.random_split(range(10), [5, 5])[0].indices
+        loader = torch.utils.data.DataLoader(range(6), batch_size=6, shuffle=True)
+        return list(split), next(iter(loader)).tolist()
+
+    def fn(pg: FakeProcessGroup) -> tuple[list[int], list[int]]:
+        torch.manual_seed(pg.rank())
+        return draws()
+
+    for rank, got in enumerate(fakepg.run(fn, 2)):
+        assert got == alone(rank, draws)
+
+
+def _noisy(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(x, 0.5) + torch.rand(x.shape) + torch.dropout(x, 0.1, True)
+
+
+def test_torchscript_still_compiles_what_the_per_rank_wrappers_wrap() -> None:
+    fakepg.run(lambda pg: None, 1)  # the wrappers are installed by the first run
+    assert torch.jit.script(_noisy)(torch.ones(4)).shape == (4,)
+    assert torch.jit.script(nn.Dropout(0.5))(torch.ones(4)).shape == (4,)
