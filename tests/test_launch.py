@@ -10,6 +10,7 @@ CLI in this process, which is the same code path.
 from __future__ import annotations
 
 import importlib.util
+import signal
 import subprocess
 import sys
 import textwrap
@@ -233,7 +234,8 @@ def test_output_of_other_ranks_can_be_filtered(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = write(tmp_path, "hello.py", "import os\nprint('hello from', os.environ['RANK'])\n")
-    assert cli.main(["launch", "--nproc", "3", "--local-ranks-filter", "0,2", str(script)]) == 0
+    args = ["--nproc", "3", "--local-ranks-filter", "0,2", "--network", "10gbe", str(script)]
+    assert cli.main(["launch", *args]) == 0
     assert sorted(capsys.readouterr().out.splitlines()) == [
         "[rank0]: hello from 0",
         "[rank2]: hello from 2",
@@ -275,3 +277,52 @@ def test_a_module_runs_with_dash_m(tmp_path: Path, capsys: pytest.CaptureFixture
         "[rank0]: rank 0 __main__",
         "[rank1]: rank 1 __main__",
     ]
+
+
+def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "spin.py",
+        """
+        import os, sys, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("started", flush=True)
+        if os.environ["RANK"] == "0":
+            dist.barrier()  # waits for rank 1, which never comes
+        while True:
+            time.sleep(0.01)
+        """,
+    )
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reducer",
+            "launch",
+            "--nproc",
+            "2",
+            "--timeout",
+            "600",
+            str(script),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        started = 0
+        while started < 2:  # both ranks are past init_process_group
+            line = process.stdout.readline()
+            assert line, "the launch ended before both ranks started"
+            started += "started" in line
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert "[launch] interrupted; where every rank is:" in err
+    assert 'spin.py", line 7, in <module>\n    dist.barrier()' in err
+    assert 'spin.py", line 9, in <module>\n    time.sleep(0.01)' in err
