@@ -7,7 +7,8 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # Note [Deterministic reduction order]
 # The dense SUM of contributions x0, x1, ... (ascending rank, replica order within a rank) is
 # computed element-wise as ((x0 + x1) + x2) + ..., one rounding per addition, and the single
-# result is written to every rank. Splitting the element range into parts (one per worker) and
+# result is written to every rank (allreduce), to the root (reduce), or, per destination rank
+# r, from every rank's r-th chunk to rank r's output (reduce_scatter). Splitting the element range into parts (one per worker) and
 # blocks (cache-sized) changes which thread computes an element, never the order of its
 # additions, so the bits do not depend on chunking, thread count or timing. The reference a
 # test computes with ``torch`` ops in the same order is therefore matched exactly.
@@ -15,7 +16,7 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # Note [Cache-blocked reduction]
 # Each part walks its element range in blocks of about 256 KiB: the block of x0 and x1 is
 # combined into a scratch accumulator that stays in the core's cache, every further
-# contribution is added to it, and the accumulator is then copied to every rank's tensor. Each
+# contribution is added to it, and the accumulator is then copied to every target. Each
 # input byte is read once and each output byte written once, so a W-rank allreduce moves the
 # same bytes as one copy of W tensors, the memory-bandwidth floor. NumPy runs the element
 # loops (a ufunc call costs far less than a torch op and releases the GIL, so parts run in

@@ -4,7 +4,11 @@ The fake world (``fakepg``) and the torch.distributed adapter (:class:`TorchProc
 accept the same arguments, apart from a few rules their backends dictate (see
 :class:`CollectiveRules`). One implementation keeps their checks and messages from drifting
 apart. A check raises from the call, on the rank that passed the bad argument, with the
-implementation's own error class (a ``ValueError``), before any rank is involved.
+implementation's own error class (a ``ValueError``; a ``TypeError`` for a timeout that is not
+a number), before any rank is involved. Besides the protocol's four collectives there are
+checks for the rest of torch.distributed's (reduce, reduce_scatter, all_to_all, gather,
+scatter, allgather_into_tensor, send and recv, wait timeouts), which fakepg uses, under
+either implementation's rules.
 
 ``fakepg`` imports this module; it imports nothing from ``fakepg`` (dependencies point one way).
 """
