@@ -228,12 +228,13 @@ class _Launch:
         self.idents: dict[int, int] = {}  # rank -> thread ident
         self.first: int | None = None  # the rank that failed first
         self.stacks: dict[int, str] = {}  # where the other ranks were at the first failure
-        self.interrupted = False
         self._ranks_filter = ranks
+        # The stand-ins installed while the launch runs (see installed()), and the real stderr.
         self.environ: ThreadEnviron | None = None
         self.stdout: RankOutput | None = None
         self.stderr: RankOutput | None = None
-        self._thread_rank = threading.local()
+        self.real_stderr: Any = sys.stderr
+        self._thread_rank = threading.local()  # .rank: the rank of a rank thread
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -359,7 +360,6 @@ class _Launch:
         return out
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
-        self.interrupted = True
         stacks = self._stacks(exclude=None)
         lines = ["[launch] interrupted; where every rank is:"]
         for rank, stack in stacks.items():
