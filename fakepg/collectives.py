@@ -8,8 +8,9 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # The dense SUM of contributions x0, x1, ... (ascending rank, replica order within a rank) is
 # computed element-wise as ((x0 + x1) + x2) + ..., one rounding per addition, and the single
 # result is written to every rank (allreduce), to the root (reduce), or, per destination rank
-# r, from every rank's r-th chunk to rank r's output (reduce_scatter). Splitting the element range into parts (one per worker) and
-# blocks (cache-sized) changes which thread computes an element, never the order of its
+# r, from every rank's r-th chunk to rank r's output (reduce_scatter). Splitting the element
+# range into parts (one per worker) and blocks (cache-sized) changes which thread computes an
+# element, never the order of its
 # additions, so the bits do not depend on chunking, thread count or timing. The reference a
 # test computes with ``torch`` ops in the same order is therefore matched exactly.
 
