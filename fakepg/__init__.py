@@ -22,10 +22,11 @@ from .faults import (
     RankExited,
     WorldAborted,
 )
+from .group import FakeProcessGroup
 from .netmodel import NETWORK_PRESETS, AlphaBeta, FixedLatency, NetworkModel, parse_network
-from .torch_backend import register_torch_backend, run_torch
+from .torch_backend import init_torch_group, register_torch_backend, run_torch
 from .work import Work
-from .world import FakeProcessGroup, World, run
+from .world import World, run
 
 __all__ = [
     "NETWORK_PRESETS",
@@ -40,6 +41,7 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "init_torch_group",
     "parse_network",
     "register_torch_backend",
     "run",

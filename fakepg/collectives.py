@@ -7,15 +7,17 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # Note [Deterministic reduction order]
 # The dense SUM of contributions x0, x1, ... (ascending rank, replica order within a rank) is
 # computed element-wise as ((x0 + x1) + x2) + ..., one rounding per addition, and the single
-# result is written to every rank. Splitting the element range into parts (one per worker) and
-# blocks (cache-sized) changes which thread computes an element, never the order of its
+# result is written to every rank (allreduce), to the root (reduce), or, per destination rank
+# r, from every rank's r-th chunk to rank r's output (reduce_scatter). Splitting the element
+# range into parts (one per worker) and blocks (cache-sized) changes which thread computes an
+# element, never the order of its
 # additions, so the bits do not depend on chunking, thread count or timing. The reference a
 # test computes with ``torch`` ops in the same order is therefore matched exactly.
 
 # Note [Cache-blocked reduction]
 # Each part walks its element range in blocks of about 256 KiB: the block of x0 and x1 is
 # combined into a scratch accumulator that stays in the core's cache, every further
-# contribution is added to it, and the accumulator is then copied to every rank's tensor. Each
+# contribution is added to it, and the accumulator is then copied to every target. Each
 # input byte is read once and each output byte written once, so a W-rank allreduce moves the
 # same bytes as one copy of W tensors, the memory-bandwidth floor. NumPy runs the element
 # loops (a ufunc call costs far less than a torch op and releases the GIL, so parts run in
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -41,6 +43,8 @@ __all__: list[str] = []
 Task = Callable[[], None]
 
 _BLOCK_BYTES = 256 * 1024
+# Kinds whose fingerprint lists no tensors.
+_NO_TENSORS = frozenset({"barrier", "monitored_barrier"})
 # Below this many elements per part, splitting costs more in hand-offs than it saves.
 _MIN_PART_ELEMENTS = 64 * 1024
 
@@ -53,6 +57,9 @@ class Fingerprint:
     op: ReduceOp | None = None
     root: int | None = None
     specs: tuple[TensorSpec, ...] = ()
+    # How this rank took part where ranks legitimately differ (a p2p's "send" or "recv"):
+    # shown in messages, never compared.
+    role: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         args = []
@@ -60,9 +67,9 @@ class Fingerprint:
             args.append(f"op={self.op.name}")
         if self.root is not None:
             args.append(f"root={self.root}")
-        if self.kind != "barrier":
+        if self.kind not in _NO_TENSORS:
             args.append("[" + ", ".join(str(s) for s in self.specs) + "]")
-        return f"{self.kind}({', '.join(args)})"
+        return f"{self.role or self.kind}({', '.join(args)})"
 
     def differences(self, other: Fingerprint) -> list[str]:
         """The fields in which ``other`` differs from this fingerprint, for error messages."""
@@ -133,22 +140,42 @@ def _parts(numel: int, max_parts: int) -> list[tuple[int, int]]:
 
 def dense_allreduce_tasks(contributions: list[Tensor], op: ReduceOp, max_parts: int) -> list[Task]:
     """Tasks that reduce ``contributions`` (rank order, replica order) into all of them."""
+    return dense_reduce_tasks(contributions, contributions, op, max_parts)
+
+
+def dense_reduce_tasks(
+    contributions: list[Tensor], targets: list[Tensor], op: ReduceOp, max_parts: int
+) -> list[Task]:
+    """Tasks that write the reduction of ``contributions`` (in this order) into every target.
+
+    Every tensor is contiguous with the same number of elements. Targets may be among the
+    contributions (allreduce, reduce): each block is read whole before it is written.
+    """
     count = len(contributions)
     numel = contributions[0].numel()
-    if count == 1 or numel == 0:
-        return []  # x op nothing is x, bit for bit, for every op (x / 1 == x for AVG too)
-    arrays = [_as_numpy(t) for t in contributions]
+    if numel == 0:
+        return []
+    if count == 1:
+        # x op nothing is x, bit for bit, for every op (x / 1 == x for AVG too).
+        copies = [t for t in targets if t is not contributions[0]]
+        return [_copy_task(contributions[0], copies)] if copies else []
+    arrays = [_as_numpy(t) for t in [*contributions, *targets]]
     if all(a is not None for a in arrays):
         np_arrays = [a for a in arrays if a is not None]
+        inputs, outputs = np_arrays[:count], np_arrays[count:]
         block = max(1, _BLOCK_BYTES // np_arrays[0].itemsize)
         return [
-            _numpy_part(np_arrays, lo, hi, block, op, count) for lo, hi in _parts(numel, max_parts)
+            _numpy_part(inputs, outputs, lo, hi, block, op, count)
+            for lo, hi in _parts(numel, max_parts)
         ]
     flats = [t.detach().view(-1) for t in contributions]
+    outs = [t.detach().view(-1) for t in targets]
     if flats[0].device.type != "cpu":
-        return [_torch_part(flats, 0, numel, numel, op, count)]  # one device kernel per step
+        return [_torch_part(flats, outs, 0, numel, numel, op, count)]  # one kernel per step
     block = max(1, _BLOCK_BYTES // flats[0].element_size())
-    return [_torch_part(flats, lo, hi, block, op, count) for lo, hi in _parts(numel, max_parts)]
+    return [
+        _torch_part(flats, outs, lo, hi, block, op, count) for lo, hi in _parts(numel, max_parts)
+    ]
 
 
 _Flat = TypeVar("_Flat", np.ndarray, Tensor)
@@ -157,6 +184,7 @@ _np_copy: Callable[[np.ndarray, np.ndarray], object] = np.copyto  # dst[...] = s
 
 def _reduce_blocks(
     flats: list[_Flat],
+    targets: list[_Flat],
     lo: int,
     hi: int,
     block: int,
@@ -165,12 +193,13 @@ def _reduce_blocks(
     average: Callable[[_Flat], None] | None,
     assign: Callable[[_Flat, _Flat], object],
 ) -> None:
-    """Elements ``lo:hi`` of every flat contribution become their reduction, block by block.
+    """Elements ``lo:hi`` of every target become the reduction of the flat contributions,
+    block by block.
 
     The one loop of both element paths (NumPy and torch), so that both add in the same order:
     see Note [Deterministic reduction order] and Note [Cache-blocked reduction]. ``scratch``
     (at least ``min(block, hi - lo)`` long) holds the accumulator; ``assign(dst, src)`` copies
-    it into each flat.
+    it into each target.
     """
     for start in range(lo, hi, block):
         end = min(start + block, hi)
@@ -180,12 +209,18 @@ def _reduce_blocks(
             combine(acc, f[start:end], out=acc)
         if average is not None:
             average(acc)
-        for f in flats:
+        for f in targets:
             assign(f[start:end], acc)
 
 
 def _numpy_part(
-    arrays: list[np.ndarray], lo: int, hi: int, block: int, op: ReduceOp, count: int
+    arrays: list[np.ndarray],
+    targets: list[np.ndarray],
+    lo: int,
+    hi: int,
+    block: int,
+    op: ReduceOp,
+    count: int,
 ) -> Task:
     combine = _NUMPY_OPS[op]
 
@@ -196,13 +231,19 @@ def _numpy_part(
 
     def run() -> None:
         scratch = np.empty(min(block, hi - lo), dtype=arrays[0].dtype)
-        _reduce_blocks(arrays, lo, hi, block, scratch, combine, average, _np_copy)
+        _reduce_blocks(arrays, targets, lo, hi, block, scratch, combine, average, _np_copy)
 
     return run
 
 
 def _torch_part(
-    flats: list[Tensor], lo: int, hi: int, block: int, op: ReduceOp, count: int
+    flats: list[Tensor],
+    targets: list[Tensor],
+    lo: int,
+    hi: int,
+    block: int,
+    op: ReduceOp,
+    count: int,
 ) -> Task:
     combine = _TORCH_OPS[op]
 
@@ -214,7 +255,7 @@ def _torch_part(
     def run() -> None:
         with torch.no_grad():
             scratch = torch.empty(min(block, hi - lo), dtype=flats[0].dtype, device=flats[0].device)
-            _reduce_blocks(flats, lo, hi, block, scratch, combine, average, Tensor.copy_)
+            _reduce_blocks(flats, targets, lo, hi, block, scratch, combine, average, Tensor.copy_)
 
     return run
 
@@ -278,3 +319,184 @@ def broadcast_tasks(tensors: list[list[Tensor]], root: int) -> list[Task]:
         return run
 
     return [for_rank(dst) for dst in range(len(tensors)) if dst != root]
+
+
+# --------------------------------------------------------------------------------------------
+# The other collectives. A plan that finds the ranks' arguments inconsistent in a way their
+# fingerprints cannot show (split sizes, per-destination shapes) raises Disagreement; the world
+# then fails the collective on every rank with that message.
+
+
+class Disagreement(Exception):
+    """Ranks' arguments do not fit together; the message says which ranks and how."""
+
+
+def batched(tasks: list[Task], max_parts: int) -> list[Task]:
+    """``tasks`` shared round-robin among at most ``max_parts`` tasks: one hand-off to a worker
+    per part instead of one per small task (the parts are alike, so the shares balance)."""
+    if len(tasks) <= max_parts:
+        return tasks
+
+    def share(mine: list[Task]) -> Task:
+        def run() -> None:
+            for task in mine:
+                task()
+
+        return run
+
+    return [share(tasks[i::max_parts]) for i in range(max_parts)]
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    """``dst[...] = src``, with NumPy (GIL released, no intra-op threads) where it can."""
+    if dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous():
+        a, b = _as_numpy(dst), _as_numpy(src)
+        if a is not None and b is not None:
+            np.copyto(a, b)
+            return
+    with torch.no_grad():
+        # See Note [Hide collectives mutation from autograd] in torch's threaded group: the
+        # copy goes through .detach() so autograd does not see an in-place write.
+        dst.detach().copy_(src.detach().reshape(dst.shape))
+
+
+def _copy_task(src: Tensor, dsts: list[Tensor]) -> Task:
+    def run() -> None:
+        for dst in dsts:
+            _copy(dst, src)
+
+    return run
+
+
+def flat_chunks(t: Tensor, parts: int) -> list[Tensor]:
+    """``t`` (contiguous) as ``parts`` equal flat views, in order."""
+    flat = t.detach().view(-1)
+    step = flat.numel() // parts
+    return [flat[i * step : (i + 1) * step] for i in range(parts)]
+
+
+def reduce_tasks(
+    per_rank: list[list[Tensor]], root: int, op: ReduceOp, max_parts: int
+) -> list[Task]:
+    """reduce: the rank-order reduction of every rank's replicas into the root's replicas."""
+    contributions = [t for ts in per_rank for t in ts]
+    return dense_reduce_tasks(contributions, per_rank[root], op, max_parts)
+
+
+def reduce_scatter_tasks(
+    inputs: list[list[Tensor]], outputs: list[Tensor], op: ReduceOp, max_parts: int
+) -> list[Task]:
+    """reduce_scatter: ``outputs[r]`` = the rank-order reduction of ``inputs[s][r]`` over
+    ranks s. ``inputs[s][r]`` and ``outputs[r]`` are contiguous and of one size."""
+    tasks: list[Task] = []
+    for dst, out in enumerate(outputs):
+        contributions = [per_src[dst].detach().view(-1) for per_src in inputs]
+        tasks += dense_reduce_tasks(contributions, [out.detach().view(-1)], op, max_parts)
+    return tasks
+
+
+def all_to_all_tasks(outputs: list[list[Tensor]], inputs: list[list[Tensor]]) -> list[Task]:
+    """all_to_all: ``outputs[dst][src] = inputs[src][dst]``; one task per destination."""
+    size = len(outputs)
+    bad = [
+        (src, dst)
+        for dst in range(size)
+        for src in range(size)
+        if outputs[dst][src].shape != inputs[src][dst].shape
+    ]
+    if bad:
+        src, dst = bad[0]
+        raise Disagreement(
+            f"rank {src} sends {TensorSpec.of(inputs[src][dst])} to rank {dst}, but rank {dst} "
+            f"expects {TensorSpec.of(outputs[dst][src])} from rank {src} (input {dst} of rank "
+            f"{src} must have the shape of output {src} of rank {dst})"
+        )
+
+    def for_rank(dst: int) -> Task:
+        def run() -> None:
+            for src in range(size):
+                _copy(outputs[dst][src], inputs[src][dst])
+
+        return run
+
+    return [for_rank(dst) for dst in range(size)]
+
+
+def all_to_all_single_tasks(
+    outputs: list[Tensor],
+    inputs: list[Tensor],
+    output_splits: list[list[int]],
+    input_splits: list[list[int]],
+) -> list[Task]:
+    """all_to_all_single: rows ``input_splits[src][dst]`` of ``inputs[src]`` (in rank order
+    along dim 0) into the ``src``-th part of ``outputs[dst]``."""
+    size = len(outputs)
+    for dst in range(size):
+        for src in range(size):
+            sent, expected = input_splits[src][dst], output_splits[dst][src]
+            if sent != expected:
+                raise Disagreement(
+                    f"rank {src} sends {sent} row(s) to rank {dst} (its input_split_sizes "
+                    f"{input_splits[src]}), but rank {dst} expects {expected} from rank {src} "
+                    f"(its output_split_sizes {output_splits[dst]})"
+                )
+
+    def offsets(splits: list[int]) -> list[int]:
+        out = [0]
+        for n in splits:
+            out.append(out[-1] + n)
+        return out
+
+    def for_rank(dst: int) -> Task:
+        def run() -> None:
+            out_at = offsets(output_splits[dst])
+            for src in range(size):
+                rows = output_splits[dst][src]
+                if rows == 0:
+                    continue
+                in_at = offsets(input_splits[src])[dst]
+                _copy(outputs[dst].narrow(0, out_at[src], rows), inputs[src].narrow(0, in_at, rows))
+
+        return run
+
+    return [for_rank(dst) for dst in range(size)]
+
+
+def gather_tasks(inputs: list[Tensor], root_outputs: list[Tensor]) -> list[Task]:
+    """gather: ``root_outputs[src] = inputs[src]``; one task per source."""
+    return [
+        _copy_task(src_tensor, [out]) for src_tensor, out in zip(inputs, root_outputs, strict=True)
+    ]
+
+
+def scatter_tasks(root_inputs: list[Tensor], outputs: list[Tensor]) -> list[Task]:
+    """scatter: ``outputs[dst] = root_inputs[dst]``; one task per destination."""
+    return [_copy_task(src, [out]) for src, out in zip(root_inputs, outputs, strict=True)]
+
+
+def allgather_into_tensor_tasks(
+    outputs: list[list[Tensor]], inputs: list[list[Tensor]]
+) -> list[Task]:
+    """allgather_into_tensor (coalesced: several pairs): the ``src``-th flat chunk of
+    ``outputs[dst][i]`` = ``inputs[src][i]``; one task per destination."""
+    size = len(outputs)
+
+    def for_rank(dst: int) -> Task:
+        def run() -> None:
+            for i, out in enumerate(outputs[dst]):
+                for src, chunk in enumerate(flat_chunks(out, size)):
+                    _copy(chunk, inputs[src][i].reshape(-1))
+
+        return run
+
+    return [for_rank(dst) for dst in range(size)]
+
+
+def p2p_tasks(sent: list[Tensor], received: list[Tensor]) -> list[Task]:
+    """send/recv: the receiver's tensors = the sender's."""
+
+    def run() -> None:
+        for dst, src in zip(received, sent, strict=True):
+            _copy(dst, src)
+
+    return [run]

@@ -24,8 +24,14 @@ Two models: :class:`FixedLatency` (every collective takes the same time) and
 #   broadcast           (W-1) alpha + S/B                      L (alpha + S/B)
 #   barrier             2(W-1) alpha                           2L alpha
 #   sparse_allreduce    as allgather (each rank's indices and values are gathered)
+#   reduce              as broadcast (the same messages, the other way)
+#   reduce_scatter      (W-1) alpha + (W-1)/W * S/B            L alpha + (W-1)/W * S/B
+#   all_to_all          (W-1) (alpha + S/(W B))                the same (pairwise exchange)
+#   gather, scatter     as allgather (S: one rank's part; the root's link carries W-1 parts)
+#   send                alpha + S/B                            the same (one message)
 #
-# Ring allreduce is reduce-scatter then allgather, each W-1 steps of S/W bytes (bandwidth
+# For reduce_scatter and all_to_all, S is one rank's whole input (W parts of S/W). Ring
+# allreduce is reduce-scatter then allgather, each W-1 steps of S/W bytes (bandwidth
 # optimal, latency linear in W). Tree allreduce reduces the whole message up a binary tree and
 # broadcasts it down, unpipelined (latency logarithmic, bandwidth term L times larger). Tree
 # allgather is recursive doubling. Ring broadcast is the pipelined chain in its limit (each
@@ -44,7 +50,19 @@ from typing import Literal, Protocol, runtime_checkable
 __all__ = ["NETWORK_PRESETS", "AlphaBeta", "FixedLatency", "NetworkModel", "parse_network"]
 
 Algorithm = Literal["ring", "tree"]
-_KINDS = ("allreduce", "sparse_allreduce", "allgather", "broadcast", "barrier")
+_KINDS = (
+    "allreduce", "sparse_allreduce", "allgather", "broadcast", "barrier", "reduce",
+    "reduce_scatter", "all_to_all", "gather", "scatter", "send",
+)  # fmt: skip
+
+
+# Kinds that cost what another kind costs. See Note [Alpha-beta cost formulas].
+_SAME_AS = {
+    "sparse_allreduce": "allgather",
+    "reduce": "broadcast",
+    "gather": "allgather",
+    "scatter": "allgather",
+}
 
 
 @runtime_checkable
@@ -52,8 +70,10 @@ class NetworkModel(Protocol):
     """Seconds a collective takes on the simulated network."""
 
     def collective_time_s(self, kind: str, nbytes: int, world_size: int) -> float:
-        """``kind`` is "allreduce", "sparse_allreduce", "allgather", "broadcast" or "barrier";
-        ``nbytes`` is the size of one rank's input (all its tensors)."""
+        """``kind`` is "allreduce", "sparse_allreduce", "allgather", "broadcast", "barrier",
+        "reduce", "reduce_scatter", "all_to_all", "gather", "scatter" or "send" (one message;
+        ``world_size`` 2); ``nbytes`` is the size of one rank's input (all its tensors; for
+        scatter, one rank's part)."""
         ...
 
 
@@ -112,8 +132,14 @@ class AlphaBeta:
         if w == 1:
             return 0.0
         alpha, size = self.latency_s, nbytes / self.bandwidth_Bps
-        if kind == "sparse_allreduce":
-            kind = "allgather"
+        kind = _SAME_AS.get(kind, kind)
+        if kind == "send":
+            return alpha + size
+        if kind == "all_to_all":
+            return (w - 1) * (alpha + size / w)
+        if kind == "reduce_scatter":
+            steps = w - 1 if self.algorithm == "ring" else math.ceil(math.log2(w))
+            return steps * alpha + (w - 1) / w * size
         if self.algorithm == "ring":
             if kind == "allreduce":
                 return 2 * (w - 1) * alpha + 2 * (w - 1) / w * size

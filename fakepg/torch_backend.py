@@ -49,19 +49,34 @@ in fakepg.collectives). :func:`run_torch` does all of it for you::
 # a failed collective fails the C++ reducer's wait, and backward raises on every rank.
 
 # Note [How torch collectives map to the fake world]
-# Every torch collective of a rank becomes the next fake collective of that rank, in issue
-# order, so torch collectives and direct FakeProcessGroup calls on the same world interleave
-# consistently as long as every rank issues the same sequence. allreduce, broadcast, allgather
-# and barrier map one to one (a tensor list is one collective: its tensors are replicas, as in
-# reducer.ProcessGroup); all_gather_into_tensor gathers into views of the flat output;
-# allreduce_coalesced issues one fake allreduce per tensor. Other collectives raise a
-# RuntimeError that says what is supported.
+# Every torch collective of a rank becomes the next fake collective of that rank in its group,
+# in issue order, so torch collectives and direct FakeProcessGroup calls on the same group
+# interleave consistently as long as every rank issues the same sequence. Each torch collective
+# maps to the FakeProcessGroup method of the same meaning, one to one (a tensor list of
+# allreduce, reduce or broadcast is one collective: its tensors are replicas, as in
+# reducer.ProcessGroup; the coalesced forms of all_gather_into_tensor and reduce_scatter_tensor
+# are one collective each), except allreduce_coalesced, which issues one fake allreduce per
+# tensor. send and recv are matched per pair and tag (see Note [Point-to-point matching] in
+# fakepg.world), so batch_isend_irecv works as torch runs it, one op at a time. A receive from
+# any source is refused (its match would depend on thread timing). torch's Python-side
+# ``dist.monitored_barrier`` accepts only gloo groups; registering the backend lets it call a
+# fakepg group's own monitored_barrier (see _install_monitored_barrier).
+
+# Note [Subgroups through torch]
+# ``dist.new_group`` and DeviceMesh create a group per call on every rank thread, each with the
+# name torch computes alike on every rank (a counter of the thread's own group state); the
+# backend maps the name and members to one subgroup of the default group's world (see Note
+# [Subgroups] in fakepg.world), found through the thread that created the default group. A
+# Python backend is the ProcessGroup itself (torch registers no Backend object under it), so
+# torch's C++ getter of the group name has nowhere to read it from: the group answers
+# ``group_name`` itself, which is what DeviceMesh and FSDP ask.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -77,11 +92,15 @@ from .netmodel import NetworkModel
 from .work import Work
 from .world import FakeProcessGroup, World
 
-__all__ = ["register_torch_backend", "run_torch"]
+__all__ = ["init_torch_group", "register_torch_backend", "run_torch"]
 
 T = TypeVar("T")
 
 _BACKEND = "fakepg"
+
+# The world and rank of the default fakepg group created on this thread, so that subgroups
+# (created without pg_options) find it. See Note [Subgroups through torch].
+_thread_default = threading.local()
 
 # Guards torch's process-wide state, not any world's: the first registration (two threads
 # registering at once install the per-thread state once), and the two fields below, which
@@ -89,6 +108,11 @@ _BACKEND = "fakepg"
 _PROCESS_LOCK = threading.Lock()
 _inits_in_flight = 0
 _saved_excepthook = sys.excepthook
+# One store per world for init_torch_group (init_process_group wants one; the backend does
+# not use it). Guarded by _PROCESS_LOCK.
+_stores: weakref.WeakKeyDictionary[World, Any] = weakref.WeakKeyDictionary()
+# torch's own, whatever replaces dist.init_process_group later (python -m reducer launch does).
+_torch_init_process_group = _c10d.init_process_group
 
 _OPS: dict[Any, ReduceOp] = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -108,6 +132,7 @@ def register_torch_backend() -> None:
     """
     with _PROCESS_LOCK:
         _install_per_thread_worlds()
+        _install_monitored_barrier()
         if not hasattr(dist.Backend, _BACKEND.upper()):
             dist.Backend.register_backend(
                 _BACKEND, _create_backend, extended_api=True, devices=["cpu"]
@@ -120,6 +145,7 @@ def run_torch(
     *,
     timeout: float = 60.0,
     network: NetworkModel | None = None,
+    per_rank_rng: bool = True,
 ) -> list[T]:
     """Like :func:`fakepg.run`, with torch.distributed's default group on the fake world.
 
@@ -145,7 +171,29 @@ def run_torch(
             finally:
                 dist.destroy_process_group()
 
-        return world.run(rank_main)
+        return world.run(rank_main, per_rank_rng=per_rank_rng)
+
+
+def init_torch_group(world: World, rank: int) -> None:
+    """On rank ``rank``'s thread: torch.distributed's default group, on ``world``.
+
+    What :func:`run_torch` does on each rank before calling its function, for rank threads
+    started some other way (``World.run``, or ``python -m reducer launch``, which calls it from
+    the training script's own ``init_process_group``). The torch group's collectives time out
+    after ``world.timeout``; call ``dist.destroy_process_group()`` on the thread when done.
+    """
+    if not isinstance(world, World):
+        raise ValueError(f"init_torch_group: world must be a fakepg.World, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world.world_size:
+        raise ValueError(
+            f"init_torch_group: rank must be an int in [0, {world.world_size}), got {rank!r}"
+        )
+    register_torch_backend()
+    with _PROCESS_LOCK:
+        store = _stores.get(world)
+        if store is None:
+            store = _stores[world] = dist.HashStore()  # type: ignore[attr-defined]
+    _init_default_group(rank, world, store, world.timeout)
 
 
 def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> None:
@@ -163,7 +211,7 @@ def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> 
             _saved_excepthook = sys.excepthook
         _inits_in_flight += 1
     try:
-        dist.init_process_group(
+        _torch_init_process_group(
             _BACKEND,
             rank=rank,
             world_size=world.world_size,
@@ -183,41 +231,59 @@ def _init_default_group(rank: int, world: World, store: Any, timeout: float) -> 
 
 
 def _create_backend(options: Any, world: object) -> _TorchGroup:
-    """torch's backend constructor (extended API): ``world`` is init_process_group's
-    ``pg_options``; ``options`` carries the rank and size torch was given."""
+    """torch's backend constructor (extended API): ``world`` is init_process_group's (or
+    new_group's) ``pg_options``; ``options`` carries the rank, size, name and members."""
     rank, size = int(options.group_rank), int(options.group_size)
-    if not isinstance(world, World):
+    name = str(options.group_id)
+    members = tuple(int(r) for r in options.global_ranks_in_group)
+    if not members:  # the default group: init_process_group
+        if not isinstance(world, World):
+            raise ValueError(
+                f"init_process_group('{_BACKEND}') needs the fake world the ranks share: pass "
+                f"pg_options=world, a fakepg.World({size}) created once for all rank threads "
+                f"(got pg_options={world!r}); fakepg.run_torch does this for you"
+            )
+        if size != world.world_size:
+            raise ValueError(
+                f"init_process_group('{_BACKEND}'): world_size={size} but the fake world has "
+                f"{world.world_size} ranks; pass world_size={world.world_size} (use "
+                "dist.new_group for a group of fewer ranks)"
+            )
+        if not 0 <= rank < size:
+            raise ValueError(
+                f"init_process_group('{_BACKEND}'): rank={rank} is not in [0, {size}); pass "
+                "each rank thread its own rank"
+            )
+        _thread_default.world = world
+        return _TorchGroup(world.group(rank), name)
+    # A subgroup. See Note [Subgroups through torch].
+    owner = world if isinstance(world, World) else getattr(_thread_default, "world", None)
+    if owner is None:
         raise ValueError(
-            f"init_process_group('{_BACKEND}') needs the fake world the ranks share: pass "
-            f"pg_options=world, a fakepg.World({size}) created once for all rank threads (got "
-            f"pg_options={world!r}); fakepg.run_torch does this for you"
+            f"new_group on the '{_BACKEND}' backend: this thread has no default fakepg group; "
+            "call init_process_group('fakepg', ..., pg_options=world) on it first"
         )
-    if size != world.world_size:
-        raise ValueError(
-            f"init_process_group('{_BACKEND}'): world_size={size} but the fake world has "
-            f"{world.world_size} ranks; pass world_size={world.world_size} (subgroups of a fake "
-            "world are not supported)"
-        )
-    if not 0 <= rank < size:
-        raise ValueError(
-            f"init_process_group('{_BACKEND}'): rank={rank} is not in [0, {size}); pass "
-            "each rank thread its own rank"
-        )
-    return _TorchGroup(world.group(rank))
+    return _TorchGroup(owner._named_group(name, members, members[rank]), name)
 
 
 class _TorchGroup(dist.ProcessGroup):
     """One rank's torch group over its FakeProcessGroup. See Note [How torch collectives map
     to the fake world]."""
 
-    def __init__(self, fake: FakeProcessGroup) -> None:
+    def __init__(self, fake: FakeProcessGroup, name: str) -> None:
         # The (rank, size) constructor of Python backends; torch's stub lists only the other.
         super().__init__(fake.rank(), fake.size())  # type: ignore[call-arg]
         self._fake = fake
+        self._name = name
 
     @property
     def fake_group(self) -> FakeProcessGroup:
         return self._fake
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """The name torch gave this group. See Note [Subgroups through torch]."""
+        return self._name
 
     def getBackendName(self) -> str:
         return _BACKEND
@@ -235,6 +301,11 @@ class _TorchGroup(dist.ProcessGroup):
         works = [self._fake.allreduce([t], op) for t in tensors]
         return self._work(works, list(tensors))
 
+    def reduce(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
+        op = _reduce_op(opts, "reduce")
+        root = 0 if opts is None else int(opts.rootRank)
+        return self._work([self._fake.reduce(list(tensors), root, op)], list(tensors))
+
     def broadcast(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
         root = 0 if opts is None else int(opts.rootRank)
         return self._work([self._fake.broadcast(list(tensors), root)], list(tensors))
@@ -246,58 +317,148 @@ class _TorchGroup(dist.ProcessGroup):
         work = self._fake.allgather(outputs, list(inputs))
         return self._work([work], [t for out in outputs for t in out])
 
+    def allgather_coalesced(
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        return self.allgather(output_lists, inputs, opts)
+
     def all_gather_single(
         self, output: Tensor, input_tensor: Tensor, opts: Any = None
     ) -> _TorchWork:
-        """all_gather_into_tensor: rank r's input lands in the r-th slice of the flat output."""
-        views = list(output.chunk(self._fake.size()))
-        return self._work([self._fake.allgather([views], [input_tensor])], [output])
+        """all_gather_into_tensor: rank r's input lands in the r-th chunk of the output."""
+        return self._work([self._fake.allgather_into_tensor(output, input_tensor)], [output])
 
     def _allgather_base(self, output: Tensor, input_tensor: Tensor, opts: Any = None) -> _TorchWork:
         return self.all_gather_single(output, input_tensor, opts)
 
+    def all_gather_single_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        work = self._fake.allgather_into_tensor_coalesced(list(outputs), list(inputs))
+        return self._work([work], list(outputs))
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
+    ) -> _TorchWork:
+        op = _reduce_op(opts, "reduce_scatter")
+        if len(outputs) != 1 or len(input_lists) != 1:
+            raise ValueError(
+                f"reduce_scatter on the '{_BACKEND}' backend takes one output and one input "
+                f"list, got {len(outputs)} and {len(input_lists)}"
+            )
+        work = self._fake.reduce_scatter(outputs[0], list(input_lists[0]), op)
+        return self._work([work], list(outputs))
+
+    def reduce_scatter_single(
+        self, output: Tensor, input_tensor: Tensor, opts: Any = None
+    ) -> _TorchWork:
+        """reduce_scatter_tensor: rank r gets the reduction of every rank's r-th chunk."""
+        op = _reduce_op(opts, "reduce_scatter_tensor")
+        return self._work([self._fake.reduce_scatter_tensor(output, input_tensor, op)], [output])
+
+    def _reduce_scatter_base(
+        self, output: Tensor, input_tensor: Tensor, opts: Any = None
+    ) -> _TorchWork:
+        return self.reduce_scatter_single(output, input_tensor, opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        op = _reduce_op(opts, "reduce_scatter_tensor_coalesced")
+        work = self._fake.reduce_scatter_tensor_coalesced(list(outputs), list(inputs), op)
+        return self._work([work], list(outputs))
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
+    def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> _TorchWork:
+        return self._work([self._fake.all_to_all(list(outputs), list(inputs))], list(outputs))
+
+    def all_to_all_single(
+        self,
+        output: Tensor,
+        input_tensor: Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+        opts: Any = None,
+    ) -> _TorchWork:
+        work = self._fake.all_to_all_single(
+            output, input_tensor, output_split_sizes, input_split_sizes
+        )
+        return self._work([work], [output])
+
+    def alltoall_base(
+        self,
+        output: Tensor,
+        input_tensor: Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+        opts: Any = None,
+    ) -> _TorchWork:
+        return self.all_to_all_single(
+            output, input_tensor, output_split_sizes, input_split_sizes, opts
+        )
+
+    def gather(  # type: ignore[override]
+        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    ) -> _TorchWork:
+        root = 0 if opts is None else int(opts.rootRank)
+        gather_list = list(output_lists[0]) if output_lists else None
+        tensor = _single(inputs, "gather")
+        work = self._fake.gather(tensor, gather_list, root)
+        return self._work([work], gather_list or [])
+
+    def scatter(  # type: ignore[override]
+        self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
+    ) -> _TorchWork:
+        root = 0 if opts is None else int(opts.rootRank)
+        scatter_list = list(input_lists[0]) if input_lists else None
+        tensor = _single(outputs, "scatter")
+        return self._work([self._fake.scatter(tensor, scatter_list, root)], [tensor])
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int = 0) -> _TorchWork:
+        return self._work([self._fake.send(list(tensors), dst, tag)], list(tensors))
+
+    def recv(self, tensors: list[Tensor], src: int, tag: int = 0) -> _TorchWork:
+        return self._work([self._fake.recv(list(tensors), src, tag)], list(tensors))
+
+    def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> _TorchWork:
+        raise RuntimeError(
+            f"recv from any source on the '{_BACKEND}' backend (rank {self._fake.rank()}): "
+            "which send it matches would depend on thread timing, and the fake world is "
+            "deterministic; pass src"
+        )
+
     def barrier(self, opts: Any = None) -> _TorchWork:
         return self._work([self._fake.barrier()], [])
+
+    def monitored_barrier(
+        self, timeout: timedelta | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """A barrier whose timeout names every rank that did not arrive."""
+        seconds = None if timeout is None else timeout.total_seconds()
+        self._fake.monitored_barrier(seconds, wait_all_ranks)
 
     def _work(self, works: list[Work], outputs: list[Tensor]) -> _TorchWork:
         return _TorchWork(works, outputs, self._fake.world.timeout)
 
-    def _unsupported(self, name: str) -> RuntimeError:
-        return RuntimeError(
-            f"the '{_BACKEND}' torch backend (rank {self._fake.rank()}) does not implement "
-            f"{name}; it supports all_reduce, all_gather, all_gather_into_tensor, broadcast and "
-            "barrier (and what torch builds on them: DistributedDataParallel, *_object)"
-        )
-
-    def reduce(self, *args: object) -> _TorchWork:
-        raise self._unsupported("reduce")
-
-    def reduce_scatter(self, *args: object) -> _TorchWork:
-        raise self._unsupported("reduce_scatter")
-
-    def _reduce_scatter_base(self, *args: object) -> _TorchWork:
-        raise self._unsupported("reduce_scatter_tensor")
-
-    def alltoall(self, *args: object) -> _TorchWork:
-        raise self._unsupported("all_to_all")
-
-    def alltoall_base(self, *args: object) -> _TorchWork:
-        raise self._unsupported("all_to_all_single")
-
-    def gather(self, *args: object) -> _TorchWork:
-        raise self._unsupported("gather")
-
-    def scatter(self, *args: object) -> _TorchWork:
-        raise self._unsupported("scatter")
-
-    def send(self, *args: object) -> _TorchWork:
-        raise self._unsupported("send")
-
-    def recv(self, *args: object) -> _TorchWork:
-        raise self._unsupported("recv")
-
     def __repr__(self) -> str:
         return f"<fakepg torch group rank={self._fake.rank()} size={self._fake.size()}>"
+
+
+def _single(tensors: Sequence[Tensor], what: str) -> Tensor:
+    if len(tensors) != 1:
+        raise ValueError(
+            f"{what} on the '{_BACKEND}' backend takes one tensor per rank, got {len(tensors)}"
+        )
+    return tensors[0]
 
 
 def _reduce_op(opts: Any, what: str) -> ReduceOp:
@@ -307,7 +468,7 @@ def _reduce_op(opts: Any, what: str) -> ReduceOp:
     if op is None:
         raise ValueError(
             f"{what} on the '{_BACKEND}' torch backend: reduce op {opts.reduceOp.op} is not "
-            "supported; use SUM, AVG, PRODUCT, MIN or MAX"
+            "supported; use SUM, AVG, PRODUCT, MIN or MAX (for PREMUL_SUM, multiply first)"
         )
     return op
 
@@ -473,3 +634,32 @@ def _install_per_thread_worlds() -> None:
     # that made them, so register them again in this (the owner) thread's registry.
     for group, name in list(original.pg_names.items()):
         c10d_ext._register_process_group(name, group)
+
+
+# -------------------------------------------------------------------------------------------
+# dist.monitored_barrier for fakepg groups. See Note [How torch collectives map to the fake
+# world].
+
+_torch_monitored_barrier = dist.monitored_barrier
+
+
+def _monitored_barrier(
+    group: Any = None, timeout: timedelta | None = None, wait_all_ranks: bool = False
+) -> None:
+    """``dist.monitored_barrier``: a fakepg group's own, torch's for any other group."""
+    pg = group if group is not None else _c10d._get_default_group()
+    if isinstance(pg, _TorchGroup):
+        pg.monitored_barrier(timeout, wait_all_ranks)
+        return
+    _torch_monitored_barrier(group, timeout, wait_all_ranks)
+
+
+def _install_monitored_barrier() -> None:
+    """Let ``dist.monitored_barrier`` reach fakepg groups, once.
+
+    torch checks the backend name ("gloo" only) in Python before it calls the group, so the
+    public function is wrapped: groups of other backends still go to torch's own.
+    """
+    if dist.monitored_barrier is not _monitored_barrier:
+        dist.monitored_barrier = _monitored_barrier
+        _c10d.monitored_barrier = _monitored_barrier

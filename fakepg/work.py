@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .collectives import Fingerprint, Task
+from reducer import _collective_args as _args
+
+from .collectives import RULES, Fingerprint, Task
 from .faults import FakePGError
 
 if TYPE_CHECKING:
-    from .world import World
+    from .world import Channel, World
 
 __all__ = ["Work"]
 
@@ -29,10 +31,12 @@ ErrorFactory = Callable[[int], BaseException]
 
 
 class Collective:
-    """The k-th collective of a world: who joined with what, and how it ended."""
+    """The k-th collective of a channel (a group, or a pair's messages): who joined with what,
+    and how it ended."""
 
-    def __init__(self, world: World, seq: int, fingerprint: Fingerprint) -> None:
+    def __init__(self, world: World, channel: Channel, seq: int, fingerprint: Fingerprint) -> None:
         self.world = world
+        self.channel = channel
         self.seq = seq
         self.fingerprint = fingerprint
         # Membership fields below are guarded by the world's lock (World._lock).
@@ -50,12 +54,14 @@ class Collective:
         self._callbacks: list[Callable[[], None]] = []
 
     def describe(self) -> str:
-        """``allreduce #3 (op=SUM)``: how errors name this collective."""
+        """``allreduce #3 (op=SUM)``, ``broadcast #0 (root=1) in group [0, 2]``, ``send/recv
+        #2 from rank 0 to rank 1 (tag 0)``: how errors name this collective."""
         fp = self.fingerprint
         extra = f" (op={fp.op.name})" if fp.op is not None else ""
         if fp.root is not None:
             extra = f" (root={fp.root})"
-        return f"{fp.kind} #{self.seq}{extra}"
+        kind = "send/recv" if self.channel.is_p2p else fp.kind
+        return f"{kind} #{self.seq}{extra}{self.channel.label}"
 
     @property
     def failed(self) -> bool:
@@ -164,9 +170,14 @@ class Work:
         self._outputs = outputs
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until done; raise the collective's error, or a timeout naming missing ranks."""
+        """Block until done; raise the collective's error, or a timeout naming missing ranks.
+
+        ``timeout``: seconds (finite, > 0), or None for the world's default. A bad value is
+        refused on this rank alone (ValueError, TypeError); the collective goes on.
+        """
         c = self._collective
-        limit = c.world.timeout if timeout is None else timeout
+        checked = _args.check_timeout(timeout, "Work.wait", RULES)
+        limit = c.world.timeout if checked is None else checked
         if not c.done.wait(limit):
             c.world._wait_timed_out(c, self._rank, limit)
         error = c.error_for(self._rank)
@@ -222,7 +233,8 @@ class Work:
 
     @property
     def seq(self) -> int:
-        """The collective's sequence number in its world (the k-th collective of each rank)."""
+        """The collective's sequence number in its group (the k-th collective of each rank);
+        for a send or recv, the k-th message of its (source, destination, tag)."""
         return self._collective.seq
 
     def __repr__(self) -> str:

@@ -1,20 +1,41 @@
-"""An in-memory world of N ranks on threads, and the process group each rank sees.
+"""An in-memory world of N ranks on threads: matching collectives, failures, running ranks.
 
-A :class:`World` matches the k-th collective of every rank (see Note [Matching by sequence
-number]), checks that the ranks agree on it, and hands it to its executor once the last rank
-has joined. :func:`run` starts one thread per rank and makes sure that a failure anywhere
-wakes everyone.
+A :class:`World` matches the k-th collective of every rank of a group (see Note [Matching by
+sequence number]), checks that the ranks agree on it, and hands it to its executor once the
+last rank has joined. :func:`run` starts one thread per rank and makes sure that a failure
+anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 
 # Guarantees: each FakeProcessGroup is meant for its rank's threads (the rank's own thread and
 # autograd's), but every method of World, FakeProcessGroup and Work is thread-safe. A world
 # holds no global state; any number of worlds run at once in one process, nested or not.
 
 # Note [Matching by sequence number]
-# Each rank numbers its collectives 0, 1, 2, ... The first rank to issue number k creates the
-# Collective for k; the others join it, and their fingerprints (kind, op, root, dtypes,
-# shapes) must equal the first one's, else the collective fails on every rank with a message
-# that shows both sides. A rank that finished its function (see ``run``) can never join a
-# later number, so collectives that wait for it fail at once instead of timing out.
+# A *channel* is one sequence space: the collectives of one group (the whole world, or a
+# subgroup), or the messages from one rank to another with one tag. Each member numbers what it
+# issues on a channel 0, 1, 2, ... The first member to issue number k creates the Collective
+# for k; the others join it, and their fingerprints (kind, op, root, dtypes, shapes) must equal
+# the first one's, else the collective fails on every member with a message that shows both
+# sides. A rank that finished its function (see ``run``) can never join a later number, so
+# collectives that wait for it fail at once instead of timing out.
+
+# Note [Subgroups]
+# A subgroup is a channel over some of the world's ranks, with its own sequence numbers, as a
+# torch.distributed group is a communicator of its own: its collectives are matched among its
+# members only, and ranks may interleave collectives of different groups in any order. Every
+# rank of the parent group calls ``new_group`` with the same ranks in the same order (members
+# and non-members, as torch requires); the k-th call of each rank names the same group, and a
+# rank whose k-th call names other ranks is refused, showing both. Ranks of a subgroup are
+# numbered 0.. in ascending world rank, so its reductions add in ascending world rank order.
+# Errors name world ranks, and the group by its members.
+
+# Note [Point-to-point matching]
+# Sends and receives are matched per (group, source, destination, tag): the k-th send from s
+# to d with tag t meets the k-th receive at d from s with tag t, as gloo matches them, whatever
+# the collectives or the other pairs do in between (they are separate channels). The receiver's
+# shapes and dtypes must equal the sender's. The data moves when both sides have posted, and
+# both works complete then, so a send waits for its receive (as NCCL's does): two ranks that
+# both send before they receive deadlock, and the timeout says who waits for whom. A receive
+# from any source is refused: which send it would match depends on thread timing.
 
 # Note [Each rank runs its own backward]
 # autograd runs the backward of CUDA tensors on one engine thread per device, shared by every
@@ -41,16 +62,13 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-import torch
 from torch import Tensor
 
-from reducer import _collective_args as _args
-from reducer.process_group import ReduceOp
-
 from . import collectives as _c
+from . import rng as _rng
 from .executor import Executor, Timer, default_thread_count
 from .faults import (
     CollectiveMismatch,
@@ -60,21 +78,48 @@ from .faults import (
     format_ranks,
     interrupt_thread,
 )
+from .group import FakeProcessGroup
 from .netmodel import NetworkModel
 from .work import Collective, ErrorFactory, Work
 
-__all__ = ["FakeProcessGroup", "World", "run"]
+__all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
 
 T = TypeVar("T")
+
+_WORLD_KEY = "world"
+
+
+class Channel:
+    """One sequence space (see Note [Matching by sequence number]); fields guarded by the
+    world's lock."""
+
+    def __init__(self, key: Hashable, members: tuple[int, ...], label: str) -> None:
+        self.key = key
+        self.members = members  # world ranks, in group-rank order
+        self.label = label  # how messages name it: "" for the world, " in group [0, 2]"
+        # For the messages of one pair: (the group's key, source, destination, tag).
+        self.pair: tuple[Hashable, int, int, int] | None = None
+        self.next_seq = dict.fromkeys(members, 0)
+        self.pending: dict[int, Collective] = {}  # issued by some members, not yet by all
+        self.departed: dict[int, int] = {}  # rank -> how many it issued before it returned
+        # See Note [Subgroups]: per member, how many new_group calls it made on this group;
+        # per call number, the first caller and the ranks it named.
+        self.new_group_calls = dict.fromkeys(members, 0)
+        self.new_groups: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.pair is not None
 
 
 class World:
     """``world_size`` ranks that run collectives in memory, truly asynchronously.
 
-    ``timeout`` is the default for ``Work.wait``. ``threads`` is the number of workers that
-    move data (default: one per core, at most 8). ``network`` adds simulated network time to
-    each collective (see :mod:`fakepg.netmodel`). Use as a context manager, or call
-    :meth:`close`, so that the worker threads are joined.
+    ``timeout`` is the default for ``Work.wait`` (a finite number of seconds: every wait has a
+    deadline). ``threads`` is the number of workers that move data (default: one per core, at
+    most 8). ``network`` adds simulated network time to each collective (see
+    :mod:`fakepg.netmodel`). Use as a context manager, or call :meth:`close`, so that the
+    worker threads are joined.
     """
 
     def __init__(
@@ -87,8 +132,13 @@ class World:
     ) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size must be an int >= 1, got {world_size!r}")
-        if not timeout > 0:
-            raise ValueError(f"World: timeout must be > 0 seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"World: timeout must be a number of seconds, got {timeout!r}")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(
+                f"World: timeout must be > 0 seconds and finite, got {timeout!r}: every wait "
+                "has a deadline; pass a large number (e.g. 3600) to wait long"
+            )
         self.world_size = world_size
         self.timeout = float(timeout)
         self.network = network
@@ -97,21 +147,23 @@ class World:
         self.timer = Timer(name=name)
         # If a world is dropped without close(), still stop its daemon workers.
         weakref.finalize(self, _close_threads, self.executor, self.timer)
-        # _lock guards every field below and the membership fields of each Collective; it is
-        # never held while running a callback or waiting. Lock order: World._lock, then a
-        # Collective's own lock.
+        # _lock guards every field below, every Channel's fields and the membership fields of
+        # each Collective; it is never held while running a callback or waiting. Lock order:
+        # World._lock, then a Collective's own lock.
         self._lock = threading.Lock()
-        self._next_seq = [0] * world_size
-        self._pending: dict[int, Collective] = {}  # issued by some ranks, not yet by all
-        self._active: dict[int, Collective] = {}  # not yet finished (pending or moving data)
-        self._departed: dict[int, int] = {}  # rank -> how many collectives it issued
+        self._channels: dict[Hashable, Channel] = {}
+        self._active: set[Collective] = set()  # not yet finished (pending or moving data)
+        self._gone: set[int] = set()  # ranks that returned from the current run's function
+        self._views: dict[tuple[Hashable, int], FakeProcessGroup] = {}
         self._abort: BaseException | None = None
         self._abort_rank: int | None = None
         self._closed = False
         # See Note [One link per world]: when (perf_counter_ns) the simulated link finishes its
         # last transfer.
         self._link_free_ns = 0
-        self._groups = [FakeProcessGroup(self, r) for r in range(world_size)]
+        with self._lock:
+            self._world_channel = self._channel_locked(_WORLD_KEY, tuple(range(world_size)), "")
+        self._groups = [self._view(self._world_channel, r) for r in range(world_size)]
 
     def group(self, rank: int) -> FakeProcessGroup:
         """The process group of ``rank``, to be used from that rank's thread."""
@@ -122,49 +174,116 @@ class World:
         return self._groups[rank]
 
     # ---------------------------------------------------------------------------------------
+    # Channels: groups and point-to-point pairs.
+
+    def _channel_locked(self, key: Hashable, members: tuple[int, ...], label: str) -> Channel:
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = Channel(key, members, label)
+            # A rank that already returned from this run issues nothing on a new channel.
+            for rank in self._gone.intersection(members):
+                channel.departed[rank] = 0
+        return channel
+
+    def _view(self, channel: Channel, rank: int) -> FakeProcessGroup:
+        """The one FakeProcessGroup of ``rank`` on ``channel`` (the same object every time)."""
+        key = (channel.key, rank)
+        with self._lock:
+            view = self._views.get(key)
+            if view is None:
+                view = self._views[key] = FakeProcessGroup(self, channel, rank)
+        return view
+
+    def _new_group(
+        self, parent: Channel, rank: int, ranks: tuple[int, ...]
+    ) -> FakeProcessGroup | None:
+        """``rank``'s next new_group call on ``parent``, naming world ranks ``ranks`` (sorted).
+        See Note [Subgroups]."""
+        with self._lock:
+            k = parent.new_group_calls[rank]
+            first = parent.new_groups.setdefault(k, (rank, ranks))
+            if first[1] != ranks:
+                raise ValueError(
+                    f"new_group: rank {rank}'s call #{k}{parent.label} names ranks "
+                    f"{list(ranks)}, but rank {first[0]}'s call #{k} named {list(first[1])}; "
+                    "every rank of the group calls new_group with the same ranks, in the same "
+                    "order (members and non-members alike)"
+                )
+            parent.new_group_calls[rank] = k + 1
+            if rank not in ranks:
+                return None
+            label = f" in group {list(ranks)}"
+            channel = self._channel_locked(("new_group", parent.key, k), ranks, label)
+        return self._view(channel, rank)
+
+    def _named_group(self, name: str, ranks: tuple[int, ...], rank: int) -> FakeProcessGroup:
+        """``rank``'s view of the group torch.distributed named ``name`` over world ranks
+        ``ranks`` (torch names groups alike on every rank: see Note [Subgroups])."""
+        with self._lock:
+            label = f" in group '{name}' {list(ranks)}"
+            channel = self._channel_locked(("named", name, ranks), ranks, label)
+        return self._view(channel, rank)
+
+    def _p2p_channel(self, group: Channel, src: int, dst: int, tag: int) -> Channel:
+        """The channel of messages from world rank ``src`` to ``dst`` with ``tag`` in ``group``.
+        See Note [Point-to-point matching]."""
+        with self._lock:
+            label = f" from rank {src} to rank {dst} (tag {tag}){group.label}"
+            channel = self._channel_locked(("p2p", group.key, src, dst, tag), (src, dst), label)
+            channel.pair = (group.key, src, dst, tag)
+            return channel
+
+    # ---------------------------------------------------------------------------------------
     # Issuing and matching. See Note [Matching by sequence number].
 
     def _issue(
         self,
+        channel: Channel,
         rank: int,
         fingerprint: _c.Fingerprint,
         payload: Any,
         outputs: list[Tensor],
         plan: Callable[[list[Any]], list[_c.Task]],
         nbytes: int,
+        net_kind: str,
     ) -> Work:
+        """``rank`` (a world rank) issues its next collective on ``channel``."""
         now = time.perf_counter_ns()
         deferred: list[Callable[[], None]] = []
         with self._lock:
             if self._abort is not None or self._closed:
-                raise self._aborted_error(rank, f"{fingerprint.kind} #{self._next_seq[rank]}")
-            seq = self._next_seq[rank]
-            self._next_seq[rank] = seq + 1
-            collective = self._pending.get(seq)
+                what = _describe(fingerprint, channel.next_seq[rank], channel)
+                raise self._aborted_error(rank, what)
+            seq = channel.next_seq[rank]
+            channel.next_seq[rank] = seq + 1
+            collective = channel.pending.get(seq)
             if collective is None:
-                collective = self._create_locked(seq, fingerprint, deferred)
+                collective = self._create_locked(channel, seq, fingerprint, deferred)
             elif fingerprint != collective.fingerprint and not collective.failed:
-                collective.finish(
-                    _mismatch(collective, rank, fingerprint, self.world_size), defer=deferred
-                )
+                collective.finish(_mismatch(collective, rank, fingerprint), defer=deferred)
             collective.fingerprints[rank] = fingerprint
             collective.payloads[rank] = payload
             collective.launched_ns[rank] = now
-            full = len(collective.fingerprints) == self.world_size
+            full = len(collective.fingerprints) == len(channel.members)
             lands_at_ns = None
             if full:
-                del self._pending[seq]
+                del channel.pending[seq]
                 if not collective.failed:
                     collective.started_ns = time.perf_counter_ns()
-                    lands_at_ns = self._reserve_link(collective, nbytes)
+                    lands_at_ns = self._reserve_link(collective, nbytes, net_kind)
         for callback in deferred:
             callback()
         if full and not collective.failed:
-            payloads = [collective.payloads[r] for r in range(self.world_size)]
-            collective.start(plan(payloads), lands_at_ns)
+            payloads = [collective.payloads[r] for r in channel.members]
+            try:
+                tasks = plan(payloads)
+            except _c.Disagreement as exc:
+                collective.finish(_disagree(collective, str(exc)))
+            else:
+                collective.start(tasks, lands_at_ns)
         return Work(collective, rank, outputs)
 
-    def _reserve_link(self, collective: Collective, nbytes: int) -> int | None:
+    def _reserve_link(self, collective: Collective, nbytes: int, kind: str) -> int | None:
         """When (perf_counter_ns) the collective's data has crossed the simulated link, or
         None without a network model.
 
@@ -172,25 +291,25 @@ class World:
         """
         if self.network is None or collective.started_ns is None:
             return None
-        fingerprint = collective.fingerprint
-        kind = fingerprint.kind
-        if kind == "allreduce" and fingerprint.specs[0].layout != torch.strided:
-            kind = "sparse_allreduce"
+        size = len(collective.channel.members)
         # Whole nanoseconds, rounded up: never earlier than the model says.
-        cost_ns = math.ceil(self.network.collective_time_s(kind, nbytes, self.world_size) * 1e9)
+        cost_ns = math.ceil(self.network.collective_time_s(kind, nbytes, size) * 1e9)
         begin = max(collective.started_ns, self._link_free_ns)
         self._link_free_ns = begin + cost_ns
         return self._link_free_ns
 
     def _create_locked(
-        self, seq: int, fingerprint: _c.Fingerprint, deferred: list[Callable[[], None]]
+        self,
+        channel: Channel,
+        seq: int,
+        fingerprint: _c.Fingerprint,
+        deferred: list[Callable[[], None]],
     ) -> Collective:
-        collective = Collective(self, seq, fingerprint)
-        self._pending[seq] = collective
-        for key in [k for k, c in self._active.items() if c.done.is_set()]:
-            del self._active[key]
-        self._active[seq] = collective
-        gone = {r: n for r, n in self._departed.items() if n <= seq}
+        collective = Collective(self, channel, seq, fingerprint)
+        channel.pending[seq] = collective
+        self._active = {c for c in self._active if not c.done.is_set()}
+        self._active.add(collective)
+        gone = {r: n for r, n in channel.departed.items() if n <= seq}
         if gone:
             collective.finish(_exited(collective, gone), defer=deferred)
         return collective
@@ -200,57 +319,95 @@ class World:
         deferred: list[Callable[[], None]] = []
         with self._lock:
             joined = set(collective.fingerprints)
+            elsewhere = self._p2p_elsewhere_locked(collective) if collective.channel.is_p2p else ""
             collective.finish(
-                _timed_out(collective, rank, timeout, joined, self.world_size), defer=deferred
+                _timed_out(collective, rank, timeout, joined, elsewhere), defer=deferred
             )
         for callback in deferred:
             callback()
+
+    def _p2p_elsewhere_locked(self, collective: Collective) -> str:
+        """For a timed-out send/recv: what the same pair waits for under other tags."""
+        assert collective.channel.pair is not None
+        group_key, src, dst, tag = collective.channel.pair
+        found = []
+        for channel in self._channels.values():
+            if channel.pair is None or channel.pair[:3] != (group_key, src, dst):
+                continue
+            if channel.pair[3] == tag:
+                continue
+            for other in channel.pending.values():
+                for r, fp in other.fingerprints.items():
+                    found.append(f"rank {r} has a {fp.role} pending with tag {channel.pair[3]}")
+        if not found:
+            return ""
+        return f" Meanwhile {'; '.join(found)}: a send and its recv must use the same tag."
 
     def _depart(self, rank: int) -> None:
         """``rank`` returned from its function: collectives waiting for it can never finish."""
         deferred: list[Callable[[], None]] = []
         with self._lock:
-            issued = self._next_seq[rank]
-            self._departed[rank] = issued
-            for collective in self._pending.values():
-                if rank not in collective.fingerprints:
-                    collective.finish(_exited(collective, {rank: issued}), defer=deferred)
+            self._gone.add(rank)
+            for channel in self._channels.values():
+                if rank not in channel.next_seq:
+                    continue
+                issued = channel.next_seq[rank]
+                channel.departed[rank] = issued
+                for collective in channel.pending.values():
+                    if rank not in collective.fingerprints:
+                        collective.finish(_exited(collective, {rank: issued}), defer=deferred)
         for callback in deferred:
             callback()
 
     # ---------------------------------------------------------------------------------------
     # Running one thread per rank.
 
-    def run(self, fn: Callable[[FakeProcessGroup], T]) -> list[T]:
+    def run(self, fn: Callable[[FakeProcessGroup], T], *, per_rank_rng: bool = True) -> list[T]:
         """Call ``fn(pg)`` on one thread per rank of this world; results in rank order.
 
         The semantics of :func:`fakepg.run`, on a world that lives on between calls (models and
         reducers built on its groups keep working). A rank that returns early counts as gone
         only until every rank of this call has returned. If the ranks end the call having
         issued different numbers of collectives, they are out of step for good: the world is
-        aborted, and the next call says so.
+        aborted, and the next call says so. ``per_rank_rng``: see :mod:`fakepg.rng`.
         """
         if not callable(fn):
             raise ValueError(f"World.run: fn must be callable, got {fn!r}")
         if self._abort is not None or self._closed:
             raise self._aborted_error(0, "World.run")
         results: list[Any] = [None] * self.world_size
-        # lock guards failures: the first failure recorded is the one re-raised.
+        # lock guards failures and returned: the first failure recorded is the one re-raised.
         lock = threading.Lock()
         failures: list[tuple[int, BaseException]] = []
+        returned: set[int] = set()  # ranks whose result is in results
         changed = threading.Event()  # set whenever a rank ends or fails
+        streams = _rng.RankStreams(self.world_size) if per_rank_rng else None
+
+        def fail(rank: int, exc: BaseException) -> None:
+            with lock:
+                failures.append((rank, exc))
+            self.abort(exc, rank=rank)
 
         def rank_main(rank: int) -> None:
             try:
-                # See Note [Each rank runs its own backward].
-                with torch.autograd.set_multithreading_enabled(False):
-                    results[rank] = fn(self.group(rank))
-            except BaseException as exc:
-                with lock:
-                    failures.append((rank, exc))
-                self.abort(exc, rank=rank)
-            else:
-                self._depart(rank)
+                try:
+                    # See Note [Each rank runs its own backward].
+                    with (
+                        torch.autograd.set_multithreading_enabled(False),
+                        _rng.rank_stream(streams, rank),
+                    ):
+                        result = fn(self.group(rank))
+                except _Stop:
+                    fail(rank, self._stopped_error(rank))
+                except BaseException as exc:
+                    fail(rank, exc)
+                else:
+                    results[rank] = result
+                    with lock:
+                        returned.add(rank)
+                    self._depart(rank)
+            except _Stop:
+                pass  # delivered after fn had ended: there is nothing left to stop
             finally:
                 changed.set()
 
@@ -261,7 +418,15 @@ class World:
         for thread in threads:
             thread.start()
         stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
+        with lock:
+            if not failures and len(returned) < self.world_size:
+                # Closed while a rank had not returned (stuck in a C call, or stopped between
+                # its return and recording it): no partial results.
+                missing = min(set(range(self.world_size)) - returned)
+                failures.append((missing, self._stopped_error(missing)))
         self._end_run()
+        if streams is not None:
+            streams.check_global_untouched()
         if failures:
             rank, exc = failures[0]
             _add_note(exc, f"raised on rank {rank} of {self.world_size} in fakepg.run")
@@ -277,18 +442,29 @@ class World:
             raise exc
         return results
 
+    def _stopped_error(self, rank: int) -> WorldAborted:
+        if self._abort is None:
+            cause = "the world was closed"
+        elif self._abort_rank is not None:
+            cause = f"rank {self._abort_rank} failed ({type(self._abort).__name__}: {self._abort})"
+        else:
+            cause = f"the world was aborted ({type(self._abort).__name__}: {self._abort})"
+        return WorldAborted(
+            f"fakepg: rank {rank} was stopped while it computed outside any collective, because "
+            f"{cause}"
+        )
+
     def _end_run(self) -> None:
         with self._lock:
-            self._departed.clear()
-            counts = list(self._next_seq)
-        if len(set(counts)) > 1 and self._abort is None:
-            per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
-            self.abort(
-                RankExited(
-                    f"fakepg: the ranks ended a run having issued different numbers of "
-                    f"collectives ({per_rank}); their sequence numbers no longer match"
-                )
-            )
+            self._gone.clear()
+            uneven = []
+            for channel in self._channels.values():
+                channel.departed.clear()
+                counts = [channel.next_seq[r] for r in channel.members]
+                if len(set(counts)) > 1:
+                    uneven.append(_uneven(channel, counts))
+        if uneven and self._abort is None:
+            self.abort(RankExited(f"fakepg: {uneven[0]}; their sequence numbers no longer match"))
 
     # ---------------------------------------------------------------------------------------
     # Abort and close: every failure wakes every rank.
@@ -297,18 +473,23 @@ class World:
         """Fail every unfinished collective and refuse new ones; the first abort wins.
 
         ``rank`` names the rank whose failure caused it; the errors every other rank sees
-        name it and ``reason``.
+        name it and ``reason``. Ranks of :meth:`run` that are computing outside collectives
+        are stopped too (see ``run``).
         """
         with self._lock:
             if self._abort is not None or self._closed:
                 return
             self._abort, self._abort_rank = reason, rank
-            unfinished = list(self._active.values())
+            unfinished = list(self._active)
         self._fail_all(unfinished, lambda what: lambda r: self._aborted_error(r, what))
 
     @property
     def aborted(self) -> bool:
         return self._abort is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _aborted_error(self, rank: int, what: str) -> WorldAborted:
         if self._abort is None:
@@ -332,12 +513,16 @@ class World:
             collective.finish(factory(collective.describe()))
 
     def close(self) -> None:
-        """Fail what is unfinished, stop and join the worker threads. Idempotent."""
+        """Fail what is unfinished, stop and join the worker threads. Idempotent.
+
+        Ranks of a :meth:`run` in progress wake if they wait in a collective, and are stopped
+        within a bound if they are computing (see ``run``): ``run`` then raises WorldAborted.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            unfinished = list(self._active.values())
+            unfinished = list(self._active)
         self._fail_all(unfinished, lambda what: lambda r: self._aborted_error(r, what))
         _close_threads(self.executor, self.timer)
 
@@ -363,17 +548,40 @@ def _close_threads(executor: Executor, timer: Timer) -> None:
 # Error messages: what happened, which ranks, the likely cause, the fix.
 
 
-def _mismatch(
-    collective: Collective, rank: int, theirs: _c.Fingerprint, world_size: int
-) -> ErrorFactory:
+def _describe(fingerprint: _c.Fingerprint, seq: int, channel: Channel) -> str:
+    kind = "send/recv" if channel.is_p2p else fingerprint.kind
+    return f"{kind} #{seq}{channel.label}"
+
+
+def _mismatch(collective: Collective, rank: int, theirs: _c.Fingerprint) -> ErrorFactory:
     first_rank = min(collective.fingerprints)
     ours = collective.fingerprint
     fields = ", ".join(ours.differences(theirs))
+    channel = collective.channel
+    if channel.is_p2p:
+        src, dst = channel.members
+        sent, received = (ours, theirs) if first_rank == src else (theirs, ours)
+        text = (
+            f"fakepg: {collective.describe()}: rank {src} sends {sent} but rank {dst}'s "
+            f"matching recv is {received} (they differ in {fields}). A recv must name the "
+            "sender, tag, dtype and shape the send has; a recv or send skipped before this one "
+            "shifts the pairing."
+        )
+    else:
+        text = (
+            f"fakepg: ranks disagree on collective #{collective.seq}{channel.label}: rank "
+            f"{first_rank} issued {ours} but rank {rank} issued {theirs} (they differ in "
+            f"{fields}). Every rank must issue the same collectives, in the same order, with "
+            "matching tensors; a rank that took another branch or skipped a collective before "
+            "this one causes this."
+        )
+    return lambda _rank: CollectiveMismatch(text)
+
+
+def _disagree(collective: Collective, detail: str) -> ErrorFactory:
     text = (
-        f"fakepg: ranks disagree on collective #{collective.seq}: rank {first_rank} issued "
-        f"{ours} but rank {rank} issued {theirs} (they differ in {fields}). Every rank must "
-        "issue the same collectives, in the same order, with matching tensors; a rank that "
-        "took another branch or skipped a collective before this one causes this."
+        f"fakepg: ranks disagree on {collective.describe()}: {detail}. Every rank must pass "
+        "arguments that fit the others'."
     )
     return lambda _rank: CollectiveMismatch(text)
 
@@ -381,6 +589,14 @@ def _mismatch(
 def _exited(collective: Collective, gone: dict[int, int]) -> ErrorFactory:
     what = collective.describe()
     ranks = format_ranks(set(gone))
+    if collective.channel.is_p2p:
+        dst = collective.channel.members[1]
+        missing = "posting the matching recv" if dst in gone else "sending it"
+        text = (
+            f"fakepg: {what} can never complete: {ranks} returned from the rank function "
+            f"without {missing}. Look for a send or recv on one side only."
+        )
+        return lambda _rank: RankExited(text)
     counts = ", ".join(f"rank {r} issued {n}" for r, n in sorted(gone.items()))
     text = (
         f"fakepg: {what} can never complete: {ranks} returned from the rank function without "
@@ -391,117 +607,54 @@ def _exited(collective: Collective, gone: dict[int, int]) -> ErrorFactory:
 
 
 def _timed_out(
-    collective: Collective, waiter: int, timeout: float, joined: set[int], world_size: int
+    collective: Collective, waiter: int, timeout: float, joined: set[int], elsewhere: str
 ) -> ErrorFactory:
     what = collective.describe()
-    missing = set(range(world_size)) - joined
-    if missing:
+    channel = collective.channel
+    missing = set(channel.members) - joined
+    if missing and channel.is_p2p:
+        src, dst = channel.members
+        if dst in missing:
+            detail = f"rank {dst} never posted the matching recv (rank {src} sent it)"
+        else:
+            detail = f"rank {src} never sent it (rank {dst} posted the recv)"
+        detail += "; compare their stacks." + elsewhere
+    elif missing:
+        verb = (
+            "did not arrive"
+            if collective.fingerprint.kind == "monitored_barrier"
+            else ("never issued it")
+        )
         detail = (
-            f"{format_ranks(missing)} never issued it ({format_ranks(joined)} did). Those "
-            "ranks skipped it, issued a different number of collectives before it, or are "
-            "stuck computing; compare their stacks"
+            f"{format_ranks(missing)} {verb} ({format_ranks(joined)} did). Those ranks "
+            "skipped it, issued a different number of collectives before it, or are stuck "
+            "computing; compare their stacks."
         )
     else:
         detail = (
             "every rank issued it but its data did not finish moving in time (a slow "
-            "simulated network or a very large tensor); raise the timeout"
+            "simulated network or a very large tensor); raise the timeout."
         )
 
     def make(rank: int) -> CollectiveTimeout:
         whose = "this rank's" if rank == waiter else f"rank {waiter}'s"
         return CollectiveTimeout(
-            f"fakepg: {what} timed out after {timeout:g} s ({whose} wait): {detail}."
+            f"fakepg: {what} timed out after {timeout:g} s ({whose} wait): {detail}"
         )
 
     return make
 
 
-# -------------------------------------------------------------------------------------------
-# The process group one rank sees.
-
-
-class FakeProcessGroup:
-    """Rank ``rank``'s view of a :class:`World`; implements ``reducer.ProcessGroup``."""
-
-    def __init__(self, world: World, rank: int) -> None:
-        self._world = world
-        self._rank = rank
-
-    @property
-    def world(self) -> World:
-        return self._world
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._world.world_size
-
-    def allreduce(self, tensors: list[Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
-        """Reduce in place; see Note [Deterministic reduction order] in fakepg.collectives."""
-        tensors = _args.check_allreduce(tensors, op, _c.RULES)
-        fingerprint = _c.Fingerprint(
-            "allreduce", op, None, tuple(map(_args.TensorSpec.of, tensors))
-        )
-        sparse = tensors[0].is_sparse
-        max_parts = self._world.executor.num_threads
-
-        def plan(per_rank: list[list[Tensor]]) -> list[_c.Task]:
-            contributions = [t for ts in per_rank for t in ts]
-            if sparse:
-                return _c.sparse_allreduce_tasks(contributions, op)
-            return _c.dense_allreduce_tasks(contributions, op, max_parts)
-
-        return self._world._issue(self._rank, fingerprint, tensors, tensors, plan, _nbytes(tensors))
-
-    def allgather(self, output_lists: list[list[Tensor]], inputs: list[Tensor]) -> Work:
-        outputs, inputs = _args.check_allgather(
-            output_lists, inputs, self._world.world_size, _c.RULES
-        )
-        fingerprint = _c.Fingerprint(
-            "allgather", None, None, tuple(map(_args.TensorSpec.of, inputs))
-        )
-
-        def plan(per_rank: list[tuple[list[list[Tensor]], list[Tensor]]]) -> list[_c.Task]:
-            return _c.allgather_tasks([o for o, _ in per_rank], [i for _, i in per_rank])
-
-        flat_outputs = [t for out in outputs for t in out]
-        return self._world._issue(
-            self._rank, fingerprint, (outputs, inputs), flat_outputs, plan, _nbytes(inputs)
-        )
-
-    def broadcast(self, tensors: list[Tensor], root: int) -> Work:
-        tensors = _args.check_tensor_list(tensors, "broadcast", _c.RULES)
-        if not isinstance(root, int) or not 0 <= root < self._world.world_size:
-            raise ValueError(
-                f"broadcast: root must be a rank in [0, {self._world.world_size}), got {root!r}"
-            )
-        fingerprint = _c.Fingerprint(
-            "broadcast", None, root, tuple(map(_args.TensorSpec.of, tensors))
-        )
-
-        def plan(per_rank: list[list[Tensor]]) -> list[_c.Task]:
-            return _c.broadcast_tasks(per_rank, root)
-
-        return self._world._issue(self._rank, fingerprint, tensors, tensors, plan, _nbytes(tensors))
-
-    def barrier(self) -> Work:
-        return self._world._issue(self._rank, _c.Fingerprint("barrier"), None, [], lambda _: [], 0)
-
-    def __repr__(self) -> str:
-        return f"<fakepg.FakeProcessGroup rank={self._rank} size={self.size()}>"
-
-
-def _nbytes(tensors: Sequence[Tensor]) -> int:
-    total = 0
-    for t in tensors:
-        if t.is_sparse:
-            # int64 indices per entry, and each entry's values (a row, for a hybrid tensor
-            # such as an embedding's gradient).
-            total += t._nnz() * t.sparse_dim() * 8 + t._values().numel() * t.element_size()
-        else:
-            total += t.numel() * t.element_size()
-    return total
+def _uneven(channel: Channel, counts: list[int]) -> str:
+    if channel.is_p2p:
+        src, dst = channel.members
+        where = channel.label.replace(f" from rank {src}", "")
+        return f"rank {src} sent {counts[0]} message(s){where} but rank {dst} received {counts[1]}"
+    per_rank = ", ".join(f"rank {r}: {n}" for r, n in zip(channel.members, counts, strict=True))
+    return (
+        f"the ranks ended a run having issued different numbers of collectives{channel.label} "
+        f"({per_rank})"
+    )
 
 
 # -------------------------------------------------------------------------------------------
@@ -509,7 +662,8 @@ def _nbytes(tensors: Sequence[Tensor]) -> int:
 
 
 class _Stop(BaseException):
-    """Delivered to a rank thread that is still running after the world was aborted."""
+    """Delivered to a rank thread that is still running after the world was aborted or
+    closed."""
 
 
 def run(
@@ -518,6 +672,7 @@ def run(
     *,
     timeout: float = 60.0,
     network: NetworkModel | None = None,
+    per_rank_rng: bool = True,
 ) -> list[T]:
     """Call ``fn(pg)`` on one thread per rank of a new world; return the results in rank order.
 
@@ -526,24 +681,25 @@ def run(
     first failure with a note naming its rank. ``timeout`` is each collective's default wait;
     ``network`` simulates transfer time (see :mod:`fakepg.netmodel`). A rank that returns while
     its peers wait for it makes their collectives fail at once. Every thread started here has
-    ended when ``run`` returns or raises (see ``World.run``).
+    ended when ``run`` returns or raises (see ``World.run``). With ``per_rank_rng`` (the
+    default) each rank draws from a generator of its own (see :mod:`fakepg.rng`).
     """
     with World(world_size, timeout=timeout, network=network) as world:
-        return world.run(fn)
+        return world.run(fn, per_rank_rng=per_rank_rng)
 
 
 def _join_ranks(
     world: World, threads: list[threading.Thread], changed: threading.Event, grace_s: float
 ) -> list[int]:
-    """Wait for every rank thread; once the world is aborted, stop the stragglers.
+    """Wait for every rank thread; once the world is aborted or closed, stop the stragglers.
 
     A rank blocked in a collective wakes with the abort. A rank busy elsewhere gets ``grace_s``
     to reach a collective, then an asynchronous ``_Stop``, then ``grace_s`` more; a thread
     still alive after that (stuck in a C call) is returned instead of waited for forever.
     """
     try:
-        while any(t.is_alive() for t in threads) and not world.aborted:
-            changed.wait(0.1)  # a timeout too, so that Ctrl-C in the caller is seen
+        while any(t.is_alive() for t in threads) and not (world.aborted or world.closed):
+            changed.wait(0.1)  # a timeout too, so that Ctrl-C and close() are seen
             changed.clear()
         for attempt in range(2):
             deadline = time.monotonic() + grace_s

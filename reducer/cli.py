@@ -2,6 +2,7 @@
 
 python -m reducer simulate    simulate N ranks on threads, verify every step, show timings
 python -m reducer validate    run the validation suite on fakepg, gloo or NCCL
+python -m reducer launch      run a torchrun-style training script on N rank threads
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = ["build_parser", "main"]
 _SUBCOMMANDS = {
     "simulate": ("reducer.simulate", "simulate data-parallel training of N ranks on threads"),
     "validate": ("reducer.validate", "run the validation suite on a real or fake backend"),
+    "launch": ("reducer.launch", "run a torchrun-style training script on N rank threads"),
 }
 
 

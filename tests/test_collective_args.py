@@ -101,6 +101,64 @@ REJECTED_BY_BOTH: dict[str, tuple[Check, str]] = {
         r"output 0\[1\] is float32\[2\] on meta but input 0 is float32\[2\] \(they differ in "
         r"device\)",
     ),
+    "a reduce root outside the group": (
+        lambda r: args.check_reduce([torch.zeros(2)], 3, ReduceOp.SUM, 2, r),
+        r"reduce: root must be a rank in \[0, 2\), got 3",
+    ),
+    "a sparse reduce": (
+        lambda r: args.check_reduce([torch.eye(2).to_sparse()], 0, ReduceOp.SUM, 2, r),
+        r"reduce: layout torch.sparse_coo is not supported \(dense tensors only\)",
+    ),
+    "too few reduce_scatter inputs": (
+        lambda r: args.check_reduce_scatter(torch.zeros(2), [torch.zeros(2)], ReduceOp.SUM, 2, r),
+        r"reduce_scatter: got 1 input tensor\(s\); pass one per rank \(2\)",
+    ),
+    "a reduce_scatter_tensor input of the wrong size": (
+        lambda r: args.check_reduce_scatter_tensor(
+            torch.zeros(2), torch.zeros(3), ReduceOp.SUM, 2, r
+        ),
+        r"reduce_scatter_tensor: the input has 3 elements but needs size\(\) x the output's = "
+        r"2 x 2 = 4",
+    ),
+    "an allgather_into_tensor output of another dtype": (
+        lambda r: args.check_allgather_into_tensor(
+            torch.zeros(4, dtype=torch.float64), torch.zeros(2), 2, r
+        ),
+        r"allgather_into_tensor: the output is float64\[4\] but the input is float32\[2\] "
+        r"\(they differ in dtype\)",
+    ),
+    "one all_to_all output for two ranks": (
+        lambda r: args.check_all_to_all([torch.zeros(1)], [torch.zeros(1)] * 2, 2, r),
+        r"all_to_all: got 1 outputs; pass one per rank \(2\)",
+    ),
+    "split sizes that do not add up": (
+        lambda r: args.check_all_to_all_single(torch.zeros(4), torch.zeros(4), [1, 1], None, 2, r),
+        r"all_to_all_single: output_split_sizes \[1, 1\] add up to 2, but dim 0 has 4 rows",
+    ),
+    "split sizes of the wrong length": (
+        lambda r: args.check_all_to_all_single(torch.zeros(4), torch.zeros(4), None, [4], 2, r),
+        r"input_split_sizes must be a list of size\(\) = 2 ints >= 0, got \[4\]",
+    ),
+    "a gather list on a rank that is not the root": (
+        lambda r: args.check_gather(torch.zeros(1), [torch.zeros(1)] * 2, 0, 1, 2, r),
+        r"gather: gather_list is given on rank 1, but only the root \(rank 0\) passes one",
+    ),
+    "a scatter root without its list": (
+        lambda r: args.check_scatter(torch.zeros(1), None, 1, 1, 2, r),
+        r"scatter: the root \(rank 1\) must pass scatter_list, one tensor per rank \(2\)",
+    ),
+    "a send to this rank itself": (
+        lambda r: args.check_peer(0, 0, 2, "send", "dst", r),
+        "send: dst=0 is this rank itself",
+    ),
+    "a negative timeout": (
+        lambda r: args.check_timeout(-1.0, "Work.wait", r),
+        r"Work.wait: timeout must be a finite number of seconds > 0, got -1.0; pass None",
+    ),
+    "an infinite timeout": (
+        lambda r: args.check_timeout(float("inf"), "monitored_barrier", r),
+        "monitored_barrier: timeout must be a finite number of seconds > 0, got inf",
+    ),
 }
 
 
@@ -167,3 +225,48 @@ def test_tensor_spec_prints_and_compares_what_must_agree() -> None:
     assert dense.differences(sparse) == ["dtype", "shape", "layout"]
     assert dense.differences(sparse, ("layout", "device")) == ["layout"]
     assert dense.differences(dense) == []
+
+
+def test_a_timeout_that_is_not_a_number_is_a_type_error_under_both_rules() -> None:
+    for rules in (FAKE, TORCH):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds or None, got"):
+            args.check_timeout("5", "Work.wait", rules)
+        with pytest.raises(TypeError, match="got bool"):
+            args.check_timeout(True, "Work.wait", rules)
+        assert args.check_timeout(None, "Work.wait", rules) is None
+        assert args.check_timeout(2, "Work.wait", rules) == 2.0
+
+
+def test_reductions_need_contiguous_tensors_under_both_rules_data_movement_only_under_torchs() -> (
+    None
+):
+    t = torch.zeros(4, 4).t()
+    for rules in (FAKE, TORCH):
+        with pytest.raises(ValueError, match="is not contiguous"):
+            args.check_reduce_scatter(torch.zeros(4, 4), [t, t], ReduceOp.SUM, 2, rules)
+        with pytest.raises(ValueError, match="is not contiguous"):
+            args.check_reduce_scatter_tensor(torch.zeros(8), t, ReduceOp.SUM, 2, rules)
+    # fakepg copies into and out of strided tensors where nothing is reduced.
+    _out, inp = args.check_allgather_into_tensor(torch.zeros(32), t, 2, FAKE)
+    assert inp is t
+    with pytest.raises(InvalidArgument, match="is not contiguous"):
+        args.check_allgather_into_tensor(torch.zeros(32), t, 2, TORCH)
+    assert args.check_gather(t, [t, t], 0, 0, 2, FAKE)[1] == [t, t]
+    with pytest.raises(InvalidArgument, match="is not contiguous"):
+        args.check_gather(t, [t, t], 0, 0, 2, TORCH)
+
+
+def test_split_sizes_default_to_equal_parts_and_accept_tensors() -> None:
+    _out, _inp, out_splits, in_splits = args.check_all_to_all_single(
+        torch.zeros(6, 2), torch.zeros(4, 2), [1, 2, 3], torch.tensor([0, 4, 0]), 3, FAKE
+    )
+    assert (out_splits, in_splits) == ([1, 2, 3], [0, 4, 0])
+    assert args.check_all_to_all_single(torch.zeros(6), torch.zeros(6), None, [], 3, FAKE)[2:] == (
+        [2, 2, 2],
+        [2, 2, 2],
+    )
+
+
+def test_tensor_spec_prints_sizes_that_may_differ_between_ranks_as_a_star() -> None:
+    spec = args.TensorSpec(torch.float32, (-1, 4), torch.strided, torch.device("cpu"))
+    assert str(spec) == "float32[*, 4]"

@@ -241,3 +241,107 @@ def test_an_internal_kernel_error_fails_the_collective_instead_of_hanging(
     monkeypatch.setattr(collectives, "dense_allreduce_tasks", broken)
     with pytest.raises(fakepg.FakePGError, match="MemoryError: simulated"):
         fakepg.run(lambda pg: pg.allreduce([torch.ones(2)]).wait(), 2)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), -1.0, 0.0])
+def test_a_world_timeout_must_be_finite_and_positive(timeout: float) -> None:
+    """Every wait has a deadline: an infinite default would make every wait raise
+    OverflowError later, so it is refused here, naming the argument."""
+    with pytest.raises(ValueError, match="World: timeout must be > 0 seconds and finite"):
+        fakepg.World(2, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "match"),
+    [
+        (-1.0, ValueError, "Work.wait: timeout must be a finite number of seconds > 0, got -1.0"),
+        (float("inf"), ValueError, "timeout must be a finite number of seconds > 0, got inf"),
+        (0, ValueError, "timeout must be a finite number of seconds > 0, got 0"),
+        ("5", TypeError, "Work.wait: timeout must be a number of seconds or None, got str"),
+    ],
+)
+def test_a_bad_wait_timeout_is_refused_on_the_calling_rank_only(
+    timeout: object, error: type[Exception], match: str
+) -> None:
+    with fakepg.World(2) as world:
+        work0 = world.group(0).allreduce([torch.ones(2)])
+        with pytest.raises(error, match=match):
+            work0.wait(timeout)  # type: ignore[arg-type]
+        # The collective goes on: rank 1 joins and both complete.
+        t1 = torch.ones(2)
+        world.group(1).allreduce([t1]).wait(timeout=10)
+        work0.wait(timeout=10)
+        assert work0.is_success() and torch.equal(t1, torch.full((2,), 2.0))
+
+
+def test_close_during_run_stops_ranks_that_compute_outside_collectives(
+    no_leaked_threads: None,
+) -> None:
+    """A rank looping in Python never reaches a collective; close() from another thread still
+    ends the run within the bound (two grace periods of min(timeout, 5) s)."""
+    world = fakepg.World(3, timeout=0.5)
+    looping = threading.Barrier(3)
+
+    def fn(pg: FakeProcessGroup) -> None:
+        if pg.rank() == 0:
+            pg.barrier().wait(timeout=60)  # blocked in a collective: woken by close
+            return
+        looping.wait(10)
+        spins = 0
+        while True:  # computing forever, outside any collective
+            spins += 1
+
+    def close_soon() -> None:
+        looping.wait(10)
+        world.close()
+
+    closer = threading.Thread(target=close_soon)
+    closer.start()
+    start = time.monotonic()
+    with pytest.raises(fakepg.WorldAborted) as info:
+        world.run(fn)
+    closer.join(10)
+    assert time.monotonic() - start < 2 * 0.5 + 5
+    assert "world was closed" in str(info.value)
+    stopped = [t for t in threading.enumerate() if t.name.startswith("fakepg-rank")]
+    assert not stopped
+
+
+def test_a_rank_stopped_while_computing_says_why() -> None:
+    world = fakepg.World(2, timeout=0.2)
+    started = threading.Event()
+
+    def fn(pg: FakeProcessGroup) -> None:
+        started.set()
+        while True:
+            pass
+
+    threading.Thread(target=lambda: (started.wait(10), world.close())).start()
+    with pytest.raises(fakepg.WorldAborted) as info:
+        world.run(fn)
+    assert "was stopped while it computed outside any collective, because the world was closed" in (
+        str(info.value)
+    )
+
+
+def test_closing_while_a_rank_is_stuck_in_a_c_call_raises_instead_of_partial_results() -> None:
+    """time.sleep cannot be interrupted from Python: the rank is left behind, and run says so
+    rather than returning a result list with a hole in it."""
+    world = fakepg.World(2, timeout=0.1)
+    sleeping = threading.Event()
+
+    def fn(pg: FakeProcessGroup) -> int:
+        if pg.rank() == 1:
+            sleeping.set()
+            time.sleep(1.0)  # one C call, longer than both grace periods (2 x 0.1 s)
+        return pg.rank()
+
+    closer = threading.Thread(target=lambda: (sleeping.wait(10), world.close()))
+    closer.start()
+    with pytest.raises(fakepg.WorldAborted, match="rank 1 was stopped") as info:
+        world.run(fn)
+    closer.join(10)
+    assert any("rank 1 did not stop after the abort" in note for note in info.value.__notes__)
+    for thread in threading.enumerate():  # let the sleeper end, so no other test sees it
+        if thread.name == "fakepg-rank-1":
+            thread.join(5)

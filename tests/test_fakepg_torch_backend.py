@@ -268,13 +268,25 @@ def test_a_failing_rank_wakes_the_others(where: str) -> None:
     assert len(woke) == 2 and all("rank 1 failed" in m for m in woke)
 
 
-def test_unsupported_collectives_say_what_is_supported() -> None:
-    def fn(pg: fakepg.FakeProcessGroup) -> str:
-        with pytest.raises(RuntimeError, match="does not implement reduce_scatter") as info:
-            dist.reduce_scatter(torch.empty(2), [torch.ones(2), torch.ones(2)])
-        return str(info.value)
+@pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor.* is deprecated:FutureWarning")
+def test_what_the_fake_world_refuses_says_what_to_do() -> None:
+    """A receive from any source (its match would depend on thread timing) and reduce ops the
+    fake world lacks are refused on the calling rank, saying what to pass instead."""
 
-    assert all("all_reduce" in m for m in fakepg.run_torch(fn, 2, timeout=20.0))
+    def fn(pg: fakepg.FakeProcessGroup) -> list[str]:
+        messages = []
+        with pytest.raises(RuntimeError, match="recv from any source") as info:
+            dist.irecv(torch.empty(2))
+        messages.append(str(info.value))
+        with pytest.raises(ValueError, match=r"reduce op .* is not supported") as err:
+            dist.reduce_scatter_tensor(torch.empty(1), torch.ones(2), op=dist.ReduceOp.BAND)
+        messages.append(str(err.value))
+        dist.barrier()  # nothing above consumed a sequence number
+        return messages
+
+    for messages in fakepg.run_torch(fn, 2, timeout=20.0):
+        assert "pass src" in messages[0]
+        assert "use SUM, AVG, PRODUCT, MIN or MAX" in messages[1]
 
 
 def test_torch_collectives_and_objects_on_fakepg() -> None:
@@ -351,3 +363,184 @@ def test_run_torch_leaves_excepthook_and_survives_the_init_barrier(
     assert results == [0, 1, 2]
     assert time.monotonic() - start < 8.0  # not released by a timeout
     assert sys.excepthook is hook
+
+
+# -------------------------------------------------------------------------------------------
+# Every torch.distributed collective, subgroups and DeviceMesh.
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_every_torch_collective_on_fakepg() -> None:
+    world_size = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, object]:
+        r = pg.rank()
+        out: dict[str, object] = {}
+        t = torch.full((2,), float(r + 1))
+        dist.reduce(t, dst=2)
+        out["reduce"] = t.tolist()
+        rs = torch.empty(2)
+        dist.reduce_scatter(rs, [torch.full((2,), 10.0 * d + r) for d in range(world_size)])
+        out["reduce_scatter"] = rs.tolist()
+        rst = torch.empty(2)
+        dist.reduce_scatter_tensor(rst, torch.arange(6.0) * (r + 1), op=dist.ReduceOp.AVG)
+        out["reduce_scatter_tensor"] = rst.tolist()
+        a2a = [torch.empty(s + 1) for s in range(world_size)]
+        dist.all_to_all(a2a, [torch.full((r + 1,), float(10 * r + d)) for d in range(world_size)])
+        out["all_to_all"] = [x.tolist() for x in a2a]
+        in_splits = [d + 1 for d in range(world_size)]  # rank r sends d + 1 rows to rank d
+        single = torch.empty((r + 1) * world_size)
+        dist.all_to_all_single(
+            single,
+            torch.cat([torch.full((n,), float(10 * r + d)) for d, n in enumerate(in_splits)]),
+            output_split_sizes=[r + 1] * world_size,
+            input_split_sizes=in_splits,
+        )
+        out["all_to_all_single"] = single.tolist()
+        gathered = [torch.empty(1) for _ in range(world_size)] if r == 1 else None
+        dist.gather(torch.tensor([float(r)]), gathered, dst=1)
+        out["gather"] = None if gathered is None else [g.item() for g in gathered]
+        mine = torch.empty(1)
+        dist.scatter(mine, [torch.tensor([7.0 * d]) for d in range(world_size)] if r == 0 else None)
+        out["scatter"] = mine.item()
+        got = torch.empty(1)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.tensor([float(r)]), (r + 1) % world_size),
+                dist.P2POp(dist.irecv, got, (r - 1) % world_size),
+            ]
+        )
+        for work in works:
+            work.wait()
+        out["ring"] = got.item()
+        if r == 0:
+            dist.send(torch.tensor([5.0, 6.0]), dst=2, tag=3)
+        elif r == 2:
+            x = torch.empty(2)
+            out["recv_from"] = dist.recv(x, src=0, tag=3)
+            out["recv"] = x.tolist()
+        coalesced = [torch.empty(world_size), torch.empty(2 * world_size)]
+        with dist._coalescing_manager(async_ops=True) as manager:
+            dist.all_gather_into_tensor(coalesced[0], torch.tensor([float(r)]))
+            dist.all_gather_into_tensor(coalesced[1], torch.tensor([1.0, 2.0]) * r)
+        manager.wait()
+        out["all_gather_coalesced"] = [c.tolist() for c in coalesced]
+        dist.monitored_barrier(timeout=timedelta(seconds=10))
+        return out
+
+    results = fakepg.run_torch(fn, world_size, timeout=20.0)
+    for r, out in enumerate(results):
+        assert out["reduce"] == ([6.0, 6.0] if r == 2 else [float(r + 1)] * 2)
+        assert out["reduce_scatter"] == [30.0 * r + 3] * 2
+        assert out["reduce_scatter_tensor"] == [2.0 * (2 * r), 2.0 * (2 * r + 1)]
+        assert out["all_to_all"] == [[float(10 * s + r)] * (s + 1) for s in range(world_size)]
+        assert out["all_to_all_single"] == [
+            float(10 * s + r) for s in range(world_size) for _ in range(r + 1)
+        ]
+        assert out["gather"] == ([0.0, 1.0, 2.0] if r == 1 else None)
+        assert out["scatter"] == 7.0 * r
+        assert out["ring"] == float((r - 1) % world_size)
+        assert out["all_gather_coalesced"] == [[0.0, 1.0, 2.0], [0.0, 0.0, 1.0, 2.0, 2.0, 4.0]]
+    assert results[2]["recv_from"] == 0 and results[2]["recv"] == [5.0, 6.0]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_torch_ranks_that_call_different_collectives_see_both_sides() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        def issue() -> None:
+            if pg.rank() == 0:
+                dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4))
+            else:
+                dist.all_gather_into_tensor(torch.empty(4), torch.ones(2))
+
+        with pytest.raises(fakepg.CollectiveMismatch) as info:
+            issue()
+        return str(info.value)
+
+    for text in fakepg.run_torch(fn, 2, timeout=20.0):
+        assert "collective #0" in text
+        assert "rank 0 issued reduce_scatter_tensor(op=SUM" in text
+        assert "rank 1 issued allgather_into_tensor([float32[2]])" in text
+
+
+def test_monitored_barrier_through_torch_names_the_ranks_that_did_not_arrive() -> None:
+    release = threading.Event()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        if pg.rank() == 2:
+            assert release.wait(10)
+            return ""
+        try:
+            with pytest.raises(fakepg.CollectiveTimeout) as info:
+                dist.monitored_barrier(timeout=timedelta(seconds=0.2), wait_all_ranks=True)
+        finally:
+            release.set()
+        return str(info.value)
+
+    with fakepg.World(3, timeout=20.0) as world:
+        store = dist.HashStore()
+
+        def rank_main(pg: fakepg.FakeProcessGroup) -> str:
+            dist.init_process_group(
+                "fakepg", rank=pg.rank(), world_size=3, store=store, pg_options=world
+            )
+            try:
+                return fn(pg)
+            finally:
+                dist.destroy_process_group()
+
+        texts = world.run(rank_main)
+    for text in texts[:2]:
+        assert "monitored_barrier #0 timed out after 0.2 s" in text
+        assert "rank 2 did not arrive (ranks 0, 1 did)" in text
+
+
+def test_a_recv_whose_sender_never_sends_names_it() -> None:
+    sent_elsewhere = threading.Event()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        if pg.rank() == 0:
+            assert sent_elsewhere.wait(10)  # busy elsewhere; never sends
+            return ""
+        work = dist.irecv(torch.empty(1), src=0)
+        assert work is not None
+        try:
+            with pytest.raises(fakepg.CollectiveTimeout) as info:
+                work.wait(timedelta(seconds=0.2))
+        finally:
+            sent_elsewhere.set()
+        return str(info.value)
+
+    text = fakepg.run_torch(fn, 2, timeout=20.0)[1]
+    assert "send/recv #0 from rank 0 to rank 1 (tag 0) timed out after 0.2 s" in text
+    assert "rank 0 never sent it (rank 1 posted the recv)" in text
+
+
+def test_new_group_and_device_meshes_on_fakepg() -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, object]:
+        r = pg.rank()
+        out: dict[str, object] = {"world_name": dist.group.WORLD.group_name}  # type: ignore[union-attr]
+        flat = init_device_mesh("cpu", (4,))
+        out["flat"] = flat.get_group().group_name
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for dim in ("replicate", "shard"):
+            t = torch.tensor([float(r)])
+            dist.all_reduce(t, group=mesh.get_group(dim))
+            out[dim] = t.item()
+        sub = dist.new_group([1, 3])
+        if r in (1, 3):
+            from_group = DeviceMesh.from_group(sub, "cpu")
+            t = torch.tensor([float(r)])
+            dist.all_reduce(t, group=from_group.get_group())
+            out["sub"] = (t.item(), dist.get_rank(sub), dist.get_world_size(sub))
+        return out
+
+    results = fakepg.run_torch(fn, 4, timeout=20.0)
+    for r, out in enumerate(results):
+        assert out["world_name"] == out["flat"]  # a 1-D mesh over the world is the default group
+        assert out["replicate"] == float(r % 2 + r % 2 + 2)  # ranks r % 2 and r % 2 + 2
+        assert out["shard"] == float(2 * (r // 2) * 2 + 1)  # ranks 2 (r // 2) and + 1
+        if r in (1, 3):
+            assert out["sub"] == (4.0, [1, 3].index(r), 2)

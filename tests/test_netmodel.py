@@ -208,3 +208,37 @@ def test_the_world_names_the_collective_kind_and_size() -> None:
 def test_fixed_latency_has_a_name() -> None:
     assert str(FixedLatency(0.005)) == "fixed 5 ms per collective"
     assert math.isclose(FixedLatency(0.5).collective_time_s("barrier", 0, 8), 0.5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "algorithm", "world_size", "expected"),
+    [
+        ("reduce", "ring", 4, 3 * ALPHA + 2.0),  # as broadcast
+        ("reduce", "tree", 8, 3 * (ALPHA + 2.0)),
+        ("reduce_scatter", "ring", 4, 3 * ALPHA + 3 / 4 * 2.0),
+        ("reduce_scatter", "tree", 8, 3 * ALPHA + 7 / 8 * 2.0),
+        ("all_to_all", "ring", 4, 3 * (ALPHA + 2.0 / 4)),
+        ("all_to_all", "tree", 4, 3 * (ALPHA + 2.0 / 4)),
+        ("gather", "ring", 4, 3 * (ALPHA + 2.0)),  # as allgather
+        ("scatter", "tree", 8, 3 * ALPHA + 7 * 2.0),
+        ("send", "ring", 2, ALPHA + 2.0),
+        ("send", "tree", 2, ALPHA + 2.0),
+    ],
+)
+def test_formulas_of_the_other_collectives(
+    kind: str, algorithm: str, world_size: int, expected: float
+) -> None:
+    model = AlphaBeta(ALPHA, BANDWIDTH, algorithm)  # type: ignore[arg-type]
+    assert model.collective_time_s(kind, S, world_size) == expected
+
+
+def test_a_send_waits_for_the_simulated_link() -> None:
+    with fakepg.World(2, network=fakepg.FixedLatency(0.2)) as world:
+        got = torch.zeros(3)
+        sent = world.group(0).send([torch.ones(3)], 1)
+        received = world.group(1).recv([got], 0)
+        received.wait(timeout=10)
+        sent.wait(timeout=10)
+        assert received.completed_ns is not None and received.started_ns is not None
+        assert received.completed_ns - received.started_ns >= 0.2e9
+        assert torch.equal(got, torch.ones(3))

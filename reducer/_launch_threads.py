@@ -1,0 +1,162 @@
+"""Process-wide state made per rank thread, for ``python -m reducer launch``.
+
+A training script written for torchrun expects a process of its own: its own environment
+variables (RANK, WORLD_SIZE, ...) and its own standard output. Ranks of a launch are threads of
+one process, so :class:`ThreadEnviron` stands in for ``os.environ`` and :class:`RankOutput`
+for ``sys.stdout`` / ``sys.stderr`` while a launch runs: each rank thread sees and changes its
+own copy of the environment, and each line a rank writes is prefixed ``[rank0]: ``. Threads
+that are not ranks (the launcher, the fake world's workers) see the real ones.
+
+# Guarantees: every method is safe from any thread. A rank thread's environment and pending
+# output belong to that thread (thread-local); the real stream is written under one lock, a
+# whole line at a time, so lines of different ranks never mix.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator, MutableMapping
+from typing import Any, TextIO
+
+__all__: list[str] = []
+
+
+class ThreadEnviron(MutableMapping[str, str]):
+    """``os.environ`` with a copy of its own for each bound (rank) thread.
+
+    ``os.getenv``, ``os.environ[...]`` and torch's env:// reads see the thread's copy. Child
+    processes and C code (``getenv`` in C) still see the process's real environment.
+    """
+
+    def __init__(self, real: MutableMapping[str, str]) -> None:
+        self.real = real
+        self._local = threading.local()
+
+    def bind(self, overrides: dict[str, str]) -> None:
+        """From now on, this thread sees the real environment as it is now plus ``overrides``."""
+        self._local.env = {**dict(self.real), **overrides}
+
+    def unbind(self) -> None:
+        self._local.env = None
+
+    def _env(self) -> MutableMapping[str, str]:
+        env: dict[str, str] | None = getattr(self._local, "env", None)
+        return self.real if env is None else env
+
+    def __getitem__(self, key: str) -> str:
+        return self._env()[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"str expected, not {type(key).__name__} / {type(value).__name__}")
+        self._env()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._env()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._env()))
+
+    def __len__(self) -> int:
+        return len(self._env())
+
+    def copy(self) -> dict[str, str]:
+        return dict(self._env())
+
+    def __repr__(self) -> str:
+        return f"environ({dict(self._env())!r})"
+
+
+class RankOutput(io.TextIOBase):
+    """A text stream that prefixes each line a rank thread writes with ``[rank<r>]: ``.
+
+    Lines are written to ``target`` whole (a partial line waits for its newline, or for the
+    rank's end: :meth:`finish`); ranks outside ``ranks`` (None: all) are not shown, as with
+    torchrun's ``--local-ranks-filter``. Other threads write through unchanged.
+    """
+
+    def __init__(self, target: TextIO, lock: threading.Lock, ranks: set[int] | None) -> None:
+        super().__init__()
+        self.target = target
+        self._lock = lock  # shared by stdout and stderr: one line at a time on the terminal
+        self._ranks = ranks
+        self._local = threading.local()
+
+    def bind(self, rank: int) -> None:
+        self._local.rank = rank
+        self._local.pending = ""
+
+    def finish(self) -> None:
+        """Write this rank's partial last line, if any, and stop prefixing on this thread."""
+        pending = getattr(self._local, "pending", "")
+        if pending:
+            self._emit([pending])
+        self._local.rank = None
+        self._local.pending = ""
+
+    def write(self, text: str) -> int:
+        rank = getattr(self._local, "rank", None)
+        if rank is None:
+            with self._lock:
+                return self.target.write(text)
+        lines = (self._local.pending + text).split("\n")
+        self._local.pending = lines.pop()
+        if lines:
+            self._emit(lines)
+        return len(text)
+
+    def _emit(self, lines: list[str]) -> None:
+        rank = self._local.rank
+        if self._ranks is not None and rank not in self._ranks:
+            return
+        text = "".join(f"[rank{rank}]: {line}\n" for line in lines)
+        with self._lock:
+            self.target.write(text)
+            self.target.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self.target.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.target, "encoding", "utf-8")
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return getattr(self.target, "errors", None)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else a library asks of a real stream (buffer, mode, ...): the target's.
+        return getattr(self.target, name)
+
+
+def rank_environment(rank: int, world_size: int) -> dict[str, str]:
+    """The variables torchrun sets for each worker of one node."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "fakepg",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }

@@ -1,0 +1,480 @@
+"""Run a torchrun-style training script on N rank threads of one fake world: debug it on a
+laptop, with every rank's stack when it hangs.
+
+    python -m reducer launch --nproc 4 train.py --batch-size 8
+    python -m reducer launch --nproc 2 --timeout 20 --network 10gbe train.py
+    python -m reducer launch --nproc 2 -m mypackage.train
+
+The script runs unmodified as ``__main__`` on each of N threads, with sys.argv as given. Each
+thread sees its own RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+(as torchrun sets them), and ``torch.distributed.init_process_group`` with any backend
+("nccl", "gloo", "cpu:gloo,cuda:nccl") and any init method joins the fake world: collectives
+run in memory, deterministically (every reduction adds in rank order). Each output line is
+prefixed with its rank (``[rank0]: ...``); the exit code is torchrun's (1 if any rank failed).
+
+When a collective times out, ranks disagree on one (a desync), or a rank fails or returns while
+others wait, the launch says which ranks are missing from which collective and prints every
+rank's Python stack as it was at that moment. So does Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import inspect
+import os
+import runpy
+import signal
+import sys
+import sysconfig
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import CodeType, FrameType
+from typing import Any
+
+from ._launch_threads import RankOutput, ThreadEnviron, rank_environment
+
+__all__ = ["add_arguments", "run"]
+
+# Note [What a launch changes in the process]
+# Ranks are threads, so what a script takes to be its process's own is made per thread, for
+# the duration of the launch, and put back afterwards: os.environ (ThreadEnviron: each rank a
+# copy with its torchrun variables; child processes and C getenv see the real one),
+# sys.stdout and sys.stderr (RankOutput: lines prefixed by rank), and
+# torch.distributed.init_process_group (joins the fake world on the calling rank's thread).
+# sys.argv and sys.path[0] are the script's, as for `python script.py`, and the same on every
+# rank. What stays shared: torch's intra-op threads (set to one per rank unless
+# OMP_NUM_THREADS is set, as torchrun does), the working directory, sys.modules (a module the
+# script imports is imported once, and its globals are shared), and Python's and NumPy's
+# global random generators (torch's generator is per rank: see fakepg.rng).
+
+# Frames above the script (left out of stacks), and frames of the plumbing every torch call
+# of a rank passes through (left out too).
+_LAUNCHER_FILES = (
+    os.path.join("", "threading.py"),
+    os.path.join("", "runpy.py"),
+    os.path.join("fakepg", "world.py"),
+    os.path.join("reducer", "launch.py"),
+)
+_PLUMBING_FILES = (os.path.join("fakepg", "rng.py"), os.path.join("torch", "overrides.py"))
+_RULE = "=" * 60
+_THIN = "-" * 60
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc",
+        type=int,
+        required=True,
+        help="number of ranks (threads)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds a rank waits in a collective before the launch reports a hang (default 60)",
+    )
+    parser.add_argument(
+        "--network",
+        default=None,
+        help="simulated network for collectives: a preset (10gbe, 100gbe-tree, ...) or "
+        "latency=25us,bandwidth=10gbit (default: memory speed)",
+    )
+    parser.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        dest="ranks_filter",
+        default=None,
+        help="show the output of these ranks only (comma-separated), as torchrun's",
+    )
+    parser.add_argument(
+        "--full-stacks",
+        action="store_true",
+        help="show every frame of stacks and tracebacks (by default frames in torch, fakepg and "
+        "the standard library are folded into one line per run)",
+    )
+    parser.add_argument(
+        "--shared-rng",
+        action="store_true",
+        help="let ranks share torch's default generator (by default each rank has its own)",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="run the target as a module (python -m), as torchrun's -m",
+    )
+    parser.add_argument("script", help="the training script (or module, with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch ``args.script`` on ``args.nproc`` rank threads; torchrun's exit code."""
+    import fakepg  # the CLI tools may; the reducer itself never imports the fake world
+
+    prog = "python -m reducer launch"
+    if isinstance(args.nproc, bool) or args.nproc < 1:
+        print(f"{prog}: error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    try:
+        network = None if args.network is None else fakepg.parse_network(args.network)
+        ranks = _parse_filter(args.ranks_filter, args.nproc)
+        target = _Target.load(args.script, module=args.module)
+        world = fakepg.World(args.nproc, timeout=args.timeout, network=network)
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
+    with world, launch.installed():
+        try:
+            world.run(launch.rank_main, per_rank_rng=not args.shared_rng)
+        except KeyboardInterrupt:
+            return 130
+        except BaseException:  # recorded per rank by rank_main; reported below
+            pass
+    return launch.report(sys.stderr)
+
+
+def _parse_filter(text: str | None, nproc: int) -> set[int] | None:
+    if text is None:
+        return None
+    try:
+        ranks = {int(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise ValueError(f"--local-ranks-filter takes ranks such as 0,2; got {text!r}") from None
+    outside = sorted(r for r in ranks if not 0 <= r < nproc)
+    if outside:
+        raise ValueError(f"--local-ranks-filter: ranks {outside} are not in [0, {nproc})")
+    return ranks
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """The script (compiled once, run as ``__main__`` on every rank) or module."""
+
+    name: str
+    path: Path | None
+    code: CodeType | None
+
+    @classmethod
+    def load(cls, name: str, *, module: bool) -> _Target:
+        if module:
+            return cls(name, None, None)
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"no such script: {name}")
+        # Named as given, as `python path` names it in tracebacks.
+        return cls(name, path, compile(path.read_bytes(), str(path), "exec"))
+
+    def execute(self) -> None:
+        if self.code is None:
+            # alter_sys=False: runpy must not swap sys.modules["__main__"] or sys.argv[0]
+            # under the other ranks' feet.
+            runpy.run_module(self.name, run_name="__main__", alter_sys=False)
+            return
+        namespace = {
+            "__name__": "__main__",
+            "__file__": str(self.path),
+            "__builtins__": builtins,
+            "__package__": None,
+            "__spec__": None,
+            "__loader__": None,
+            "__cached__": None,
+            "__doc__": None,
+        }
+        exec(self.code, namespace)  # what runpy.run_path does, without touching sys.modules
+
+    @property
+    def argv0(self) -> str:
+        return self.name if self.path is None else str(self.path)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    code: int | None = None  # None: still running or never started; 0: success
+    error: BaseException | None = None
+
+
+class _Launch:
+    """One launch: the rank threads' function, the process-wide state it swaps, the report.
+
+    # Guarantees: rank_main runs on the world's rank threads; _lock guards the outcomes, the
+    # first failure and the stacks taken then. report() runs after every rank has ended.
+    """
+
+    def __init__(
+        self,
+        target: _Target,
+        argv: list[str],
+        world: Any,
+        ranks: set[int] | None,
+        *,
+        full_stacks: bool = False,
+    ) -> None:
+        self.target = target
+        self.full_stacks = full_stacks
+        self.argv = argv
+        self.world = world
+        self.nproc: int = world.world_size
+        self._lock = threading.Lock()
+        self.outcomes = [_Outcome() for _ in range(self.nproc)]
+        self.idents: dict[int, int] = {}  # rank -> thread ident
+        self.first: int | None = None  # the rank that failed first
+        self.stacks: dict[int, str] = {}  # where the other ranks were at the first failure
+        self._ranks_filter = ranks
+        # The stand-ins installed while the launch runs (see installed()), and the real stderr.
+        self.environ: ThreadEnviron | None = None
+        self.stdout: RankOutput | None = None
+        self.stderr: RankOutput | None = None
+        self.real_stderr: Any = sys.stderr
+        self._thread_rank = threading.local()  # .rank: the rank of a rank thread
+
+    # ---------------------------------------------------------------------------------------
+    # See Note [What a launch changes in the process].
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        real_environ, real_out, real_err = os.environ, sys.stdout, sys.stderr
+        argv, path = sys.argv, list(sys.path)
+        torch_init = c10d.init_process_group
+        lock = threading.Lock()
+        self.environ = ThreadEnviron(real_environ)
+        self.stdout = RankOutput(real_out, lock, self._ranks_filter)
+        self.stderr = RankOutput(real_err, lock, self._ranks_filter)
+        self.real_stderr = real_err
+        init = self._init_process_group(torch_init)
+        handler = None
+        os.environ = self.environ  # type: ignore[assignment]  # noqa: B003 (a stand-in)
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        sys.argv = [self.target.argv0, *self.argv]
+        if self.target.path is not None:
+            sys.path.insert(0, str(self.target.path.resolve().parent))
+        dist.init_process_group = c10d.init_process_group = init
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.signal(signal.SIGINT, self._on_interrupt)
+        try:
+            yield
+        finally:
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+            dist.init_process_group = c10d.init_process_group = torch_init
+            sys.argv, sys.path[:] = argv, path
+            sys.stdout, sys.stderr = real_out, real_err
+            os.environ = real_environ  # noqa: B003 (the real one back)
+
+    def _init_process_group(self, torch_init: Any) -> Any:
+        """``init_process_group`` for the launch: any backend, on the fake world."""
+        import fakepg
+
+        signature = inspect.signature(torch_init)
+        launch = self
+
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            rank = getattr(launch._thread_rank, "rank", None)
+            if rank is None:  # not a rank thread: torch's own
+                torch_init(*args, **kwargs)
+                return
+            given = signature.bind(*args, **kwargs).arguments
+            for name, mine in (("rank", rank), ("world_size", launch.nproc)):
+                value = given.get(name, -1)
+                if value not in (-1, None, mine):
+                    raise ValueError(
+                        f"init_process_group({name}={value}) on rank {rank} of a launch of "
+                        f"{launch.nproc}: this thread is {name} {mine} (RANK and WORLD_SIZE say "
+                        f"so); pass {name}=int(os.environ[...]) or leave it out"
+                    )
+            fakepg.init_torch_group(launch.world, rank)
+
+        init_process_group.__doc__ = torch_init.__doc__
+        return init_process_group
+
+    # ---------------------------------------------------------------------------------------
+    # The rank threads.
+
+    def rank_main(self, pg: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        rank = pg.rank()
+        assert self.environ is not None and self.stdout is not None and self.stderr is not None
+        self.idents[rank] = threading.get_ident()
+        self._thread_rank.rank = rank
+        self.environ.bind(rank_environment(rank, self.nproc))
+        self.stdout.bind(rank)
+        self.stderr.bind(rank)
+        if "OMP_NUM_THREADS" not in self.environ.real:
+            torch.set_num_threads(1)  # torchrun's default for several workers per node
+        try:
+            self.target.execute()
+        except SystemExit as exc:
+            code = _exit_code(exc, self.stderr)
+            if code == 0:
+                self._record(rank, 0, None)
+                return
+            self._record(rank, code, exc)
+            raise
+        except BaseException as exc:
+            self._record(rank, 1, exc)
+            # What the worker process would print before dying (prefixed by rank).
+            frames = self._format(traceback.extract_tb(exc.__traceback__), collapse=True)
+            last = "".join(traceback.format_exception_only(exc)).rstrip("\n")
+            print(f"Traceback (most recent call last):\n{frames}\n{last}", file=self.stderr)
+            raise
+        else:
+            self._record(rank, 0, None)
+        finally:
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                self.stdout.finish()
+                self.stderr.finish()
+                self.environ.unbind()
+                self._thread_rank.rank = None
+
+    def _record(self, rank: int, code: int, error: BaseException | None) -> None:
+        with self._lock:
+            self.outcomes[rank] = _Outcome(code, error)
+            if code != 0 and self.first is None:
+                # Before the world's abort wakes anyone: where every other rank is right now.
+                self.first = rank
+                self.stacks = self._stacks(exclude=rank)
+
+    def _stacks(self, exclude: int | None) -> dict[int, str]:
+        frames = sys._current_frames()
+        out = {}
+        for rank, ident in sorted(self.idents.items()):
+            frame = frames.get(ident)
+            if rank != exclude and frame is not None:
+                out[rank] = self._format(traceback.extract_stack(frame), collapse=True)
+        return out
+
+    def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        stacks = self._stacks(exclude=None)
+        lines = ["[launch] interrupted; where every rank is:"]
+        for rank, stack in stacks.items():
+            lines += [f"[launch] rank {rank}:", stack]
+        print("\n".join(lines), file=self.real_stderr, flush=True)
+        raise KeyboardInterrupt
+
+    def _format(
+        self,
+        frames: traceback.StackSummary | list[traceback.FrameSummary],
+        *,
+        collapse: bool = False,
+    ) -> str:
+        """The frames from the script's own on, as a worker process would show them: the
+        launcher's frames above the script and the per-rank generator mode's (every torch call
+        passes through it) are left out. With ``collapse`` (unless --full-stacks), each run of
+        library frames (torch, fakepg, the standard library) becomes one line: the stack reads
+        as the script's."""
+        frames = list(frames)
+        start = next(
+            (i for i, f in enumerate(frames) if not f.filename.endswith(_LAUNCHER_FILES)), 0
+        )
+        kept = [f for f in frames[start:] if not f.filename.endswith(_PLUMBING_FILES)]
+        if not collapse or self.full_stacks:
+            return "".join(traceback.format_list(kept)).rstrip("\n")
+        out: list[str] = []
+        hidden: list[traceback.FrameSummary] = []
+        for frame in [*kept, None]:
+            if frame is not None and _is_library(frame.filename):
+                hidden.append(frame)
+                continue
+            if hidden:
+                last = hidden[-1]
+                out.append(
+                    f"  ... {len(hidden)} frame(s) in libraries (innermost: {last.name} in "
+                    f"{Path(last.filename).name}:{last.lineno})\n"
+                )
+                hidden = []
+            if frame is not None:
+                out.extend(traceback.format_list([frame]))
+        return "".join(out).rstrip("\n")
+
+    # ---------------------------------------------------------------------------------------
+    # The report, as torchrun's, plus the stacks.
+
+    def report(self, out: Any) -> int:
+        failed = [r for r, o in enumerate(self.outcomes) if o.code not in (0, None)]
+        never = [r for r, o in enumerate(self.outcomes) if o.code is None]
+        if not failed and not never:
+            return 0
+        lines = []
+        first = self.first
+        if first is not None:
+            error = self.outcomes[first].error
+            lines.append(f"[launch] rank {first} failed first: {_one_line(error)}")
+            lines.append(f"[launch] where every rank was when rank {first} failed:")
+            for rank in range(self.nproc):
+                if rank == first:
+                    assert error is not None
+                    frames = traceback.extract_tb(error.__traceback__)
+                    tb = self._format(frames, collapse=True)
+                    lines += [f"[launch] rank {rank} (failed here):", tb]
+                elif rank in self.stacks:
+                    lines += [f"[launch] rank {rank}:", self.stacks[rank]]
+                else:
+                    lines.append(f"[launch] rank {rank}: had ended")
+        lines += [_RULE, f"{self.target.name} FAILED", _THIN, "Failures:"]
+        others = [r for r in failed if r != first] + never
+        if not others:
+            lines.append("  <NO_OTHER_FAILURES>")
+        for i, rank in enumerate(others, start=1):
+            lines.append(f"  [{i}]: {self._describe(rank)}")
+        lines += [_THIN, "Root Cause (first observed failure):"]
+        lines.append(f"  [0]: {self._describe(first) if first is not None else 'none recorded'}")
+        lines.append(_RULE)
+        print("\n".join(lines), file=out, flush=True)
+        return 1
+
+    def _describe(self, rank: int) -> str:
+        outcome = self.outcomes[rank]
+        if outcome.code is None:
+            return f"rank {rank}: did not end (stopped by the launch)"
+        return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    here = Path(__file__).resolve().parent
+    dirs = {paths["stdlib"], paths["purelib"], paths["platlib"], str(here)}
+    dirs.add(str(here.parent / "fakepg"))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def _is_library(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
+def _exit_code(exc: SystemExit, stderr: Any) -> int:
+    """Python's exit status for ``sys.exit(code)``: a message is printed and counts as 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=stderr)
+    return 1
+
+
+def _one_line(error: BaseException | None) -> str:
+    if error is None:
+        return "(no exception)"
+    if isinstance(error, SystemExit):
+        return f"SystemExit({error.code!r})"
+    first_line = str(error).strip().split("\n", 1)[0]
+    return f"{type(error).__name__}: {first_line}"
