@@ -65,6 +65,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from . import collectives as _c
