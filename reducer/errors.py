@@ -1,9 +1,10 @@
 """The reducer's errors: one base, each subclass also the builtin a caller would catch.
 
-Invalid arguments at construction are ``ValueError`` subclasses; misuse during training
-(detected by the call that sees it) are ``RuntimeError`` subclasses. Every message says what
-happened, which parameter (index and, where known, name), replica, bucket or rank, the likely
-cause and the fix.
+Invalid arguments at construction are ``ValueError`` subclasses (an argument of the wrong
+kind, such as a hook that is not callable, is also a ``TypeError``, as torch raises); misuse
+during training (detected by the call that sees it) are ``RuntimeError`` subclasses. Every
+message says what happened, which parameter (index and, where known, name), replica, bucket or
+rank, the likely cause and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 __all__ = [
     "BucketAssignmentError",
     "InvalidArgument",
+    "InvalidArgumentType",
     "ReducerError",
     "ReductionError",
 ]
@@ -24,6 +26,11 @@ class ReducerError(Exception):
 
 class InvalidArgument(ReducerError, ValueError):
     """An argument to a constructor or setup call is invalid (parameters, replicas, names)."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of the wrong kind (a hook that is not callable, a timeout that is not a
+    number): a ``TypeError``, as torch raises, and an :class:`InvalidArgument` as well."""
 
 
 class BucketAssignmentError(InvalidArgument):
