@@ -17,6 +17,8 @@ fakepg.run(train_step, world_size=4)
 
 from __future__ import annotations
 
+from ._post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from ._powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .buckets import (
     compute_bucket_assignment_by_size,
     ddp_bucket_assignment,
@@ -27,10 +29,18 @@ from .comm_hooks import (
     GradBucket,
     allreduce_hook,
     bf16_compress_hook,
+    bf16_compress_wrapper,
     fp16_compress_hook,
+    fp16_compress_wrapper,
 )
 from .ddp import DDPLoggingData, DistributedDataParallel
-from .errors import BucketAssignmentError, InvalidArgument, ReducerError, ReductionError
+from .errors import (
+    BucketAssignmentError,
+    InvalidArgument,
+    InvalidArgumentType,
+    ReducerError,
+    ReductionError,
+)
 from .process_group import ProcessGroup, ReduceOp, Work
 from .reducer import Reducer
 from .stats import IterationStats
@@ -43,7 +53,10 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "InvalidArgument",
+    "InvalidArgumentType",
     "IterationStats",
+    "PostLocalSGDState",
+    "PowerSGDState",
     "ProcessGroup",
     "ReduceOp",
     "Reducer",
@@ -54,9 +67,14 @@ __all__ = [
     "TorchProcessGroup",
     "Work",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "compute_bucket_assignment_by_size",
     "ddp_bucket_assignment",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "post_localSGD_hook",
+    "powerSGD_hook",
     "sparse_gradient_flags",
 ]

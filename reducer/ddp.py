@@ -181,6 +181,7 @@ class DistributedDataParallel(nn.Module):
             param_names=self._param_names,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
+            sparse_flags_from_modules=True,  # errors then point at nn.Embedding(sparse=...)
         )
         self._buckets_rebuilt = False
         self._comm_hook_name: str | None = None

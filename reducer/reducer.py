@@ -90,17 +90,20 @@ from .buckets import (
     empty_sparse_like,
     validate_bucket_indices,
 )
-from .comm_hooks import CommHook, FutureWork, GradBucket
+from .comm_hooks import GRAD_BUCKET_TYPES, CommHook, FutureWork, GradBucket, hook_name
 from .errors import InvalidArgument, ReductionError, describe_param, describe_params
 from .graph import gradient_accumulator, reached_accumulators
 from .process_group import ProcessGroup, Work
 from .stats import IterationStats
 from .validation import (
+    check_comm_hook,
     check_names,
     check_outputs,
     check_process_group,
     check_replicas,
     check_sparse,
+    check_timeout,
+    names_hint,
 )
 
 __all__ = ["Reducer"]
@@ -117,7 +120,10 @@ class Reducer:
     per parameter) makes error messages name parameters. With ``gradient_as_bucket_view``,
     each dense ``.grad`` is a view into its bucket (see Note [Gradients as bucket views]).
     ``static_graph`` promises the same graph every iteration (see Note [Static graph]).
-    ``timeout`` bounds the wait for a comm hook's future (collectives have their own).
+    ``timeout`` (seconds, finite) bounds the wait for a comm hook's future (collectives have
+    their own). ``sparse_flags_from_modules`` says that ``expect_sparse_gradients`` was derived
+    from the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` modules (as the DDP wrapper does),
+    so that errors about a gradient's layout point at the module rather than at the flag.
     """
 
     def __init__(
@@ -131,8 +137,9 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         timeout: float = 300.0,
+        sparse_flags_from_modules: bool = False,
     ) -> None:
-        self._replicas = check_replicas(replicas)
+        self._replicas = check_replicas(replicas, names_hint(param_names, replicas))
         self._as_view = bool(gradient_as_bucket_view)
         count = len(self._replicas[0])
         self._names = check_names(param_names, count)
@@ -174,7 +181,8 @@ class Reducer:
         self._comm_hook: tuple[object, CommHook] | None = None
         # On one rank the division is by 1, the identity bit for bit: skip that pass.
         self._prescale = self._world_size > 1
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout, "Reducer")
+        self._sparse_flags_from_modules = bool(sparse_flags_from_modules)
         # See Note [Static graph]: hook calls counted in the first iteration, then expected.
         self._static_graph = bool(static_graph)
         self._recording = False
@@ -498,7 +506,7 @@ class Reducer:
                 # The other ranks wait for this bucket: fail here, loudly, and for good.
                 raise self._fail(
                     ReductionError(
-                        f"the comm hook {getattr(hook, '__name__', hook)!r} raised for bucket "
+                        f"the comm hook {hook_name(hook)!r} raised for bucket "
                         f"{bucket.index} on rank {self._rank()}: {type(exc).__name__}: {exc}. "
                         "The ranks are out of step now; fix the hook, close() this reducer "
                         "and build a new one"
@@ -507,13 +515,13 @@ class Reducer:
             if not _is_future(future):
                 raise self._fail(
                     ReductionError(
-                        f"the comm hook {getattr(hook, '__name__', hook)!r} returned a "
+                        f"the comm hook {hook_name(hook)!r} returned a "
                         f"{type(future).__name__} for bucket {bucket.index}, not a "
                         "torch.futures.Future; return the future of the reduction, e.g. "
                         "work.get_future().then(lambda f: f.value()[0])"
                     )
                 )
-            bucket.work = FutureWork(future, bucket.index, self._timeout)
+            bucket.work = FutureWork(future, bucket.index, self._timeout, hook_name(hook))
 
     def _launch_used_map(self) -> None:
         """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters]."""
@@ -686,8 +694,7 @@ class Reducer:
         """
         with self._lock:
             self._check_usable("register_comm_hook")
-            if not callable(hook):
-                raise InvalidArgument(f"register_comm_hook: hook must be callable, got {hook!r}")
+            check_comm_hook(hook, GRAD_BUCKET_TYPES)
             if self._comm_hook is not None:
                 raise ReductionError(
                     "register_comm_hook: a comm hook is already registered; register one, once"
@@ -874,13 +881,38 @@ class Reducer:
         )
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
+        """A gradient whose layout (sparse or dense) is not the one its bucket was built for."""
         got = "dense" if expected == "sparse" else "sparse"
-        flag = "True" if expected == "sparse" else "False"
-        return ReductionError(
+        what = (
             f"{describe_param(index, self._names)} got a {got} gradient but its bucket expects "
-            f"a {expected} one; pass expect_sparse_gradients[{replica_index}][{index}]={flag} "
-            "(nn.Embedding(sparse=True) gives sparse gradients)"
+            f"a {expected} one, on rank {self._rank()}"
         )
+        if self._sparse_flags_from_modules:
+            # The wrapper derives the flags from nn.Embedding / nn.EmbeddingBag(sparse=True).
+            if got == "sparse":
+                fix = (
+                    "Only the weights of nn.Embedding(sparse=True) and nn.EmbeddingBag("
+                    "sparse=True) are bucketed for sparse gradients, and this parameter is not "
+                    "one: compute its sparse gradient through such a module, or make it dense "
+                    "(sparse=False, e.g. in F.embedding)"
+                )
+            else:
+                fix = (
+                    "It belongs to an nn.Embedding or nn.EmbeddingBag with sparse=True, but got "
+                    "a dense gradient: it is also used outside the module's lookup (weight "
+                    "tying, say). Build that module with sparse=False, or use its weight only "
+                    "through the lookup"
+                )
+        else:
+            # A sparse gradient needs the flag set (a bucket of its own); a dense one, cleared.
+            flag = "True" if got == "sparse" else "False"
+            fix = (
+                f"Pass expect_sparse_gradients[{replica_index}][{index}]={flag} (and bucket "
+                "assignments computed with the same flags: a sparse gradient needs a bucket of "
+                "its own). nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give "
+                "sparse gradients"
+            )
+        return ReductionError(f"{what}. {fix}.")
 
 
 # -------------------------------------------------------------------------------------------
