@@ -76,7 +76,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -107,6 +107,10 @@ from .validation import (
 )
 
 __all__ = ["Reducer"]
+
+# Called at every hook: one global lookup each, instead of a module and an attribute.
+_now_ns = time.perf_counter_ns
+_grad_enabled = torch.is_grad_enabled
 
 
 class Reducer:
@@ -354,22 +358,11 @@ class Reducer:
         if ready[index]:
             raise self._fail(self._marked_twice_error(replica_index, index))
         ready[index] = True
-        self._backward_stats[replica_index][index] = (
-            time.perf_counter_ns() - self._backward_stats_base
-        )
+        self._backward_stats[replica_index][index] = _now_ns() - self._backward_stats_base
         self._require_finalize = True
         bucket, replica, intra = self._slots[replica_index][index]
-        if bucket.expect_sparse_gradient:
-            self._set_sparse_contents(replica_index, index, replica)
-        elif self._as_view:
-            self._settle_view(replica_index, index, replica, intra)
-        elif replica.fused[intra] and self._prescale:
-            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
-            grad = self._contribution(replica_index, index, replica.variables[intra])
-            if grad is None:
-                replica.views[intra].zero_()
-            else:
-                torch.div(grad, self._world_size, out=replica.views[intra])
+        if bucket.expect_sparse_gradient or self._as_view or replica.fused[intra]:
+            self._settle_at_hook(replica_index, index, bucket, replica, intra)
         # Otherwise the gradient is copied with the rest of its replica, below: see Note
         # [Copies batched per bucket replica].
         replica.pending -= 1
@@ -384,12 +377,35 @@ class Reducer:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
-        if self._next_bucket == len(self._buckets) and not self._all_launched:
-            self._all_launched = True
-            if self._find_unused:
-                self._launch_used_map()
-            if not self._recording:  # the recording iteration finalizes by itself
-                _at_backward_end(self._finalize_from_engine)
+                # Buckets launch only here: the last launch is seen here too.
+                if self._next_bucket == len(self._buckets) and not self._all_launched:
+                    self._all_launched = True
+                    if self._find_unused:
+                        self._launch_used_map()
+                    if not self._recording:  # the recording iteration finalizes by itself
+                        _at_backward_end(self._finalize_from_engine)
+
+    def _settle_at_hook(
+        self, replica_index: int, index: int, bucket: Bucket, replica: BucketReplica, intra: int
+    ) -> None:
+        """The work a gradient needs at its own hook: a sparse one becomes its bucket's
+        contents; a bucket view is checked; a large one is divided on its way in."""
+        if bucket.expect_sparse_gradient:
+            self._set_sparse_contents(replica_index, index, replica)
+        elif self._as_view:
+            if (
+                replica.variables[intra].grad is replica.views[intra]
+                and (self._used[replica_index][index])
+            ):
+                return  # autograd accumulated into the bucket view: the usual case, done
+            self._settle_view(replica_index, index, replica, intra)
+        elif self._prescale:  # replica.fused[intra]
+            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
+            grad = self._contribution(replica_index, index, replica.variables[intra])
+            if grad is None:
+                replica.views[intra].zero_()
+            else:
+                torch.div(grad, self._world_size, out=replica.views[intra])
 
     def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
         """The dense gradient ``param`` contributes, or None where it contributes zeros
@@ -412,6 +428,14 @@ class Reducer:
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
         See Note [Copies batched per bucket replica]."""
+        if self._plain_iteration and not (self._prescale and any(replica.fused)):
+            # Every parameter's hook fired with its gradient in place (see _autograd_hook), so
+            # each contributes .grad as it is: one multi-tensor copy, no per-parameter checks.
+            # A gradient that is None (reset by another hook) or sparse makes the copy raise
+            # before any harm: the checked path below then zeroes or reports it.
+            grads = [param.grad for param in replica.variables]
+            if _try_copy_all(replica.views, grads):
+                return
         destinations: list[Tensor] = []
         sources: list[Tensor] = []
         for intra, (index, param, view) in enumerate(
@@ -926,7 +950,7 @@ def _grad_ready_hook(
     reducer = reducer_ref()
     if reducer is None:
         return
-    if torch.is_grad_enabled():
+    if _grad_enabled():
         # backward(create_graph=True) runs hooks in grad mode: the reducer's copies and its
         # in-place division of leaf-derived buffers must not be recorded (autograd refuses
         # in-place ops on leaves that require grad). The checked fast path is the usual one.
@@ -994,6 +1018,16 @@ def _at_backward_end(callback: Callable[[], None]) -> None:
 
 
 def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
+    if globally_used is None:
+        # Every parameter's .grad gets its average. Those that have a .grad take it in one
+        # multi-tensor copy; a None among them (a first backward, set_to_none) makes the
+        # copy raise, and the loop below allocates what is missing.
+        done = True
+        for replica in bucket.replicas:
+            present = [param.grad for param in replica.variables]
+            done = _try_copy_all(present, replica.views) and done
+        if done:
+            return
     grads: list[Tensor] = []
     views: list[Tensor] = []
     for replica in bucket.replicas:
@@ -1009,19 +1043,37 @@ def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
     _copy_all(grads, views)
 
 
+# torch's multi-tensor copy (what its optimizers use); not public API, hence the fallback.
+_FOREACH_COPY: Callable[[list[Tensor], list[Tensor]], None] | None = getattr(
+    torch, "_foreach_copy_", None
+)
+
+
 def _copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
     """``d.copy_(s)`` for every pair, as one call.
 
     A bucket of many small parameters costs one op dispatch per ``copy_``, which dominates
-    the write-back; torch's multi-tensor ``_foreach_copy_`` (what its optimizers use) does
-    them all in one dispatch, with the same bits. It is not public API, hence the fallback.
+    the write-back; torch's multi-tensor ``_foreach_copy_`` does them all in one dispatch,
+    with the same bits.
     """
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None and len(destinations) > 1:
-        foreach_copy(destinations, sources)
+    if _FOREACH_COPY is not None and len(destinations) > 1:
+        _FOREACH_COPY(destinations, sources)
         return
     for destination, source in zip(destinations, sources, strict=True):
         destination.copy_(source)
+
+
+_MaybeTensors = list[Tensor] | list[Tensor | None]
+
+
+def _try_copy_all(destinations: _MaybeTensors, sources: _MaybeTensors) -> bool:
+    """:func:`_copy_all` where every entry is a dense tensor; False (nothing to rely on
+    copied) where some entry is None or sparse, which the caller handles one by one."""
+    try:
+        _copy_all(cast(list[Tensor], destinations), cast(list[Tensor], sources))
+    except (TypeError, RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def _adopt_hook_result(bucket: Bucket, results: list[Tensor]) -> None:

@@ -232,7 +232,11 @@ class TorchProcessGroup:
             return [_issued(dist.all_reduce(target, torch_op, group=self._pg, async_op=True))]
 
         what = ("allreduce", op, tensors, "")
-        return self._issue(what, issue, tensors, finish, None if stage is None else settle)
+        # One tensor, reduced where it is, nothing to divide: nothing to do on completion.
+        plain = count == 1 and stage is None and divisor == 1
+        return self._issue(
+            what, issue, tensors, None if plain else finish, None if stage is None else settle
+        )
 
     def _sparse_allreduce(self, tensors: list[Tensor], op: ReduceOp) -> TorchWork:
         count = len(tensors)
@@ -367,7 +371,10 @@ class TorchProcessGroup:
             future = torch.futures.collect_all([w.get_future() for w in works])  # type: ignore[assignment]
         # Formatted only when an error or repr needs it: this is on every bucket's path.
         description = functools.partial(_describe, kind, seq, op, tensors, extra)
-        return TorchWork(self, description, works, future, outputs, finish, settle, launched_ns)
+        direct = kind == "allreduce" and len(works) == 1 and finish is None and settle is None
+        return TorchWork(
+            self, description, works, future, outputs, finish, settle, launched_ns, direct=direct
+        )
 
     def _backend_of(self, tensor: Tensor) -> str:
         """The backend that handles ``tensor``'s device in this group."""
@@ -440,7 +447,11 @@ class TorchWork:
         finish: _Finish | None,
         settle: _Settle | None,
         launched_ns: int,
+        *,
+        direct: bool = False,
     ) -> None:
+        """``direct``: ``future`` is one backend work's, and its value is ``outputs`` as they
+        are (an allreduce of one tensor in place), so it serves as this work's future."""
         self._group = group
         self._what = what
         self._works = works
@@ -453,9 +464,14 @@ class TorchWork:
         # Set once the future (with its post-processing) completed. See Note [Waiting with a
         # deadline].
         self._done = threading.Event()
-        self._future: torch.futures.Future[list[Tensor]] = future.then(
-            lambda done: self._complete(done, finish)
-        )
+        self._future: torch.futures.Future[list[Tensor]]
+        if direct:
+            # The backend's own future, whose value is the list of reduced tensors: one
+            # Python callback per collective instead of two (each takes the GIL on the
+            # backend's thread, on the path of every bucket).
+            self._future = future  # type: ignore[assignment]
+        else:
+            self._future = future.then(lambda done: self._complete(done, finish))
         self._future.add_done_callback(self._on_done)
 
     def _on_done(self, _future: torch.futures.Future[list[Tensor]]) -> None:
