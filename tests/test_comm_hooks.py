@@ -903,3 +903,71 @@ def test_post_local_sgd_without_a_subgroup_warns_and_stays_global() -> None:
         for rank in range(4):
             for i, grad in enumerate(got[rank][step]):
                 assert torch.equal(grad, in_rank_order([local[r][i] / 4 for r in range(4)]))
+
+
+def torch_and_ours(
+    world_size: int,
+    steps: int,
+    ours: Callable[[], tuple[object, Any]],
+    theirs: Callable[[], tuple[object, Any]],
+) -> list[tuple[list[list[Tensor]], list[list[Tensor]]]]:
+    """Per rank: this DDP with ``ours()`` = (state, hook) and torch's DDP with ``theirs()``,
+    on copies of ``layers()``, the same data, one fake world registered with torch."""
+    fakepg.register_torch_backend()
+    hook_before = sys.excepthook
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+        mine, torch_model = layers(), layers()
+        ddp = DDP(mine, pg)
+        torch_ddp = nn.parallel.DistributedDataParallel(torch_model)
+        ddp.register_comm_hook(*ours())
+        torch_ddp.register_comm_hook(*theirs())
+        traces: tuple[list[list[Tensor]], list[list[Tensor]]] = ([], [])
+        for step in range(steps):
+            for model, wrapper, trace in (
+                (mine, ddp, traces[0]),
+                (torch_model, torch_ddp, traces[1]),
+            ):
+                model.zero_grad(set_to_none=True)
+                layers_loss(wrapper, pg.rank(), step).backward()
+                trace.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return traces
+
+    try:
+        return fakepg.run_torch(fn, world_size, timeout=30.0)
+    finally:
+        sys.excepthook = hook_before
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (
+            lambda: (None, reducer.fp16_compress_wrapper(reducer.allreduce_hook)),
+            lambda: (None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
+        ),
+        (
+            lambda: (reducer.PowerSGDState(None, start_powerSGD_iter=10), reducer.powerSGD_hook),
+            lambda: (torch_powersgd_state(start_powerSGD_iter=10), torch_powersgd_hook()),
+        ),
+    ],
+    # (torch refuses its bf16 hooks without CUDA and NCCL; the bf16 wrapper's exact
+    # reference is above.)
+    ids=["fp16_compress_wrapper", "powerSGD warm-up"],
+)
+def test_elementwise_hooks_match_torchs_on_three_ranks(
+    ours: Callable[[], tuple[object, Any]], theirs: Callable[[], tuple[object, Any]]
+) -> None:
+    """Differential, bit for bit, on three ranks: the compression wrapper (cast, divide, sum
+    in rank order, cast back) and PowerSGD's warm-up (divide, allreduce) reduce element by
+    element, so the bucket layouts (torch's first iteration has one bucket) do not matter."""
+    for rank, (mine, torch_trace) in enumerate(torch_and_ours(3, 3, ours, theirs)):
+        for step in range(3):
+            for i, (got, want) in enumerate(zip(mine[step], torch_trace[step], strict=True)):
+                assert torch.equal(got, want), (rank, step, i)
+
+
+def torch_powersgd_hook() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    return torch_powersgd.powerSGD_hook
