@@ -272,7 +272,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     group = state._group(bucket)
     world_size = group.size()
     input_tensor = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
+    if state.iter < state.start_powerSGD_iter or input_tensor.is_sparse:
+        # Warm-up; and a sparse gradient (nn.Embedding(sparse=True)), which has no matrix
+        # to approximate, is always reduced as it is.
         state.maybe_increase_iter(bucket)
         return allreduce_divided(group, input_tensor)
 
@@ -425,8 +427,8 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     group = state._group(bucket)
     world_size = group.size()
     input_tensor = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
+    if state.iter < state.start_powerSGD_iter or input_tensor.is_sparse:
+        state.maybe_increase_iter(bucket)  # (warm-up, or a sparse gradient: as it is)
         return allreduce_divided(group, input_tensor)
 
     device, dtype = input_tensor.device, input_tensor.dtype

@@ -971,3 +971,41 @@ def torch_powersgd_hook() -> Any:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
     return torch_powersgd.powerSGD_hook
+
+
+class SparseAndDense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 8, sparse=True)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        out: Tensor = self.head(self.emb(idx))
+        return out
+
+
+@pytest.mark.parametrize("hook", [reducer.powerSGD_hook, reducer.batched_powerSGD_hook])
+def test_powersgd_reduces_a_sparse_gradient_as_it_is(hook: reducer.CommHook) -> None:
+    """nn.Embedding(sparse=True) has nothing to approximate: after warm-up its gradient is
+    what no hook gives, bit for bit, while the dense bucket is compressed."""
+
+    def run(with_hook: bool) -> list[list[Tensor]]:
+        def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+            model = seeded(SparseAndDense)
+            ddp = DDP(model, pg)
+            if with_hook:
+                state = reducer.PowerSGDState(None, start_powerSGD_iter=2)
+                ddp.register_comm_hook(state, hook)
+            for step in range(3):
+                ddp.zero_grad(set_to_none=True)
+                idx = torch.tensor([[pg.rank(), 2, (pg.rank() + step) % 7]])
+                ddp(idx).pow(2).sum().backward()
+            grad = model.emb.weight.grad
+            assert grad is not None and grad.is_sparse
+            return [grad.coalesce().to_dense(), model.head.weight.grad]  # type: ignore[list-item]
+
+        return run_ranks(fn, WORLD)
+
+    for (emb, head), (plain_emb, plain_head) in zip(run(True), run(False), strict=True):
+        assert torch.equal(emb, plain_emb)
+        assert not torch.equal(head, plain_head)  # compressed
