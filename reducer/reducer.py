@@ -423,7 +423,9 @@ class Reducer:
     # gradient is ready. Nothing is lost by waiting: the bucket cannot launch before then, and
     # a gradient cannot change after its hook (a second accumulation would mark it ready
     # twice). Large gradients are still divided on the way in at their own hook (see Note
-    # [Division fused into the copy]).
+    # [Division fused into the copy]). In a plain iteration (every gradient arrives through
+    # its own hook, nothing unused) the copy needs no per-parameter decision at all, so the
+    # Python loop is skipped too: one list of the .grad tensors, one multi-tensor copy.
 
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
