@@ -17,6 +17,8 @@ fakepg.run(train_step, world_size=4)
 
 from __future__ import annotations
 
+from ._post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from ._powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .buckets import (
     compute_bucket_assignment_by_size,
     ddp_bucket_assignment,
@@ -27,12 +29,15 @@ from .comm_hooks import (
     GradBucket,
     allreduce_hook,
     bf16_compress_hook,
+    bf16_compress_wrapper,
     fp16_compress_hook,
+    fp16_compress_wrapper,
 )
 from .ddp import DDPLoggingData, DistributedDataParallel
 from .errors import (
     BucketAssignmentError,
     InvalidArgument,
+    InvalidArgumentType,
     InvalidModel,
     ReducerError,
     ReductionError,
@@ -49,8 +54,11 @@ __all__ = [
     "DistributedDataParallel",
     "GradBucket",
     "InvalidArgument",
+    "InvalidArgumentType",
     "InvalidModel",
     "IterationStats",
+    "PostLocalSGDState",
+    "PowerSGDState",
     "ProcessGroup",
     "ReduceOp",
     "Reducer",
@@ -61,9 +69,14 @@ __all__ = [
     "TorchProcessGroup",
     "Work",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "compute_bucket_assignment_by_size",
     "ddp_bucket_assignment",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
+    "post_localSGD_hook",
+    "powerSGD_hook",
     "sparse_gradient_flags",
 ]

@@ -1,9 +1,10 @@
 """The reducer's errors: one base, each subclass also the builtin a caller would catch.
 
-Invalid arguments at construction are ``ValueError`` subclasses; misuse during training
-(detected by the call that sees it) are ``RuntimeError`` subclasses. Every message says what
-happened, which parameter (index and, where known, name), replica, bucket or rank, the likely
-cause and the fix.
+Invalid arguments at construction are ``ValueError`` subclasses (an argument of the wrong
+kind, such as a hook that is not callable, is also a ``TypeError``, as torch raises); misuse
+during training (detected by the call that sees it) are ``RuntimeError`` subclasses. Every
+message says what happened, which parameter (index and, where known, name), replica, bucket or
+rank, the likely cause and the fix.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 __all__ = [
     "BucketAssignmentError",
     "InvalidArgument",
+    "InvalidArgumentType",
     "InvalidModel",
     "ReducerError",
     "ReductionError",
@@ -26,6 +28,11 @@ class ReducerError(Exception):
 
 class InvalidArgument(ReducerError, ValueError):
     """An argument to a constructor or setup call is invalid (parameters, replicas, names)."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of the wrong kind (a hook that is not callable, a timeout that is not a
+    number): a ``TypeError``, as torch raises, and an :class:`InvalidArgument` as well."""
 
 
 class BucketAssignmentError(InvalidArgument):
@@ -78,6 +85,9 @@ class Wording:
     no_search: str  # how to turn the search off
     no_static_graph: str  # how to turn static_graph off
     recover: str  # what to do once the ranks are out of step
+    # expect_sparse_gradients came from the model's nn.Embedding / nn.EmbeddingBag(sparse=...)
+    # modules, not from the user: layout errors point at the module instead of the flag.
+    sparse_flags_from_modules: bool = False
 
 
 REDUCER_WORDING = Wording(
@@ -112,4 +122,5 @@ DDP_WORDING = Wording(
         "call close() on this DistributedDataParallel and wrap the model in a new one (the "
         "model can be reused)"
     ),
+    sparse_flags_from_modules=True,
 )

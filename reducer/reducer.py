@@ -80,7 +80,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ from .buckets import (
     shadow_bucket,
     validate_bucket_indices,
 )
-from .comm_hooks import CommHook, FutureWork, GradBucket
+from .comm_hooks import GRAD_BUCKET_TYPES, CommHook, FutureWork, GradBucket, hook_name
 from .errors import (
     REDUCER_WORDING,
     InvalidArgument,
@@ -108,14 +108,21 @@ from .graph import gradient_accumulator, reached_accumulators
 from .process_group import ProcessGroup, Work
 from .stats import IterationStats
 from .validation import (
+    check_comm_hook,
     check_names,
     check_outputs,
     check_process_group,
     check_replicas,
     check_sparse,
+    check_timeout,
+    names_hint,
 )
 
 __all__ = ["Reducer"]
+
+# Called at every hook: one global lookup each, instead of a module and an attribute.
+_now_ns = time.perf_counter_ns
+_grad_enabled = torch.is_grad_enabled
 
 
 class Reducer:
@@ -129,7 +136,8 @@ class Reducer:
     per parameter) makes error messages name parameters. With ``gradient_as_bucket_view``,
     each dense ``.grad`` is a view into its bucket (see Note [Gradients as bucket views]).
     ``static_graph`` promises the same graph every iteration (see Note [Static graph]).
-    ``timeout`` bounds the wait for a comm hook's future (collectives have their own).
+    ``timeout`` (seconds, finite) bounds the wait for a comm hook's future (collectives have
+    their own).
     """
 
     def __init__(
@@ -144,7 +152,7 @@ class Reducer:
         static_graph: bool = False,
         timeout: float = 300.0,
     ) -> None:
-        self._replicas = check_replicas(replicas)
+        self._replicas = check_replicas(replicas, names_hint(param_names, replicas))
         self._as_view = bool(gradient_as_bucket_view)
         count = len(self._replicas[0])
         self._names = check_names(param_names, count)
@@ -191,7 +199,7 @@ class Reducer:
         self._divisor = self._world_size
         # A division by 1 is the identity bit for bit: skip that pass.
         self._prescale = self._divisor > 1
-        self._timeout = float(timeout)
+        self._timeout = check_timeout(timeout, "Reducer")
         # See Note [Static graph]: hook calls counted in the first iteration, then expected.
         self._static_graph = bool(static_graph)
         self._recording = False
@@ -364,22 +372,11 @@ class Reducer:
         if ready[index]:
             raise self._fail(self._marked_twice_error(replica_index, index))
         ready[index] = True
-        self._backward_stats[replica_index][index] = (
-            time.perf_counter_ns() - self._backward_stats_base
-        )
+        self._backward_stats[replica_index][index] = _now_ns() - self._backward_stats_base
         self._require_finalize = True
         bucket, replica, intra = self._slots[replica_index][index]
-        if bucket.expect_sparse_gradient:
-            self._set_sparse_contents(replica_index, index, replica)
-        elif self._as_view:
-            self._settle_view(replica_index, index, replica, intra)
-        elif replica.fused[intra] and self._prescale:
-            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
-            grad = self._contribution(replica_index, index, replica.variables[intra])
-            if grad is None:
-                replica.views[intra].zero_()
-            else:
-                torch.div(grad, self._divisor, out=replica.views[intra])
+        if bucket.expect_sparse_gradient or self._as_view or replica.fused[intra]:
+            self._settle_at_hook(replica_index, index, bucket, replica, intra)
         # Otherwise the gradient is copied with the rest of its replica, below: see Note
         # [Copies batched per bucket replica].
         replica.pending -= 1
@@ -394,12 +391,35 @@ class Reducer:
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
-        if self._next_bucket == len(self._buckets) and not self._all_launched:
-            self._all_launched = True
-            if self._find_unused:
-                self._launch_used_map()
-            if not self._recording:  # the recording iteration finalizes by itself
-                _at_backward_end(self._finalize_from_engine)
+                # Buckets launch only here: the last launch is seen here too.
+                if self._next_bucket == len(self._buckets) and not self._all_launched:
+                    self._all_launched = True
+                    if self._find_unused:
+                        self._launch_used_map()
+                    if not self._recording:  # the recording iteration finalizes by itself
+                        _at_backward_end(self._finalize_from_engine)
+
+    def _settle_at_hook(
+        self, replica_index: int, index: int, bucket: Bucket, replica: BucketReplica, intra: int
+    ) -> None:
+        """The work a gradient needs at its own hook: a sparse one becomes its bucket's
+        contents; a bucket view is checked; a large one is divided on its way in."""
+        if bucket.expect_sparse_gradient:
+            self._set_sparse_contents(replica_index, index, replica)
+        elif self._as_view:
+            if (
+                replica.variables[intra].grad is replica.views[intra]
+                and (self._used[replica_index][index])
+            ):
+                return  # autograd accumulated into the bucket view: the usual case, done
+            self._settle_view(replica_index, index, replica, intra)
+        elif self._prescale:  # replica.fused[intra]
+            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
+            grad = self._contribution(replica_index, index, replica.variables[intra])
+            if grad is None:
+                replica.views[intra].zero_()
+            else:
+                torch.div(grad, self._divisor, out=replica.views[intra])
 
     def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
         """The dense gradient ``param`` contributes, or None where it contributes zeros
@@ -417,11 +437,21 @@ class Reducer:
     # gradient is ready. Nothing is lost by waiting: the bucket cannot launch before then, and
     # a gradient cannot change after its hook (a second accumulation would mark it ready
     # twice). Large gradients are still divided on the way in at their own hook (see Note
-    # [Division fused into the copy]).
+    # [Division fused into the copy]). In a plain iteration (every gradient arrives through
+    # its own hook, nothing unused) the copy needs no per-parameter decision at all, so the
+    # Python loop is skipped too: one list of the .grad tensors, one multi-tensor copy.
 
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
         See Note [Copies batched per bucket replica]."""
+        if self._plain_iteration and not (self._prescale and any(replica.fused)):
+            # Every parameter's hook fired with its gradient in place (see _autograd_hook), so
+            # each contributes .grad as it is: one multi-tensor copy, no per-parameter checks.
+            # A gradient that is None (reset by another hook) or sparse makes the copy raise
+            # before any harm: the checked path below then zeroes or reports it.
+            grads = [param.grad for param in replica.variables]
+            if _try_copy_all(replica.views, grads):
+                return
         destinations: list[Tensor] = []
         sources: list[Tensor] = []
         for intra, (index, param, view) in enumerate(
@@ -516,7 +546,7 @@ class Reducer:
                 # The other ranks wait for this bucket: fail here, loudly, and for good.
                 raise self._fail(
                     ReductionError(
-                        f"the comm hook {getattr(hook, '__name__', hook)!r} raised for bucket "
+                        f"the comm hook {hook_name(hook)!r} raised for bucket "
                         f"{bucket.index} on rank {self._rank()}: {type(exc).__name__}: {exc}. "
                         "The ranks are out of step now; fix the hook, then "
                         f"{self._wording.recover}"
@@ -525,13 +555,13 @@ class Reducer:
             if not _is_future(future):
                 raise self._fail(
                     ReductionError(
-                        f"the comm hook {getattr(hook, '__name__', hook)!r} returned a "
+                        f"the comm hook {hook_name(hook)!r} returned a "
                         f"{type(future).__name__} for bucket {bucket.index}, not a "
                         "torch.futures.Future; return the future of the reduction, e.g. "
                         "work.get_future().then(lambda f: f.value()[0])"
                     )
                 )
-            bucket.work = FutureWork(future, bucket.index, self._timeout)
+            bucket.work = FutureWork(future, bucket.index, self._timeout, hook_name(hook))
 
     def _launch_used_map(self) -> None:
         """Allreduce which parameters got a gradient on this rank. See Note [Unused parameters].
@@ -713,8 +743,7 @@ class Reducer:
         """
         with self._lock:
             self._check_usable("register_comm_hook")
-            if not callable(hook):
-                raise InvalidArgument(f"register_comm_hook: hook must be callable, got {hook!r}")
+            check_comm_hook(hook, GRAD_BUCKET_TYPES)
             if self._comm_hook is not None:
                 raise ReductionError(
                     "register_comm_hook: a comm hook is already registered; register one, once"
@@ -974,13 +1003,38 @@ class Reducer:
         )
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
+        """A gradient whose layout (sparse or dense) is not the one its bucket was built for."""
         got = "dense" if expected == "sparse" else "sparse"
-        flag = "True" if expected == "sparse" else "False"
-        return ReductionError(
+        what = (
             f"{describe_param(index, self._names)} got a {got} gradient but its bucket expects "
-            f"a {expected} one; pass expect_sparse_gradients[{replica_index}][{index}]={flag} "
-            "(nn.Embedding(sparse=True) gives sparse gradients)"
+            f"a {expected} one, on rank {self._rank()}"
         )
+        if self._wording.sparse_flags_from_modules:
+            # The wrapper derives the flags from nn.Embedding / nn.EmbeddingBag(sparse=True).
+            if got == "sparse":
+                fix = (
+                    "Only the weights of nn.Embedding(sparse=True) and nn.EmbeddingBag("
+                    "sparse=True) are bucketed for sparse gradients, and this parameter is not "
+                    "one: compute its sparse gradient through such a module, or make it dense "
+                    "(sparse=False, e.g. in F.embedding)"
+                )
+            else:
+                fix = (
+                    "It belongs to an nn.Embedding or nn.EmbeddingBag with sparse=True, but got "
+                    "a dense gradient: it is also used outside the module's lookup (weight "
+                    "tying, say). Build that module with sparse=False, or use its weight only "
+                    "through the lookup"
+                )
+        else:
+            # A sparse gradient needs the flag set (a bucket of its own); a dense one, cleared.
+            flag = "True" if got == "sparse" else "False"
+            fix = (
+                f"Pass expect_sparse_gradients[{replica_index}][{index}]={flag} (and bucket "
+                "assignments computed with the same flags: a sparse gradient needs a bucket of "
+                "its own). nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give "
+                "sparse gradients"
+            )
+        return ReductionError(f"{what}. {fix}.")
 
 
 # -------------------------------------------------------------------------------------------
@@ -994,7 +1048,7 @@ def _grad_ready_hook(
     reducer = reducer_ref()
     if reducer is None:
         return
-    if torch.is_grad_enabled():
+    if _grad_enabled():
         # backward(create_graph=True) runs hooks in grad mode: the reducer's copies and its
         # in-place division of leaf-derived buffers must not be recorded (autograd refuses
         # in-place ops on leaves that require grad). The checked fast path is the usual one.
@@ -1062,6 +1116,16 @@ def _at_backward_end(callback: Callable[[], None]) -> None:
 
 
 def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
+    if globally_used is None:
+        # Every parameter's .grad gets its average. Those that have a .grad take it in one
+        # multi-tensor copy; a None among them (a first backward, set_to_none) makes the
+        # copy raise, and the loop below allocates what is missing.
+        done = True
+        for replica in bucket.replicas:
+            present = [param.grad for param in replica.variables]
+            done = _try_copy_all(present, replica.views) and done
+        if done:
+            return
     grads: list[Tensor] = []
     views: list[Tensor] = []
     for replica in bucket.replicas:
@@ -1077,19 +1141,37 @@ def _write_dense(bucket: Bucket, globally_used: list[int] | None) -> None:
     _copy_all(grads, views)
 
 
+# torch's multi-tensor copy (what its optimizers use); not public API, hence the fallback.
+_FOREACH_COPY: Callable[[list[Tensor], list[Tensor]], None] | None = getattr(
+    torch, "_foreach_copy_", None
+)
+
+
 def _copy_all(destinations: list[Tensor], sources: list[Tensor]) -> None:
     """``d.copy_(s)`` for every pair, as one call.
 
     A bucket of many small parameters costs one op dispatch per ``copy_``, which dominates
-    the write-back; torch's multi-tensor ``_foreach_copy_`` (what its optimizers use) does
-    them all in one dispatch, with the same bits. It is not public API, hence the fallback.
+    the write-back; torch's multi-tensor ``_foreach_copy_`` does them all in one dispatch,
+    with the same bits.
     """
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None and len(destinations) > 1:
-        foreach_copy(destinations, sources)
+    if _FOREACH_COPY is not None and len(destinations) > 1:
+        _FOREACH_COPY(destinations, sources)
         return
     for destination, source in zip(destinations, sources, strict=True):
         destination.copy_(source)
+
+
+_MaybeTensors = list[Tensor] | list[Tensor | None]
+
+
+def _try_copy_all(destinations: _MaybeTensors, sources: _MaybeTensors) -> bool:
+    """:func:`_copy_all` where every entry is a dense tensor; False (nothing to rely on
+    copied) where some entry is None or sparse, which the caller handles one by one."""
+    try:
+        _copy_all(cast(list[Tensor], destinations), cast(list[Tensor], sources))
+    except (TypeError, RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def _adopt_hook_result(bucket: Bucket, results: list[Tensor]) -> None:

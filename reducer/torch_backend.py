@@ -70,6 +70,7 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -81,6 +82,7 @@ from torch import Tensor
 from . import _collective_args as _args
 from .errors import InvalidArgument, ReductionError
 from .process_group import ReduceOp
+from .validation import check_timeout
 
 __all__ = [
     "TorchCollectiveError",
@@ -138,9 +140,10 @@ class TorchProcessGroup:
     """``torch_pg`` (a ``torch.distributed.ProcessGroup``) as a :class:`reducer.ProcessGroup`.
 
     Pass the group itself, e.g. ``dist.group.WORLD`` after ``init_process_group`` or the result
-    of ``dist.new_group``. ``timeout`` (seconds) bounds every ``Work.wait()`` called without a
-    timeout of its own; the backend's own timeout (``init_process_group(timeout=...)``) still
-    applies underneath.
+    of ``dist.new_group``. ``timeout`` (seconds, finite, or a ``timedelta``) bounds every
+    ``Work.wait()`` called without a timeout of its own; the backend's own timeout
+    (``init_process_group(timeout=...)``) still applies underneath. Infinity is refused: every
+    wait has a deadline (and torch cannot express an infinite one either).
     """
 
     def __init__(self, torch_pg: dist.ProcessGroup, *, timeout: float = 300.0) -> None:
@@ -150,10 +153,7 @@ class TorchProcessGroup:
                 f"{type(torch_pg).__name__}; call dist.init_process_group(...) first and pass "
                 "dist.group.WORLD (or a group from dist.new_group)"
             )
-        if not timeout > 0:
-            raise InvalidArgument(
-                f"TorchProcessGroup: timeout must be > 0 seconds, got {timeout!r}"
-            )
+        self.timeout = timeout  # checked by the setter
         self._pg = torch_pg
         self._rank = torch_pg.rank()
         self._size = torch_pg.size()
@@ -161,11 +161,19 @@ class TorchProcessGroup:
         # Device type -> backend name; None where torch does not say (a group that
         # init_process_group or new_group did not create): then nothing is staged.
         self._device_backends = _device_backends(torch_pg, self._backend)
-        self.timeout = float(timeout)
         # _lock guards _seq and makes issuing a collective atomic, so sequence numbers follow
         # the order in which the backend saw the calls.
         self._lock = threading.Lock()
         self._seq = 0
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a ``Work.wait()`` without a timeout of its own waits (settable)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = check_timeout(seconds, "TorchProcessGroup")
 
     @property
     def torch_group(self) -> dist.ProcessGroup:
@@ -224,7 +232,11 @@ class TorchProcessGroup:
             return [_issued(dist.all_reduce(target, torch_op, group=self._pg, async_op=True))]
 
         what = ("allreduce", op, tensors, "")
-        return self._issue(what, issue, tensors, finish, None if stage is None else settle)
+        # One tensor, reduced where it is, nothing to divide: nothing to do on completion.
+        plain = count == 1 and stage is None and divisor == 1
+        return self._issue(
+            what, issue, tensors, None if plain else finish, None if stage is None else settle
+        )
 
     def _sparse_allreduce(self, tensors: list[Tensor], op: ReduceOp) -> TorchWork:
         count = len(tensors)
@@ -359,7 +371,10 @@ class TorchProcessGroup:
             future = torch.futures.collect_all([w.get_future() for w in works])  # type: ignore[assignment]
         # Formatted only when an error or repr needs it: this is on every bucket's path.
         description = functools.partial(_describe, kind, seq, op, tensors, extra)
-        return TorchWork(self, description, works, future, outputs, finish, settle, launched_ns)
+        direct = kind == "allreduce" and len(works) == 1 and finish is None and settle is None
+        return TorchWork(
+            self, description, works, future, outputs, finish, settle, launched_ns, direct=direct
+        )
 
     def _backend_of(self, tensor: Tensor) -> str:
         """The backend that handles ``tensor``'s device in this group."""
@@ -432,7 +447,11 @@ class TorchWork:
         finish: _Finish | None,
         settle: _Settle | None,
         launched_ns: int,
+        *,
+        direct: bool = False,
     ) -> None:
+        """``direct``: ``future`` is one backend work's, and its value is ``outputs`` as they
+        are (an allreduce of one tensor in place), so it serves as this work's future."""
         self._group = group
         self._what = what
         self._works = works
@@ -445,9 +464,14 @@ class TorchWork:
         # Set once the future (with its post-processing) completed. See Note [Waiting with a
         # deadline].
         self._done = threading.Event()
-        self._future: torch.futures.Future[list[Tensor]] = future.then(
-            lambda done: self._complete(done, finish)
-        )
+        self._future: torch.futures.Future[list[Tensor]]
+        if direct:
+            # The backend's own future, whose value is the list of reduced tensors: one
+            # Python callback per collective instead of two (each takes the GIL on the
+            # backend's thread, on the path of every bucket).
+            self._future = future  # type: ignore[assignment]
+        else:
+            self._future = future.then(lambda done: self._complete(done, finish))
         self._future.add_done_callback(self._on_done)
 
     def _on_done(self, _future: torch.futures.Future[list[Tensor]]) -> None:
@@ -472,9 +496,7 @@ class TorchWork:
     def wait(self, timeout: float | None = None) -> None:
         """Block until complete; raise :class:`TorchCollectiveTimeout` after ``timeout`` seconds
         (None: the group's ``timeout``), or :class:`TorchCollectiveError` if it failed."""
-        limit = self._group.timeout if timeout is None else float(timeout)
-        if not limit >= 0:
-            raise InvalidArgument(f"wait: timeout must be >= 0 seconds or None, got {timeout!r}")
+        limit = self._group.timeout if timeout is None else _wait_limit(timeout)
         if not self._done.wait(limit):
             raise TorchCollectiveTimeout(
                 f"{self._where()}: {self._what()} did not complete within {limit:g} s. A peer has "
@@ -488,11 +510,13 @@ class TorchWork:
                 work.wait()
             self._future.wait()
         except Exception as exc:
+            g = self._group
             raise TorchCollectiveError(
                 f"{self._where()}: {self._what()} failed: {type(exc).__name__}: "
-                f"{_first_line(exc)}. Usually a peer process died or left the group (look for "
-                "the first failing rank), or the ranks issued different collectives. The group "
-                "is unusable now: destroy it and restart every rank."
+                f"{_first_line(exc)}.{_peer_hint(str(exc), g.rank(), g.size())} Usually a peer "
+                "process died or left the group (look for the first failing rank), or the "
+                "ranks issued different collectives. The group is unusable now: destroy it and "
+                "restart every rank."
             ) from exc
         self._settle_once()
 
@@ -523,6 +547,43 @@ class TorchWork:
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<reducer.TorchWork {self._what()} {self._where()} {state}>"
+
+
+# Note [Naming the peer of a failed collective]
+# gloo reports a broken connection by the peer's socket address only ("Connection closed by
+# peer [10.0.0.2]:41234"), not its rank, and nothing public maps addresses to ranks: the port
+# may be the peer's listening port or an ephemeral one, depending on which side connected, and
+# several ranks share a host's address. So the rank is named where it follows from the group
+# alone (a group of two: the other rank); otherwise the message lists the ranks the peer can
+# be, and says that the rank whose own log shows the first error is the one that failed.
+_PEER_ADDRESS = re.compile(r"\[([^\]\s]+)\]:(\d+)")
+
+
+def _peer_hint(message: str, rank: int, size: int) -> str:
+    """A sentence naming the rank of the peer whose address a backend error gives, or ""."""
+    found = _PEER_ADDRESS.search(message)
+    if found is None or size < 2:
+        return ""
+    where = f"{found.group(1)}:{found.group(2)}"
+    others = [r for r in range(size) if r != rank]
+    if len(others) == 1:
+        return (
+            f" The peer at {where} is rank {others[0]}, the only other rank of this group: "
+            f"its log shows why it stopped."
+        )
+    shown = ", ".join(map(str, others[:16])) + (" and more" if len(others) > 16 else "")
+    return (
+        f" The peer at {where} is one of ranks {shown} (the backend names peers by address "
+        "only, and ranks on one host share it): the rank whose log shows the first error is "
+        "the one that stopped."
+    )
+
+
+def _wait_limit(timeout: object) -> float:
+    """A wait's own timeout: 0 (poll) or a finite number of seconds."""
+    if timeout == 0 and not isinstance(timeout, bool):
+        return 0.0
+    return check_timeout(timeout, "TorchWork.wait")
 
 
 def _first_line(exc: BaseException) -> str:

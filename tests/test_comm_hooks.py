@@ -8,13 +8,18 @@ bfloat16 for the compressing hooks).
 
 from __future__ import annotations
 
+import pickle
+import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import rank_input, run_ranks, seeded
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg
 import reducer
@@ -244,7 +249,8 @@ def hook_errors(hook: Callable[..., Any], state: object = None) -> list[str]:
 
 
 def test_a_hook_that_returns_no_future_is_reported() -> None:
-    def returns_tensor(state: object, bucket: reducer.GradBucket) -> Tensor:
+    # Unannotated: an annotated "-> Tensor" is refused at registration already (see below).
+    def returns_tensor(state: object, bucket: reducer.GradBucket):  # type: ignore[no-untyped-def]
         return bucket.buffer()
 
     for message in hook_errors(returns_tensor):
@@ -371,3 +377,635 @@ def test_a_hook_that_returns_no_future_is_refused() -> None:
 
     with pytest.raises(reducer.ReductionError, match="returned a Tensor for bucket 0, not a"):
         grads_with_hook(bad)
+
+
+# -------------------------------------------------------------------------------------------
+# Registration refuses what torch's register_comm_hook refuses, with torch's error types.
+
+
+def annotated(bucket: object = None, returns: object = None) -> Callable[..., Any]:
+    """An allreduce hook whose annotations are the given objects (not strings)."""
+
+    def hook(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+        return reducer.allreduce_hook(state, bucket)
+
+    hook.__annotations__ = {
+        **({} if bucket is None else {"bucket": bucket}),
+        **({} if returns is None else {"return": returns}),
+    }
+    return hook
+
+
+def registration_error(hook: object) -> BaseException | None:
+    with fakepg.World(1) as world:
+        params = list(build().parameters())
+        with reducer.Reducer([params], [list(range(len(params)))], world.group(0)) as red:
+            try:
+                red.register_comm_hook(None, hook)  # type: ignore[arg-type]
+            except Exception as exc:
+                return exc
+    return None
+
+
+BAD_HOOKS = {
+    "not callable": ("not a hook", TypeError, "Communication hook must be callable"),
+    "bucket: int": (
+        annotated(bucket=int),
+        ValueError,
+        "Communication hook: bucket annotation should be dist.GradBucket",
+    ),
+    "-> int": (
+        annotated(returns=int),
+        ValueError,
+        "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]",
+    ),
+    "bucket: 'int' (a string)": (
+        annotated(bucket="int"),
+        ValueError,
+        "bucket annotation should be dist.GradBucket",
+    ),
+    "-> Future[int]": (
+        annotated(returns=torch.futures.Future[int]),
+        ValueError,
+        "return annotation should be torch.futures.Future[torch.Tensor]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HOOKS))
+def test_registration_refuses_what_torch_refuses(case: str) -> None:
+    hook, kind, words = BAD_HOOKS[case]
+    error = registration_error(hook)
+    assert isinstance(error, kind) and isinstance(error, reducer.InvalidArgument), error
+    assert words in str(error)
+    if kind is TypeError:
+        assert isinstance(error, ValueError)  # what this method raised before: still caught
+    else:
+        assert "annotate" in str(error) and "'annotated.<locals>.hook'" in str(error)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        annotated(),
+        annotated(bucket=reducer.GradBucket, returns=torch.futures.Future[Tensor]),
+        annotated(bucket=dist.GradBucket, returns=torch.futures.Future[torch.Tensor]),
+        annotated(bucket="reducer.GradBucket", returns="torch.futures.Future[torch.Tensor]"),
+        annotated(bucket="dist.GradBucket", returns="Future[Tensor]"),
+        default_hooks.allreduce_hook,  # written for torch: annotated with dist.GradBucket
+        reducer.fp16_compress_wrapper(reducer.allreduce_hook),
+        reducer.powerSGD_hook,
+        reducer.batched_powerSGD_hook,
+        reducer.post_localSGD_hook,
+    ],
+    ids=lambda h: getattr(h, "__qualname__", repr(h)),
+)
+def test_registration_accepts_grad_bucket_and_future_annotations(hook: object) -> None:
+    assert registration_error(hook) is None
+
+
+def test_the_wrapper_refuses_at_registration_too() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        ddp = DDP(build(), pg)
+        with pytest.raises(TypeError, match="Communication hook must be callable"):
+            ddp.register_comm_hook(None, 42)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"bucket annotation should be dist\.GradBucket"):
+            ddp.register_comm_hook(None, annotated(bucket=int))
+        ddp.register_comm_hook(None, reducer.allreduce_hook)  # nothing was registered before
+        loss_of(ddp, pg.rank()).backward()
+
+    run_ranks(fn, 2)
+
+
+def test_torch_refuses_the_same_hooks_with_the_same_error_types() -> None:
+    """torch's own check, on the same hooks (through torch's DDP on a one-rank fake world)."""
+    fakepg.register_torch_backend()
+    hook_before = sys.excepthook  # init_process_group chains sys.excepthook
+
+    def fn(_pg: fakepg.FakeProcessGroup) -> dict[str, tuple[type, str] | None]:
+        seen: dict[str, tuple[type, str] | None] = {}
+        cases = {name: hook for name, (hook, _, _) in BAD_HOOKS.items()}
+        cases["torch's allreduce_hook"] = default_hooks.allreduce_hook
+        for name, hook in cases.items():
+            ddp = nn.parallel.DistributedDataParallel(build())
+            try:
+                ddp.register_comm_hook(None, hook)
+                seen[name] = None
+            except Exception as exc:
+                seen[name] = (type(exc), str(exc))
+        return seen
+
+    try:
+        (torch_errors,) = fakepg.run_torch(fn, 1, timeout=20.0)
+    finally:
+        sys.excepthook = hook_before
+    assert torch_errors.pop("torch's allreduce_hook") is None
+    assert registration_error(default_hooks.allreduce_hook) is None
+    for name, torch_error in torch_errors.items():
+        assert torch_error is not None, name
+        torch_kind, torch_message = torch_error
+        ours = registration_error(BAD_HOOKS[name][0])
+        assert isinstance(ours, torch_kind), (name, torch_kind, ours)
+        assert torch_message in str(ours), (name, torch_message)
+
+
+# -------------------------------------------------------------------------------------------
+# A hook's future must hold a tensor.
+
+
+def test_a_hook_future_holding_none_names_the_hook_and_bucket() -> None:
+    def forgets_to_return(state: object, bucket: reducer.GradBucket) -> torch.Future[Tensor]:
+        pg = state
+        assert isinstance(pg, fakepg.FakeProcessGroup)
+        buffer = bucket.buffer().div_(pg.size())
+
+        def done(future: torch.Future[list[Tensor]]) -> None:
+            future.value()  # no return: the future's value is None
+
+        return pg.allreduce([buffer]).get_future().then(done)  # type: ignore[arg-type]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(build(), pg, bucket_cap_mb=TINY_MB)
+        ddp.register_comm_hook(pg, forgets_to_return)
+        with pytest.raises(reducer.ReductionError) as info:
+            loss_of(ddp, pg.rank()).backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert "'forgets_to_return' returned a future for bucket 0 that completed" in message
+        assert "with None, not a tensor" in message
+        assert "then(lambda fut: fut.value()[0])" in message
+
+
+# -------------------------------------------------------------------------------------------
+# fp16_compress_wrapper / bf16_compress_wrapper: any hook, on a low-precision copy.
+
+
+WRAPPERS = [
+    (reducer.fp16_compress_wrapper, reducer.fp16_compress_hook, torch.float16),
+    (reducer.bf16_compress_wrapper, reducer.bf16_compress_hook, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("wrapper", "hook", "dtype"), WRAPPERS)
+def test_a_compress_wrapper_around_allreduce_is_the_compress_hook(
+    wrapper: Callable[[reducer.CommHook], reducer.CommHook],
+    hook: reducer.CommHook,
+    dtype: torch.dtype,
+) -> None:
+    """Cast to ``dtype``, divide by W, sum in rank order in ``dtype``, cast back: bit for bit,
+    and the same bits as the compress hook."""
+    wrapped = wrapper(reducer.allreduce_hook)
+    assert wrapped.__name__ == f"{wrapper.__name__}_hook"  # type: ignore[attr-defined]
+    got = ddp_grads(wrapped, steps=2)
+    plain = ddp_grads(hook, steps=2)
+    for step in range(2):
+        per_rank = [local_grads(r, step) for r in range(WORLD)]
+        for i in range(len(per_rank[0])):
+            want = in_rank_order([per_rank[r][i].to(dtype).div_(WORLD) for r in range(WORLD)])
+            for rank in range(WORLD):
+                assert got[rank][step][i].dtype == torch.float32
+                assert torch.equal(got[rank][step][i], want.float()), (step, i, rank)
+                assert torch.equal(got[rank][step][i], plain[rank][step][i])
+
+
+@pytest.mark.parametrize(("wrapper", "dtype"), [(w, d) for w, _, d in WRAPPERS])
+def test_the_wrapped_hook_sees_the_low_precision_buffer(
+    wrapper: Callable[[reducer.CommHook], reducer.CommHook], dtype: torch.dtype
+) -> None:
+    """The wrapped hook sees ``dtype`` in buffer() and gradients(); what it returns (here the
+    buffer times the rank, not divided) is cast back into the bucket."""
+    seen: dict[int, list[tuple[torch.dtype, list[torch.dtype], bool]]] = {}
+
+    def times_rank(state: object, bucket: reducer.GradBucket) -> torch.Future[Tensor]:
+        pg = state
+        assert isinstance(pg, fakepg.FakeProcessGroup)
+        buffer = bucket.buffer()
+        views = all(
+            g.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            for g in bucket.gradients()
+        )
+        seen.setdefault(pg.rank(), []).append(
+            (buffer.dtype, [g.dtype for g in bucket.gradients()], views)
+        )
+        return reducer.comm_hooks.completed(buffer.mul_(pg.rank() + 1))
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+        model = build()
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB)
+        ddp.register_comm_hook(pg, wrapper(times_rank))
+        loss_of(ddp, pg.rank()).backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    results = run_ranks(fn, 2)
+    for rank, grads in enumerate(results):
+        assert all(b == dtype and set(gs) == {dtype} and v for b, gs, v in seen[rank])
+        for got, local in zip(grads, local_grads(rank), strict=True):
+            assert torch.equal(got, local.to(dtype).mul_(rank + 1).float())
+
+
+def test_a_compress_wrapper_refuses_what_is_not_a_hook() -> None:
+    with pytest.raises(TypeError, match="fp16_compress_wrapper wraps a comm hook"):
+        reducer.fp16_compress_wrapper("allreduce")  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------------
+# PowerSGD.
+
+
+class Layers(nn.Module):
+    """Matrices PowerSGD compresses (8 x 16, two 8 x 8) and vectors it does not (biases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.d = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        out: Tensor = self.d(torch.tanh(self.c(h)))
+        return out
+
+
+def layers() -> Layers:
+    return seeded(Layers, seed=11)
+
+
+def layers_loss(model: nn.Module, rank: int, step: int) -> Tensor:
+    out: Tensor = model(rank_input(rank, (5, 16), step))
+    return out.pow(2).sum()
+
+
+def powersgd_grads(
+    world_size: int,
+    steps: int,
+    hook: reducer.CommHook | None,
+    state_of: Callable[[], object] = lambda: None,
+    **ddp_kwargs: Any,
+) -> list[list[list[Tensor]]]:
+    """Per rank and step, the gradients of ``layers()`` under DDP with ``hook`` (each rank its
+    own state from ``state_of``)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        model = layers()
+        ddp = DDP(model, pg, **ddp_kwargs)
+        if hook is not None:
+            ddp.register_comm_hook(state_of(), hook)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            layers_loss(ddp, pg.rank(), step).backward()
+            out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return out
+
+    return run_ranks(fn, world_size)
+
+
+@pytest.mark.parametrize("hook", [reducer.powerSGD_hook, reducer.batched_powerSGD_hook])
+def test_powersgd_during_warm_up_is_allreduce_bit_for_bit(hook: reducer.CommHook) -> None:
+    def state() -> reducer.PowerSGDState:
+        return reducer.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=3)
+
+    plain = powersgd_grads(WORLD, 4, None)
+    got = powersgd_grads(WORLD, 4, hook, state)
+    for rank in range(WORLD):
+        for step in range(3):
+            for g, w in zip(got[rank][step], plain[rank][step], strict=True):
+                assert torch.equal(g, w), (rank, step)
+        # The fourth step compresses: the weights differ from the exact average.
+        assert not torch.equal(got[rank][3][0], plain[rank][3][0])
+
+
+def test_powersgd_reduces_vectors_exactly_and_matrices_alike_on_every_rank() -> None:
+    """After warm-up, without error feedback: the biases (not compressed) are (sum in rank
+    order) / W, bit for bit, as torch's hook computes them; the compressed weights differ from
+    the exact average but every rank gets the same bits; the state counts what it
+    compressed."""
+    states: dict[int, reducer.PowerSGDState] = {}
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        model = layers()
+        ddp = DDP(model, pg)
+        state = states[pg.rank()] = reducer.PowerSGDState(
+            None, matrix_approximation_rank=2, start_powerSGD_iter=2, use_error_feedback=False
+        )
+        ddp.register_comm_hook(state, reducer.powerSGD_hook)
+        out = []
+        for step in range(4):
+            ddp.zero_grad(set_to_none=True)
+            layers_loss(ddp, pg.rank(), step).backward()
+            out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return out
+
+    results = run_ranks(fn, WORLD)
+    names = [n for n, _ in layers().named_parameters()]
+    for step in (2, 3):
+        local = []
+        for rank in range(WORLD):
+            model = layers()
+            layers_loss(model, rank, step).backward()
+            local.append([p.grad for p in model.parameters()])
+        for i, name in enumerate(names):
+            for rank in range(1, WORLD):
+                assert torch.equal(results[rank][step][i], results[0][step][i]), (step, name)
+            exact = in_rank_order([local[r][i] for r in range(WORLD)]) / WORLD  # type: ignore[misc]
+            if name != "a.weight":
+                # Vectors, 8 x 8 and 4 x 8 at rank 2 ((n + m) * 2 * 2 >= n m): not compressed.
+                assert torch.equal(results[0][step][i], exact), (step, name)
+            else:
+                assert not torch.equal(results[0][step][i], exact), (step, name)
+    for state in states.values():
+        assert state.iter == 4
+        # Two compressed iterations, each: a.weight's 8 * 16 numbers as (8 + 16) * 2.
+        rate, before, after = state.compression_stats()
+        params = sum(p.numel() for p in layers().parameters())
+        assert before == 2 * params
+        assert after == 2 * (params - 128 + 48)
+        assert rate == before / after
+
+
+def test_a_powersgd_state_shared_by_two_ranks_is_refused() -> None:
+    shared = reducer.PowerSGDState(None, start_powerSGD_iter=2)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = DDP(build(), pg)
+        ddp.register_comm_hook(shared, reducer.powerSGD_hook)
+        for step in range(2):  # the second hook call on each rank sees the other's at the latest
+            try:
+                loss_of(ddp, pg.rank(), step).backward()
+            except reducer.ReductionError as exc:  # one rank is refused, its peer fails too
+                return str(exc)
+        return ""
+
+    messages = run_ranks(fn, 2)
+    refused = [m for m in messages if "Give every rank its own PowerSGDState" in m]
+    assert len(refused) >= 1 and all(m for m in messages)
+    assert re.search(r"is used by rank [01] and by rank [01]", refused[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"start_powerSGD_iter": 1}, "Expect `start_powerSGD_iter` > 1"),
+        ({"matrix_approximation_rank": 0}, "matrix_approximation_rank must be an int >= 1"),
+        ({"min_compression_rate": -1}, "min_compression_rate must be a finite number >= 0"),
+        ({"orthogonalization_epsilon": float("nan")}, "orthogonalization_epsilon must be"),
+        ({"start_powerSGD_iter": 2.5}, "start_powerSGD_iter must be an int >= 0"),
+    ],
+)
+def test_powersgd_state_refuses_bad_hyperparameters(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        reducer.PowerSGDState(None, **kwargs)
+
+
+def test_powersgd_state_pickles_without_its_group() -> None:
+    state = reducer.PowerSGDState(object(), start_powerSGD_iter=2, random_seed=3)
+    state.error_dict[0] = torch.arange(3.0)
+    state.iter = 5
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.process_group is None and restored.iter == 5
+    assert torch.equal(restored.error_dict[0], torch.arange(3.0))
+    assert restored.rng.randint(1_000_000_000) == state.rng.randint(1_000_000_000)
+
+
+def torch_powersgd_state(**kwargs: Any) -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    return torch_powersgd.PowerSGDState(None, **kwargs)
+
+
+POWERSGD_CONFIGS = {
+    "rank 1, error feedback, warm start": {"matrix_approximation_rank": 1},
+    "rank 3 (QR), no warm start": {
+        "matrix_approximation_rank": 3,
+        "warm_start": False,
+        "min_compression_rate": 0.5,
+    },
+    "rank 2, batched same shapes": {
+        "matrix_approximation_rank": 2,
+        "batch_tensors_with_same_shape": True,
+        "min_compression_rate": 0.5,
+    },
+    "rank 1, no error feedback, epsilon": {
+        "matrix_approximation_rank": 1,
+        "use_error_feedback": False,
+        "orthogonalization_epsilon": 1e-8,
+    },
+}
+
+
+@pytest.mark.parametrize("config", list(POWERSGD_CONFIGS))
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "fp16 wrapper"])
+def test_powersgd_matches_torchs_hook_in_torchs_ddp(config: str, wrap: bool) -> None:
+    """Differential, bit for bit: this DDP with this powerSGD_hook against torch's DDP with
+    torch's, on a one-rank fake world (torch's hook blocks inside future callbacks, which
+    the fake world runs on the thread that completes every rank's collective: with several
+    ranks it cannot run there). Five steps: two of warm-up, then compression with its state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    kwargs = {"start_powerSGD_iter": 2, **POWERSGD_CONFIGS[config]}
+    fakepg.register_torch_backend()
+    hook_before = sys.excepthook
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+        ours, theirs = layers(), layers()
+        ddp = DDP(ours, pg)
+        torch_ddp = nn.parallel.DistributedDataParallel(theirs)
+        our_hook: reducer.CommHook = reducer.powerSGD_hook
+        their_hook = torch_powersgd.powerSGD_hook
+        if wrap:
+            our_hook = reducer.fp16_compress_wrapper(our_hook)
+            their_hook = default_hooks.fp16_compress_wrapper(their_hook)
+        ddp.register_comm_hook(reducer.PowerSGDState(None, **kwargs), our_hook)
+        torch_ddp.register_comm_hook(torch_powersgd_state(**kwargs), their_hook)
+        traces: tuple[list[list[Tensor]], list[list[Tensor]]] = ([], [])
+        for step in range(5):
+            for model, wrapper, trace in ((ours, ddp, traces[0]), (theirs, torch_ddp, traces[1])):
+                model.zero_grad(set_to_none=True)
+                layers_loss(wrapper, pg.rank(), step).backward()
+                trace.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        assert ddp.reducer.bucket_indices == [list(range(7, -1, -1))]  # one bucket, as torch's
+        return traces
+
+    try:
+        ((ours, theirs),) = fakepg.run_torch(fn, 1, timeout=30.0)
+    finally:
+        sys.excepthook = hook_before
+    plain = [layers() for _ in range(5)]
+    for step in range(5):
+        layers_loss(plain[step], 0, step).backward()
+        for i, (got, want) in enumerate(zip(ours[step], theirs[step], strict=True)):
+            assert torch.equal(got, want), (step, i)
+        if step >= 2 and not wrap:  # compressed: not the plain gradient any more
+            assert not torch.equal(ours[step][0], plain[step].a.weight.grad)
+
+
+# -------------------------------------------------------------------------------------------
+# Post-local SGD.
+
+
+def post_local_grads(
+    start: int, *, subgroups: bool, post_local_allreduce: bool = True, steps: int = 3
+) -> list[list[list[Tensor]]]:
+    """Per rank and step on 4 ranks; with ``subgroups``, ranks {0, 1} and {2, 3} average
+    together after ``start`` (each pair a fake world of its own)."""
+    pairs = [fakepg.World(2, timeout=20.0), fakepg.World(2, timeout=20.0)]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        model = build()
+        ddp = DDP(model, pg, bucket_cap_mb=TINY_MB)
+        rank = pg.rank()
+        subgroup = pairs[rank // 2].group(rank % 2) if subgroups else None
+        state = reducer.PostLocalSGDState(None, subgroup, start, post_local_allreduce)
+        ddp.register_comm_hook(state, reducer.post_localSGD_hook)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            loss_of(ddp, rank, step).backward()
+            out.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return out
+
+    try:
+        return run_ranks(fn, 4)
+    finally:
+        for world in pairs:
+            world.close()
+
+
+def test_post_local_sgd_averages_globally_then_within_the_subgroup() -> None:
+    got = post_local_grads(2, subgroups=True)
+    for step in range(3):
+        local = [local_grads(r, step) for r in range(4)]
+        for rank in range(4):
+            members = range(4) if step < 2 else range(2 * (rank // 2), 2 * (rank // 2) + 2)
+            for i, grad in enumerate(got[rank][step]):
+                terms = [local[r][i] / len(members) for r in members]
+                assert torch.equal(grad, in_rank_order(terms)), (step, rank, i)
+
+
+def test_post_local_sgd_without_gradient_allreduce_keeps_local_gradients() -> None:
+    got = post_local_grads(1, subgroups=True, post_local_allreduce=False)
+    for rank in range(4):
+        for i, grad in enumerate(got[rank][1]):
+            assert torch.equal(grad, local_grads(rank, 1)[i])
+
+
+def test_post_local_sgd_without_a_subgroup_warns_and_stays_global() -> None:
+    with pytest.warns(UserWarning, match="subgroup=None.*the global group is used throughout"):
+        reducer.PostLocalSGDState(None, None, 1)
+    with pytest.warns(UserWarning, match="subgroup=None"):
+        got = post_local_grads(1, subgroups=False, steps=2)
+    for step in range(2):
+        local = [local_grads(r, step) for r in range(4)]
+        for rank in range(4):
+            for i, grad in enumerate(got[rank][step]):
+                assert torch.equal(grad, in_rank_order([local[r][i] / 4 for r in range(4)]))
+
+
+def torch_and_ours(
+    world_size: int,
+    steps: int,
+    ours: Callable[[], tuple[object, Any]],
+    theirs: Callable[[], tuple[object, Any]],
+) -> list[tuple[list[list[Tensor]], list[list[Tensor]]]]:
+    """Per rank: this DDP with ``ours()`` = (state, hook) and torch's DDP with ``theirs()``,
+    on copies of ``layers()``, the same data, one fake world registered with torch."""
+    fakepg.register_torch_backend()
+    hook_before = sys.excepthook
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+        mine, torch_model = layers(), layers()
+        ddp = DDP(mine, pg)
+        torch_ddp = nn.parallel.DistributedDataParallel(torch_model)
+        ddp.register_comm_hook(*ours())
+        torch_ddp.register_comm_hook(*theirs())
+        traces: tuple[list[list[Tensor]], list[list[Tensor]]] = ([], [])
+        for step in range(steps):
+            for model, wrapper, trace in (
+                (mine, ddp, traces[0]),
+                (torch_model, torch_ddp, traces[1]),
+            ):
+                model.zero_grad(set_to_none=True)
+                layers_loss(wrapper, pg.rank(), step).backward()
+                trace.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+        return traces
+
+    try:
+        return fakepg.run_torch(fn, world_size, timeout=30.0)
+    finally:
+        sys.excepthook = hook_before
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (
+            lambda: (None, reducer.fp16_compress_wrapper(reducer.allreduce_hook)),
+            lambda: (None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
+        ),
+        (
+            lambda: (reducer.PowerSGDState(None, start_powerSGD_iter=10), reducer.powerSGD_hook),
+            lambda: (torch_powersgd_state(start_powerSGD_iter=10), torch_powersgd_hook()),
+        ),
+    ],
+    # (torch refuses its bf16 hooks without CUDA and NCCL; the bf16 wrapper's exact
+    # reference is above.)
+    ids=["fp16_compress_wrapper", "powerSGD warm-up"],
+)
+def test_elementwise_hooks_match_torchs_on_three_ranks(
+    ours: Callable[[], tuple[object, Any]], theirs: Callable[[], tuple[object, Any]]
+) -> None:
+    """Differential, bit for bit, on three ranks: the compression wrapper (cast, divide, sum
+    in rank order, cast back) and PowerSGD's warm-up (divide, allreduce) reduce element by
+    element, so the bucket layouts (torch's first iteration has one bucket) do not matter."""
+    for rank, (mine, torch_trace) in enumerate(torch_and_ours(3, 3, ours, theirs)):
+        for step in range(3):
+            for i, (got, want) in enumerate(zip(mine[step], torch_trace[step], strict=True)):
+                assert torch.equal(got, want), (rank, step, i)
+
+
+def torch_powersgd_hook() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    return torch_powersgd.powerSGD_hook
+
+
+class SparseAndDense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 8, sparse=True)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        out: Tensor = self.head(self.emb(idx))
+        return out
+
+
+@pytest.mark.parametrize("hook", [reducer.powerSGD_hook, reducer.batched_powerSGD_hook])
+def test_powersgd_reduces_a_sparse_gradient_as_it_is(hook: reducer.CommHook) -> None:
+    """nn.Embedding(sparse=True) has nothing to approximate: after warm-up its gradient is
+    what no hook gives, bit for bit, while the dense bucket is compressed."""
+
+    def run(with_hook: bool) -> list[list[Tensor]]:
+        def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+            model = seeded(SparseAndDense)
+            ddp = DDP(model, pg)
+            if with_hook:
+                state = reducer.PowerSGDState(None, start_powerSGD_iter=2)
+                ddp.register_comm_hook(state, hook)
+            for step in range(3):
+                ddp.zero_grad(set_to_none=True)
+                idx = torch.tensor([[pg.rank(), 2, (pg.rank() + step) % 7]])
+                ddp(idx).pow(2).sum().backward()
+            grad = model.emb.weight.grad
+            assert grad is not None and grad.is_sparse
+            return [grad.coalesce().to_dense(), model.head.weight.grad]  # type: ignore[list-item]
+
+        return run_ranks(fn, WORLD)
+
+    for (emb, head), (plain_emb, plain_head) in zip(run(True), run(False), strict=True):
+        assert torch.equal(emb, plain_emb)
+        assert not torch.equal(head, plain_head)  # compressed

@@ -673,3 +673,124 @@ def test_reentrant_checkpointing_of_the_whole_model_finalizes_at_the_outer_end(
             for i, (got, exp) in enumerate(zip(results[rank][step], want, strict=True)):
                 assert got is not None and exp is not None
                 assert torch.equal(got, exp), f"step {step}, rank {rank}, parameter {i}"
+
+
+# -------------------------------------------------------------------------------------------
+# Bad input: each a clear error of the right type that names the argument and the fix.
+
+
+def test_a_parameter_that_does_not_require_grad_is_named() -> None:
+    params = [nn.Parameter(torch.zeros(2)), torch.zeros(3)]
+    with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument) as info:
+        reducer.Reducer([params], [[0, 1]], world.group(0), param_names=["w", "frozen.bias"])
+    assert "parameter 1 ('frozen.bias') of replica 0 does not require grad" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "kind", "words"),
+    [
+        (-1, ValueError, "timeout must be > 0 seconds, got -1"),
+        (0, ValueError, "timeout must be > 0 seconds, got 0"),
+        (float("nan"), ValueError, "timeout must be > 0 seconds, got nan"),
+        (float("inf"), ValueError, "timeout must be a finite number of seconds"),
+        ("30", TypeError, "timeout must be a number of seconds"),
+        (None, TypeError, "timeout must be a number of seconds"),
+    ],
+)
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(
+    timeout: object, kind: type, words: str
+) -> None:
+    p = nn.Parameter(torch.zeros(2))
+    with fakepg.World(1) as world, pytest.raises(kind) as info:
+        reducer.Reducer([[p]], [[0]], world.group(0), timeout=timeout)  # type: ignore[arg-type]
+    assert isinstance(info.value, reducer.InvalidArgument)
+    assert str(info.value).startswith(f"Reducer: {words}")
+
+
+def test_a_timedelta_timeout_is_accepted() -> None:
+    import datetime
+
+    model = mlp()
+    with fakepg.World(1) as world:
+        params = list(model.parameters())
+        red = reducer.Reducer(
+            [params], [list(range(6))], world.group(0), timeout=datetime.timedelta(minutes=2)
+        )
+        assert red._timeout == 120.0
+        red.close()
+
+
+class _Tied(nn.Module):
+    """nn.Embedding(sparse=True) whose weight is also the output layer's: its gradient is the
+    sum of a sparse and a dense one, dense."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.emb(ids) @ self.emb.weight.t()).sum()
+
+
+class _FunctionalSparse(nn.Module):
+    """A sparse gradient from F.embedding(sparse=True), not from an nn.Embedding module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.table, sparse=True).sum()
+
+
+IDS = torch.tensor([1, 3, 3])
+
+
+def test_a_sparse_gradient_in_a_dense_bucket_asks_for_the_flag_set_to_true() -> None:
+    model = Embed()
+    with fakepg.World(1) as world, reducer_for(model, world.group(0)) as red:
+        red.prepare_for_backward([])
+        with pytest.raises(reducer.ReductionError) as info:
+            embed_loss(model, 0).backward()
+    message = str(info.value)
+    assert "'emb.weight') got a sparse gradient but its bucket expects a dense one" in message
+    assert "expect_sparse_gradients[0][0]=True" in message and "[0][0]=False" not in message
+
+
+def test_a_dense_gradient_in_a_sparse_bucket_asks_for_the_flag_set_to_false() -> None:
+    model = seeded(_Tied)
+    with fakepg.World(1) as world:
+        params = list(model.parameters())
+        with reducer.Reducer(
+            [params], [[0]], world.group(0), [[True]], param_names=names_of(model)
+        ) as red:
+            red.prepare_for_backward([])
+            with pytest.raises(reducer.ReductionError) as info:
+                model(IDS).backward()
+    message = str(info.value)
+    assert "'emb.weight') got a dense gradient but its bucket expects a sparse one" in message
+    assert "expect_sparse_gradients[0][0]=False" in message and "[0][0]=True" not in message
+
+
+@pytest.mark.parametrize(
+    ("module", "got", "words"),
+    [
+        (_FunctionalSparse, "sparse", "compute its sparse gradient through such a module"),
+        (_Tied, "dense", "also used outside the module's lookup (weight tying, say)"),
+    ],
+)
+def test_through_the_wrapper_a_layout_error_points_at_the_module(
+    module: type[nn.Module], got: str, words: str
+) -> None:
+    """The wrapper has no expect_sparse_gradients argument: it reads nn.Embedding(sparse=...)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        ddp = reducer.DistributedDataParallel(seeded(module), pg)
+        with pytest.raises(reducer.ReductionError) as info:
+            ddp(IDS).backward()
+        return str(info.value)
+
+    for message in run_ranks(fn, 2):
+        assert f"got a {got} gradient" in message and words in message
+        assert "expect_sparse_gradients" not in message
+        assert "nn.Embedding" in message

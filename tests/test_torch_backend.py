@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -450,6 +451,25 @@ def test_a_dead_peer_surfaces_in_wait(gloo: list[dict[str, Any]]) -> None:
     assert elapsed < 15.0
 
 
+def test_a_dead_peer_is_named_by_its_rank(gloo: list[dict[str, Any]]) -> None:
+    """gloo names the peer by address only; in a group of two it is the other rank."""
+    _, message, _ = gloo[0]["peer died"]
+    assert re.search(r"The peer at [^ ]+:\d+ is rank 1, the only other rank", message), message
+
+
+def test_a_peer_address_in_a_larger_group_lists_the_ranks_it_can_be() -> None:
+    from reducer.torch_backend import _peer_hint
+
+    error = "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:41234."
+    assert _peer_hint(error, 2, 4) == (
+        " The peer at 10.0.0.7:41234 is one of ranks 0, 1, 3 (the backend names peers by "
+        "address only, and ranks on one host share it): the rank whose log shows the first "
+        "error is the one that stopped."
+    )
+    assert _peer_hint(error, 0, 2).startswith(" The peer at 10.0.0.7:41234 is rank 1,")
+    assert _peer_hint("Connection reset by peer", 0, 2) == ""  # no address: nothing to add
+
+
 # -------------------------------------------------------------------------------------------
 # On the fakepg torch backend: threads of this process, so failures can be staged precisely.
 
@@ -575,6 +595,46 @@ def test_staged_tensors_are_copied_back_in_wait() -> None:
         assert before == [10.0, 10.0]
         assert after == [[5.75, 5.75]] * 2  # (1 + 10 + 2 + 10) / 4
         assert gathered == [0.0, 3.0] and root == [1.0] and future == [3.0]
+
+
+@pytest.mark.parametrize(
+    ("timeout", "kind", "words"),
+    [
+        (float("inf"), ValueError, "timeout must be a finite number of seconds"),
+        (float("nan"), ValueError, "timeout must be > 0 seconds, got nan"),
+        (-1.0, ValueError, "timeout must be > 0 seconds, got -1.0"),
+        ("60", TypeError, "timeout must be a number of seconds"),
+    ],
+)
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(
+    timeout: object, kind: type, words: str
+) -> None:
+    """Refused at construction, when set later, and for one wait: before, infinity was
+    accepted, and every wait then raised OverflowError."""
+
+    def fn(pg: reducer.TorchProcessGroup) -> None:
+        with pytest.raises(kind, match=re.escape(f"TorchProcessGroup: {words}")):
+            reducer.TorchProcessGroup(pg.torch_group, timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(kind, match=re.escape(words)):
+            pg.timeout = timeout  # type: ignore[assignment]
+        assert pg.timeout == 10.0
+        work = pg.allreduce([torch.ones(1)])
+        with pytest.raises(kind, match=re.escape(f"TorchWork.wait: {words}")):
+            work.wait(timeout=timeout)  # type: ignore[arg-type]
+        work.wait()
+
+    on_fakepg(fn)
+
+
+def test_a_timedelta_timeout_and_a_zero_wait_are_accepted() -> None:
+    def fn(pg: reducer.TorchProcessGroup) -> float:
+        group = reducer.TorchProcessGroup(pg.torch_group, timeout=timedelta(minutes=1))
+        work = pg.allreduce([torch.ones(1)])
+        work.wait()
+        work.wait(timeout=0)  # a poll of a completed work
+        return group.timeout
+
+    assert on_fakepg(fn) == [60.0, 60.0]
 
 
 def test_torch_process_group_rejects_what_is_not_a_group() -> None:
