@@ -262,7 +262,7 @@ def test_a_callback_waiting_for_its_own_collectives_is_not_declared_stuck() -> N
             total = 0.0
             for _step in range(steps):
                 if pg.rank() == 1:
-                    time.sleep(0.3)  # 5 x 0.3 s in all, longer than the 1 s timeout
+                    time.sleep(0.5)  # 5 x 0.5 s in all, longer than the 2 s timeout
                 t = torch.ones(1)
                 total += float(pg.allreduce([t]).get_future().wait()[0][0])
             return total
@@ -271,4 +271,4 @@ def test_a_callback_waiting_for_its_own_collectives_is_not_declared_stuck() -> N
         chained.wait()
         return future.wait()
 
-    assert fakepg.run(fn, 3, timeout=1.0) == [3.0 * steps] * 3
+    assert fakepg.run(fn, 3, timeout=2.0) == [3.0 * steps] * 3
