@@ -83,7 +83,8 @@ class Timer:
     """One daemon thread that runs callbacks at given times, for simulated network time.
 
     # Guarantees: ``call_at`` is safe from any thread. Callbacks run on the timer thread in
-    # deadline order, never before their deadline, and must not raise or block. ``close``
+    # deadline order, never before their deadline, and must not raise or block (they may
+    # call ``call_at``). ``close``
     # drops callbacks not yet due (the world fails their collectives first) and joins the
     # thread. Deadlines are on the ``time.perf_counter_ns`` clock, the one collectives'
     # timings use, so "completed no earlier than the deadline" holds exactly.
@@ -103,14 +104,16 @@ class Timer:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self._name}: the world is closed; no collective can run")
-            heapq.heappush(self._heap, (deadline_ns, self._count, callback))
+            entry = (deadline_ns, self._count, callback)
+            heapq.heappush(self._heap, entry)
             self._count += 1
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"{self._name}-timer", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0] is entry:  # a new earliest deadline: the thread sleeps too long
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:

@@ -60,7 +60,35 @@ in fakepg.collectives). :func:`run_torch` does all of it for you::
 # fakepg.world), so batch_isend_irecv works as torch runs it, one op at a time. A receive from
 # any source is refused (its match would depend on thread timing). torch's Python-side
 # ``dist.monitored_barrier`` accepts only gloo groups; registering the backend lets it call a
-# fakepg group's own monitored_barrier (see _install_monitored_barrier).
+# fakepg group's own monitored_barrier (see _install_monitored_barrier). The works are
+# completed, and their futures' callbacks run, on each rank's own completion thread (see Note
+# [Completion lanes] in fakepg.completion).
+
+# Note [The bindings' argument forms]
+# torch's C++ bindings give each collective of a ProcessGroup two forms: the one torch's
+# dispatcher calls, with tensor lists and an options object (``allreduce([t], opts)``), and
+# convenience overloads that take one tensor and plain arguments (``allreduce(t, op,
+# timeout)``, ``broadcast(t, root)``, ``reduce(t, root, op)``, ``allgather(outputs, t)``,
+# ``gather(outputs, t, root)``, ``scatter(t, inputs, root)``, ``reduce_scatter(t, inputs,
+# op)``, ``barrier(timeout)``), which wrap the tensor in a list and fill in the options. On a
+# C++ group pybind picks the overload; a Python backend *is* the group, so Python code that
+# calls it directly reaches the Python method in either form: torch's DDP calls
+# ``process_group.allreduce(local_used_map)`` with a bare tensor on a rank that has joined
+# (``_match_unused_params_allreduce``). So each method takes both forms and converts the
+# convenience one as the bindings do (a tensor becomes a list of it; an op, a root or a
+# timeout fills in the options); anything else is a TypeError naming the argument. A timeout
+# (the convenience argument, or a set ``opts.timeout``) bounds the waits of that work.
+
+# Note [Works that C++ keeps]
+# A work of this backend is a Python subclass of ``dist.Work``. torch's C++ side reaches only
+# its ``wait`` and ``get_future``, and only while its Python object lives (pybind's trampoline
+# finds the override through it); ``result()`` is never reached (the C++ base raises). torch's
+# DDP under ``join(divide_by_initial_world_size=False)`` hands the work of Join's notifying
+# all_reduce to its C++ reducer, which keeps it past the Python object's life and later calls
+# ``wait()`` and ``result()`` to learn how many ranks still train: the base ``wait`` waits
+# for nothing that ever happens (a hang). So that handoff gets a C++ Work made from the work's
+# future (``_create_work_from_future``: ``result()`` reads the future's value, ``wait()``
+# waits for it, bounded by the world's watchdog).
 
 # Note [Subgroups through torch]
 # ``dist.new_group`` and DeviceMesh create a group per call on every rank thread, each with the
@@ -133,6 +161,7 @@ def register_torch_backend() -> None:
     with _PROCESS_LOCK:
         _install_per_thread_worlds()
         _install_monitored_barrier()
+        _install_forward_pass_work_handle()
         if not hasattr(dist.Backend, _BACKEND.upper()):
             dist.Backend.register_backend(
                 _BACKEND, _create_backend, extended_api=True, devices=["cpu"]
@@ -288,78 +317,135 @@ class _TorchGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return _BACKEND
 
-    # torch passes its options objects positionally; defaults of None stand for "no options".
-    # The overrides ignore [override]: torch's stub overloads each method with the C++-only
-    # convenience forms, but a Python backend receives exactly these arguments.
+    # torch's dispatcher calls these with tensor lists and an options object; Python code that
+    # holds the group may call them in the bindings' convenience forms too. See Note [The
+    # bindings' argument forms]. The overrides ignore [override]: torch's stub lists the
+    # overloads of the C++ bindings, which one Python method cannot spell.
 
-    def allreduce(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
-        op = _reduce_op(opts, "allreduce")
-        return self._work([self._fake.allreduce(list(tensors), op)], list(tensors))
+    def allreduce(  # type: ignore[override]
+        self, tensors: Any, opts: Any = None, timeout: Any = None, *, op: Any = None
+    ) -> _TorchWork:
+        what = "allreduce"
+        seconds = _seconds(opts, timeout, what)
+        tensors = _tensor_list(tensors, what, "tensors")
+        reduce_op = _reduce_op(opts if op is None else op, what)
+        work = self._fake.allreduce(tensors, reduce_op)
+        return self._work([work], tensors, seconds)
 
-    def allreduce_coalesced(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:
-        op = _reduce_op(opts, "allreduce_coalesced")
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> _TorchWork:
+        what = "allreduce_coalesced"
+        seconds = _seconds(opts, None, what)
+        tensors = _tensor_list(tensors, what, "tensors", bare=False)
+        op = _reduce_op(opts, what)
         works = [self._fake.allreduce([t], op) for t in tensors]
-        return self._work(works, list(tensors))
+        return self._work(works, tensors, seconds)
 
-    def reduce(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
-        op = _reduce_op(opts, "reduce")
-        root = 0 if opts is None else int(opts.rootRank)
-        return self._work([self._fake.reduce(list(tensors), root, op)], list(tensors))
+    def reduce(  # type: ignore[override]
+        self,
+        tensors: Any,
+        opts: Any = None,
+        op: Any = None,
+        timeout: Any = None,
+        *,
+        root: Any = None,
+    ) -> _TorchWork:
+        what = "reduce"
+        seconds = _seconds(opts, timeout, what)
+        tensors = _tensor_list(tensors, what, "tensors")
+        root_rank = _root(opts if root is None else root, what)
+        reduce_op = _reduce_op(_options_or_none(opts) if op is None else op, what)
+        work = self._fake.reduce(tensors, root_rank, reduce_op)
+        return self._work([work], tensors, seconds)
 
-    def broadcast(self, tensors: list[Tensor], opts: Any = None) -> _TorchWork:  # type: ignore[override]
-        root = 0 if opts is None else int(opts.rootRank)
-        return self._work([self._fake.broadcast(list(tensors), root)], list(tensors))
+    def broadcast(  # type: ignore[override]
+        self, tensors: Any, opts: Any = None, timeout: Any = None, *, root: Any = None
+    ) -> _TorchWork:
+        what = "broadcast"
+        seconds = _seconds(opts, timeout, what)
+        tensors = _tensor_list(tensors, what, "tensors")
+        root_rank = _root(opts if root is None else root, what)
+        work = self._fake.broadcast(tensors, root_rank)
+        return self._work([work], tensors, seconds)
 
     def allgather(  # type: ignore[override]
-        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+        self, output_lists: Any, inputs: Any, opts: Any = None, timeout: Any = None
     ) -> _TorchWork:
-        outputs = [list(out) for out in output_lists]
-        work = self._fake.allgather(outputs, list(inputs))
-        return self._work([work], [t for out in outputs for t in out])
+        what = "allgather"
+        seconds = _seconds(opts, timeout, what)
+        if isinstance(inputs, Tensor):  # allgather(output_tensors, input_tensor)
+            outputs = [_tensor_list(output_lists, what, "output_tensors", bare=False)]
+            inputs = [inputs]
+        else:
+            outputs = _tensor_lists(output_lists, what, "output_tensors")
+            inputs = _tensor_list(inputs, what, "input_tensors", bare=False)
+        work = self._fake.allgather(outputs, inputs)
+        flat = [t for out in outputs for t in out]
+        return self._work([work], flat, seconds)
 
-    def allgather_coalesced(
-        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
-    ) -> _TorchWork:
+    def allgather_coalesced(self, output_lists: Any, inputs: Any, opts: Any = None) -> _TorchWork:
         return self.allgather(output_lists, inputs, opts)
 
     def all_gather_single(
         self, output: Tensor, input_tensor: Tensor, opts: Any = None
     ) -> _TorchWork:
         """all_gather_into_tensor: rank r's input lands in the r-th chunk of the output."""
-        return self._work([self._fake.allgather_into_tensor(output, input_tensor)], [output])
+        seconds = _seconds(opts, None, "all_gather_into_tensor")
+        work = self._fake.allgather_into_tensor(output, input_tensor)
+        return self._work([work], [output], seconds)
 
     def _allgather_base(self, output: Tensor, input_tensor: Tensor, opts: Any = None) -> _TorchWork:
         return self.all_gather_single(output, input_tensor, opts)
 
     def all_gather_single_coalesced(
-        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+        self, outputs: Any, inputs: Any, opts: Any = None
     ) -> _TorchWork:
-        work = self._fake.allgather_into_tensor_coalesced(list(outputs), list(inputs))
-        return self._work([work], list(outputs))
+        what = "allgather_into_tensor_coalesced"
+        seconds = _seconds(opts, None, what)
+        outputs = _tensor_list(outputs, what, "outputs", bare=False)
+        inputs = _tensor_list(inputs, what, "inputs", bare=False)
+        work = self._fake.allgather_into_tensor_coalesced(outputs, inputs)
+        return self._work([work], outputs, seconds)
 
     def allgather_into_tensor_coalesced(
-        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+        self, outputs: Any, inputs: Any, opts: Any = None
     ) -> _TorchWork:
         return self.all_gather_single_coalesced(outputs, inputs, opts)
 
     def reduce_scatter(  # type: ignore[override]
-        self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
+        self,
+        outputs: Any,
+        input_lists: Any,
+        opts: Any = None,
+        timeout: Any = None,
+        *,
+        op: Any = None,
     ) -> _TorchWork:
-        op = _reduce_op(opts, "reduce_scatter")
-        if len(outputs) != 1 or len(input_lists) != 1:
-            raise ValueError(
-                f"reduce_scatter on the '{_BACKEND}' backend takes one output and one input "
-                f"list, got {len(outputs)} and {len(input_lists)}"
-            )
-        work = self._fake.reduce_scatter(outputs[0], list(input_lists[0]), op)
-        return self._work([work], list(outputs))
+        what = "reduce_scatter"
+        seconds = _seconds(opts, timeout, what)
+        if isinstance(outputs, Tensor):  # reduce_scatter(output, input_list, op)
+            output, inputs = outputs, _tensor_list(input_lists, what, "input_tensors", bare=False)
+        else:
+            outs = _tensor_list(outputs, what, "output_tensors", bare=False)
+            lists = _tensor_lists(input_lists, what, "input_tensors")
+            if len(outs) != 1 or len(lists) != 1:
+                raise ValueError(
+                    f"reduce_scatter on the '{_BACKEND}' backend takes one output and one "
+                    f"input list, got {len(outs)} and {len(lists)}"
+                )
+            output, inputs = outs[0], lists[0]
+        reduce_op = _reduce_op(opts if op is None else op, what)
+        work = self._fake.reduce_scatter(output, inputs, reduce_op)
+        return self._work([work], [output], seconds)
 
     def reduce_scatter_single(
         self, output: Tensor, input_tensor: Tensor, opts: Any = None
     ) -> _TorchWork:
         """reduce_scatter_tensor: rank r gets the reduction of every rank's r-th chunk."""
-        op = _reduce_op(opts, "reduce_scatter_tensor")
-        return self._work([self._fake.reduce_scatter_tensor(output, input_tensor, op)], [output])
+        what = "reduce_scatter_tensor"
+        seconds = _seconds(opts, None, what)
+        op = _reduce_op(opts, what)
+        work = self._fake.reduce_scatter_tensor(output, input_tensor, op)
+        return self._work([work], [output], seconds)
 
     def _reduce_scatter_base(
         self, output: Tensor, input_tensor: Tensor, opts: Any = None
@@ -367,19 +453,28 @@ class _TorchGroup(dist.ProcessGroup):
         return self.reduce_scatter_single(output, input_tensor, opts)
 
     def reduce_scatter_single_coalesced(
-        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+        self, outputs: Any, inputs: Any, opts: Any = None
     ) -> _TorchWork:
-        op = _reduce_op(opts, "reduce_scatter_tensor_coalesced")
-        work = self._fake.reduce_scatter_tensor_coalesced(list(outputs), list(inputs), op)
-        return self._work([work], list(outputs))
+        what = "reduce_scatter_tensor_coalesced"
+        seconds = _seconds(opts, None, what)
+        outputs = _tensor_list(outputs, what, "outputs", bare=False)
+        inputs = _tensor_list(inputs, what, "inputs", bare=False)
+        op = _reduce_op(opts, what)
+        work = self._fake.reduce_scatter_tensor_coalesced(outputs, inputs, op)
+        return self._work([work], outputs, seconds)
 
     def reduce_scatter_tensor_coalesced(
-        self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None
+        self, outputs: Any, inputs: Any, opts: Any = None
     ) -> _TorchWork:
         return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
 
-    def alltoall(self, outputs: list[Tensor], inputs: list[Tensor], opts: Any = None) -> _TorchWork:
-        return self._work([self._fake.all_to_all(list(outputs), list(inputs))], list(outputs))
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> _TorchWork:
+        what = "alltoall"
+        seconds = _seconds(opts, None, what)
+        outputs = _tensor_list(outputs, what, "output_tensors", bare=False)
+        inputs = _tensor_list(inputs, what, "input_tensors", bare=False)
+        work = self._fake.all_to_all(outputs, inputs)
+        return self._work([work], outputs, seconds)
 
     def all_to_all_single(
         self,
@@ -389,10 +484,11 @@ class _TorchGroup(dist.ProcessGroup):
         input_split_sizes: list[int] | None,
         opts: Any = None,
     ) -> _TorchWork:
+        seconds = _seconds(opts, None, "all_to_all_single")
         work = self._fake.all_to_all_single(
             output, input_tensor, output_split_sizes, input_split_sizes
         )
-        return self._work([work], [output])
+        return self._work([work], [output], seconds)
 
     def alltoall_base(
         self,
@@ -406,28 +502,47 @@ class _TorchGroup(dist.ProcessGroup):
             output, input_tensor, output_split_sizes, input_split_sizes, opts
         )
 
-    def gather(  # type: ignore[override]
-        self, output_lists: list[list[Tensor]], inputs: list[Tensor], opts: Any = None
+    def gather(
+        self, output_lists: Any, inputs: Any, opts: Any = None, timeout: Any = None
     ) -> _TorchWork:
-        root = 0 if opts is None else int(opts.rootRank)
-        gather_list = list(output_lists[0]) if output_lists else None
-        tensor = _single(inputs, "gather")
+        what = "gather"
+        seconds = _seconds(opts, timeout, what)
+        if isinstance(inputs, Tensor):  # gather(output_tensors, input_tensor, root)
+            outputs = [_tensor_list(output_lists, what, "output_tensors", bare=False)]
+            tensor = inputs
+        else:
+            outputs = _tensor_lists(output_lists, what, "output_tensors")
+            tensor = _single(_tensor_list(inputs, what, "input_tensors", bare=False), what)
+        root = _root(opts, what)
+        # Ranks other than the root pass no list (torch's gather) or an empty one (the
+        # convenience form).
+        gather_list = list(outputs[0]) if outputs and outputs[0] else None
         work = self._fake.gather(tensor, gather_list, root)
-        return self._work([work], gather_list or [])
+        return self._work([work], gather_list or [], seconds)
 
-    def scatter(  # type: ignore[override]
-        self, outputs: list[Tensor], input_lists: list[list[Tensor]], opts: Any = None
+    def scatter(
+        self, outputs: Any, input_lists: Any, opts: Any = None, timeout: Any = None
     ) -> _TorchWork:
-        root = 0 if opts is None else int(opts.rootRank)
-        scatter_list = list(input_lists[0]) if input_lists else None
-        tensor = _single(outputs, "scatter")
-        return self._work([self._fake.scatter(tensor, scatter_list, root)], [tensor])
+        what = "scatter"
+        seconds = _seconds(opts, timeout, what)
+        if isinstance(outputs, Tensor):  # scatter(output_tensor, input_tensors, root)
+            tensor = outputs
+            lists = [_tensor_list(input_lists, what, "input_tensors", bare=False)]
+        else:
+            tensor = _single(_tensor_list(outputs, what, "output_tensors", bare=False), what)
+            lists = _tensor_lists(input_lists, what, "input_tensors")
+        root = _root(opts, what)
+        scatter_list = list(lists[0]) if lists and lists[0] else None
+        work = self._fake.scatter(tensor, scatter_list, root)
+        return self._work([work], [tensor], seconds)
 
-    def send(self, tensors: list[Tensor], dst: int, tag: int = 0) -> _TorchWork:
-        return self._work([self._fake.send(list(tensors), dst, tag)], list(tensors))
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> _TorchWork:
+        tensors = _tensor_list(tensors, "send", "tensors", bare=False)
+        return self._work([self._fake.send(tensors, dst, tag)], tensors)
 
-    def recv(self, tensors: list[Tensor], src: int, tag: int = 0) -> _TorchWork:
-        return self._work([self._fake.recv(list(tensors), src, tag)], list(tensors))
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> _TorchWork:
+        tensors = _tensor_list(tensors, "recv", "tensors", bare=False)
+        return self._work([self._fake.recv(tensors, src, tag)], tensors)
 
     def recv_anysource(self, tensors: list[Tensor], tag: int = 0) -> _TorchWork:
         raise RuntimeError(
@@ -436,8 +551,9 @@ class _TorchGroup(dist.ProcessGroup):
             "deterministic; pass src"
         )
 
-    def barrier(self, opts: Any = None) -> _TorchWork:
-        return self._work([self._fake.barrier()], [])
+    def barrier(self, opts: Any = None, timeout: Any = None) -> _TorchWork:  # type: ignore[override]
+        seconds = _seconds(opts, timeout, "barrier")
+        return self._work([self._fake.barrier()], [], seconds)
 
     def monitored_barrier(
         self, timeout: timedelta | None = None, wait_all_ranks: bool = False
@@ -446,11 +562,46 @@ class _TorchGroup(dist.ProcessGroup):
         seconds = None if timeout is None else timeout.total_seconds()
         self._fake.monitored_barrier(seconds, wait_all_ranks)
 
-    def _work(self, works: list[Work], outputs: list[Tensor]) -> _TorchWork:
-        return _TorchWork(works, outputs, self._fake.world.timeout)
+    def _work(
+        self, works: list[Work], outputs: list[Tensor], timeout: float | None = None
+    ) -> _TorchWork:
+        return _TorchWork(works, outputs, self._fake.world.timeout if timeout is None else timeout)
 
     def __repr__(self) -> str:
         return f"<fakepg torch group rank={self._fake.rank()} size={self._fake.size()}>"
+
+
+# -------------------------------------------------------------------------------------------
+# Arguments as torch's bindings take them. See Note [The bindings' argument forms].
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, list | tuple):
+        inner = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(inner) or 'nothing'}"
+    return type(value).__name__
+
+
+def _tensor_list(value: object, what: str, name: str, *, bare: bool = True) -> list[Tensor]:
+    """``value`` as a list of tensors; with ``bare``, one tensor stands for a list of it (as
+    the bindings' convenience forms wrap it)."""
+    if bare and isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, list | tuple) and all(isinstance(t, Tensor) for t in value):
+        return list(value)
+    wanted = "a tensor or a list of tensors" if bare else "a list of tensors"
+    raise TypeError(
+        f"{what} on the '{_BACKEND}' backend: {name} must be {wanted}, got {_kind(value)}"
+    )
+
+
+def _tensor_lists(value: object, what: str, name: str) -> list[list[Tensor]]:
+    if isinstance(value, list | tuple) and all(isinstance(v, list | tuple) for v in value):
+        return [_tensor_list(v, what, f"each of {name}", bare=False) for v in value]
+    raise TypeError(
+        f"{what} on the '{_BACKEND}' backend: {name} must be a list of lists of tensors, got "
+        f"{_kind(value)}"
+    )
 
 
 def _single(tensors: Sequence[Tensor], what: str) -> Tensor:
@@ -461,16 +612,54 @@ def _single(tensors: Sequence[Tensor], what: str) -> Tensor:
     return tensors[0]
 
 
-def _reduce_op(opts: Any, what: str) -> ReduceOp:
-    if opts is None:
+def _options_or_none(opts: Any) -> Any:
+    """``opts`` if it is an options object (it has ``timeout``), else None."""
+    return opts if hasattr(opts, "timeout") else None
+
+
+def _reduce_op(value: Any, what: str) -> ReduceOp:
+    """The op of an options object, a ``dist.ReduceOp`` or one of its members; SUM for None."""
+    if value is None:
         return ReduceOp.SUM
-    op = _OPS.get(opts.reduceOp.op)
+    red = getattr(value, "reduceOp", value)  # options -> its dist.ReduceOp
+    red = getattr(red, "op", red)  # dist.ReduceOp -> its member
+    op = _OPS.get(red) if isinstance(red, dist.ReduceOp.RedOpType) else None
     if op is None:
         raise ValueError(
-            f"{what} on the '{_BACKEND}' torch backend: reduce op {opts.reduceOp.op} is not "
-            "supported; use SUM, AVG, PRODUCT, MIN or MAX (for PREMUL_SUM, multiply first)"
+            f"{what} on the '{_BACKEND}' torch backend: reduce op {red} is not supported; use "
+            "SUM, AVG, PRODUCT, MIN or MAX (for PREMUL_SUM, multiply first)"
         )
     return op
+
+
+def _root(value: Any, what: str) -> int:
+    """The root of an options object, or a rank given as it is; 0 for None."""
+    if value is None:
+        return 0
+    root = getattr(value, "rootRank", value)
+    if isinstance(root, bool) or not isinstance(root, int):
+        raise TypeError(
+            f"{what} on the '{_BACKEND}' backend: the root must be a rank (an int) or an "
+            f"options object, got {_kind(value)}"
+        )
+    return root
+
+
+def _seconds(opts: Any, timeout: Any, what: str) -> float | None:
+    """The timeout of this collective in seconds: ``timeout`` (the convenience argument; a
+    timedelta passed where the options go counts too), else a set ``opts.timeout``; None for
+    the world's."""
+    if timeout is None:
+        timeout = opts if isinstance(opts, timedelta) else getattr(opts, "timeout", None)
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"{what} on the '{_BACKEND}' backend: timeout must be a datetime.timedelta, got "
+            f"{_kind(timeout)}"
+        )
+    seconds = timeout.total_seconds()
+    return seconds if seconds > 0 else None  # torch's unset timeout is negative
 
 
 class _TorchWork(dist.Work):
@@ -479,7 +668,7 @@ class _TorchWork(dist.Work):
     def __init__(self, works: Sequence[Work], outputs: list[Tensor], timeout: float) -> None:
         super().__init__()
         self._works = list(works)
-        self._timeout = timeout  # the world's default, for waits without a timeout
+        self._timeout = timeout  # the collective's timeout, for waits without one
         self._outputs = outputs
         self._future: torch.futures.Future[list[Tensor]] | None = None
         self._future_done = threading.Event()
@@ -487,22 +676,20 @@ class _TorchWork(dist.Work):
         self._lock = threading.Lock()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        # torch's "no timeout" is zero: then the world's default timeout bounds the wait.
+        # torch's "no timeout" is zero: then the collective's timeout bounds the wait.
         seconds = timeout.total_seconds()
-        limit = seconds if seconds > 0 else None
+        limit = seconds if seconds > 0 else self._timeout
         for work in self._works:
             work.wait(limit)
         with self._lock:
             future = self._future
-        if future is not None:
-            # The future completes in the fake world's done-callbacks, just after the works'
-            # Events are set: after wait() returns, the future must be done too.
-            bound = self._timeout if limit is None else limit
-            if not self._future_done.wait(bound):
-                raise RuntimeError(
-                    f"fakepg torch backend: the collective completed but its future did not "
-                    f"within {bound:g} s (a done-callback of it is blocked)"
-                )
+        # The future completes on this rank's completion thread once the works are done (see
+        # Note [Completion lanes] in fakepg.completion): after wait() returns, it must be too.
+        if future is not None and not self._future_done.wait(limit):
+            raise RuntimeError(
+                f"fakepg torch backend: the collective completed but its future did not "
+                f"within {limit:g} s (a done-callback before it on this rank is blocked)"
+            )
         return True
 
     def is_completed(self) -> bool:
@@ -537,6 +724,15 @@ class _TorchWork(dist.Work):
 
         parts = [work.get_future() for work in self._works]
         return torch.futures.collect_all(parts).then(unpack)
+
+    def as_cpp_work(self) -> dist.Work:
+        """This work as a C++ Work, for C++ code that keeps it. See Note [Works that C++
+        keeps]."""
+        # torch's documented way for Python backends to build a C++ Work; private by name.
+        c10d_ext: Any = torch._C._distributed_c10d
+        create = c10d_ext._create_work_from_future
+        work: dist.Work = create(self.get_future())
+        return work
 
 
 def _value_or_raise(done: torch.futures.Future[list[Tensor]]) -> list[Tensor]:
@@ -663,3 +859,28 @@ def _install_monitored_barrier() -> None:
     if dist.monitored_barrier is not _monitored_barrier:
         dist.monitored_barrier = _monitored_barrier
         _c10d.monitored_barrier = _monitored_barrier
+
+
+# -------------------------------------------------------------------------------------------
+# The forward pass's work, kept by torch's C++ reducer. See Note [Works that C++ keeps].
+
+_Reducer: Any = torch._C._distributed_c10d.Reducer
+_torch_set_forward_pass_work_handle = _Reducer._set_forward_pass_work_handle
+
+
+def _set_forward_pass_work_handle(reducer: Any, work: Any, use_static_world_size: bool) -> None:
+    """torch's ``Reducer._set_forward_pass_work_handle``, given a C++ Work for a fakepg one."""
+    if isinstance(work, _TorchWork):
+        work = work.as_cpp_work()
+    _torch_set_forward_pass_work_handle(reducer, work, use_static_world_size)
+
+
+def _install_forward_pass_work_handle() -> None:
+    """Hand torch's C++ reducer fakepg works it can keep, once.
+
+    A private torch API, unavoidably: the C++ reducer's method is where torch's DDP (under
+    ``join(divide_by_initial_world_size=False)``) gives C++ a work issued from Python, and
+    nothing public lets a Python work serve C++ ``result()``.
+    """
+    if _Reducer._set_forward_pass_work_handle is not _set_forward_pass_work_handle:
+        _Reducer._set_forward_pass_work_handle = _set_forward_pass_work_handle

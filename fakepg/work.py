@@ -2,13 +2,15 @@
 
 # Guarantees: a Collective finishes exactly once, successfully or with an error, from whichever
 # thread gets there first (the executor after the last kernel task, a rank whose wait timed
-# out, an abort). ``finish`` is safe from any thread and never blocks on the world's lock, so it
-# may be called with that lock held. Done-callbacks run after the state is published, outside
-# every lock, on the finishing thread. Work methods are safe from any thread.
+# out, the world's watchdog, an abort). ``finish`` is safe from any thread, never blocks and
+# never runs a callback, so it may be called with the world's lock held: each rank's
+# done-callbacks are posted to that rank's completion lane (see Note [Completion lanes] in
+# fakepg.completion), in the order collectives finish. Work methods are safe from any thread.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from .collectives import RULES, Fingerprint, Task
 from .faults import FakePGError
 
 if TYPE_CHECKING:
+    from .completion import Lane
     from .world import Channel, World
 
 __all__ = ["Work"]
@@ -43,15 +46,25 @@ class Collective:
         self.fingerprints: dict[int, Fingerprint] = {}
         self.payloads: dict[int, Any] = {}
         self.launched_ns: dict[int, int] = {}
+        # Per rank, the nesting level of the thread that issued it (see Note [Completion
+        # lanes]); and the lanes whose callbacks issued it, told when it finishes.
+        self.levels: dict[int, int] = {}
+        self.issuer_lanes: list[Lane] = []
+        self.created_ns = time.perf_counter_ns()
         # Timings, written before `done` is set, so readers after `done` see them.
         self.started_ns: int | None = None
         self.completed_ns: int | None = None
         self.done = threading.Event()
-        # _lock guards _error_for, _parts_left and _callbacks: the first finish wins.
+        # _lock guards _error_for, _parts_left, _callbacks and waiters: the first finish wins.
         self._lock = threading.Lock()
         self._error_for: ErrorFactory | None = None
         self._parts_left = 0
-        self._callbacks: list[Callable[[], None]] = []
+        # Per rank, callbacks not yet delivered: added while pending, or after finish but
+        # before the rank's lane ran them (those join the delivery).
+        self._callbacks: dict[int, list[Callable[[], None]]] = {}
+        # Ranks inside Work.wait: they have deadlines of their own, so the world's watchdog
+        # leaves the collective to them (see Note [Every collective has a deadline]).
+        self.waiters = 0
 
     def describe(self) -> str:
         """``allreduce #3 (op=SUM)``, ``broadcast #0 (root=1) in group [0, 2]``, ``send/recv
@@ -116,35 +129,44 @@ class Collective:
         if last:
             self.finish(None)
 
-    def finish(
-        self, error_for: ErrorFactory | None, *, defer: list[Callable[[], None]] | None = None
-    ) -> bool:
+    def finish(self, error_for: ErrorFactory | None) -> bool:
         """End the collective (with an error if ``error_for``); False if it had already ended.
 
-        Callbacks run on this thread, or are appended to ``defer`` for a caller that holds a
-        lock and must run them after releasing it (a callback may issue a collective).
+        Each rank's callbacks go to its completion lane; none runs here.
         """
+        completions = self.world.completions
         with self._lock:
             if self.done.is_set():
                 return False
             self._error_for = error_for
-            self.completed_ns = time.perf_counter_ns()
-            callbacks, self._callbacks = self._callbacks, []
-            self.done.set()
-        if defer is not None:
-            defer.extend(callbacks)
-        else:
-            for callback in callbacks:
-                callback()
+            # One lock for every lane: collectives reach the lanes in the order they finish.
+            with completions.lock:
+                now = time.perf_counter_ns()
+                self.completed_ns = now
+                self.done.set()
+                what = self.describe() if self._callbacks else ""
+                for rank in self._callbacks:
+                    deliver = functools.partial(self._deliver, rank)
+                    completions.post_locked(rank, self.levels.get(rank, 0), deliver, what)
+                for lane in self.issuer_lanes:
+                    completions.collective_finished_locked(lane, now)
         return True
 
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once finished: now, on this thread, if it already is."""
+    def add_done_callback(self, rank: int, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on rank ``rank``'s completion lane once finished; at once, on this
+        thread, if it already finished and the rank's earlier callbacks were delivered."""
         with self._lock:
-            if not self.done.is_set():
-                self._callbacks.append(callback)
+            if not self.done.is_set() or rank in self._callbacks:
+                self._callbacks.setdefault(rank, []).append(callback)
                 return
         callback()
+
+    def _deliver(self, rank: int) -> None:
+        """On rank ``rank``'s lane: run its callbacks, those added meanwhile included."""
+        with self._lock:
+            callbacks = self._callbacks.pop(rank, [])
+        for callback in callbacks:
+            callback()
 
 
 def _internal_error(collective: Collective, exc: BaseException) -> ErrorFactory:
@@ -178,8 +200,14 @@ class Work:
         c = self._collective
         checked = _args.check_timeout(timeout, "Work.wait", RULES)
         limit = c.world.timeout if checked is None else checked
-        if not c.done.wait(limit):
-            c.world._wait_timed_out(c, self._rank, limit)
+        with c._lock:
+            c.waiters += 1
+        try:
+            if not c.done.wait(limit):
+                c.world._wait_timed_out(c, self._rank, limit)
+        finally:
+            with c._lock:
+                c.waiters -= 1
         error = c.error_for(self._rank)
         if error is not None:
             raise error
@@ -199,7 +227,9 @@ class Work:
         return list(self._outputs)
 
     def get_future(self) -> torch.futures.Future[list[Tensor]]:
-        """A torch Future that completes with :meth:`result` (or the error) when done."""
+        """A torch Future that completes with :meth:`result` (or the error) when done, on this
+        rank's completion thread (see Note [Completion lanes] in fakepg.completion): its
+        ``then`` callbacks run there, in the order the rank's collectives complete."""
         future: torch.futures.Future[list[Tensor]] = torch.futures.Future()
 
         def complete() -> None:
@@ -210,7 +240,7 @@ class Work:
             else:
                 future.set_result(self.result())
 
-        self._collective.add_done_callback(complete)
+        self._collective.add_done_callback(self._rank, complete)
         return future
 
     # Timings on the perf_counter_ns clock, for overlap checks and traces.

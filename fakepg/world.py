@@ -5,9 +5,11 @@ sequence number]), checks that the ranks agree on it, and hands it to its execut
 last rank has joined. :func:`run` starts one thread per rank and makes sure that a failure
 anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 
-# Guarantees: each FakeProcessGroup is meant for its rank's threads (the rank's own thread and
-# autograd's), but every method of World, FakeProcessGroup and Work is thread-safe. A world
-# holds no global state; any number of worlds run at once in one process, nested or not.
+# Guarantees: each FakeProcessGroup is meant for its rank's threads (the rank's own thread,
+# autograd's, and its completion threads, where its futures' callbacks run), but every method
+# of World, FakeProcessGroup and Work is thread-safe. A world holds no global state; any
+# number of worlds run at once in one process, nested or not. Threads a world starts (the
+# data workers, the timer, the ranks' completion threads) are joined by its close().
 
 # Note [Matching by sequence number]
 # A *channel* is one sequence space: the collectives of one group (the whole world, or a
@@ -17,6 +19,19 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # the first one's, else the collective fails on every member with a message that shows both
 # sides. A rank that finished its function (see ``run``) can never join a later number, so
 # collectives that wait for it fail at once instead of timing out.
+
+# Note [Every collective has a deadline]
+# A rank may wait for a collective without a deadline of its own: on a torch future
+# (``fut.wait()`` is C++ and waits forever), in torch's C++ reducer, or in a future's callback
+# (torch's PowerSGD hook waits there). So a Work.wait timeout alone would not end a hang: the
+# world itself watches every collective. ``timeout`` seconds after the first rank issued it,
+# a collective that some rank has still not issued fails on every rank, with the error a
+# timed-out wait gives (it names the ranks that never issued it), unless some rank is inside
+# Work.wait, whose own deadline then decides. A failed collective fails its futures too: the
+# callbacks waiting on them raise, their futures fail, and the rank's error ends the run.
+# (Once every rank has issued it, a collective's data moves and it finishes by itself.) A
+# callback that blocks on anything else is caught by its lane: see Note [Completion lanes]
+# in fakepg.completion.
 
 # Note [Subgroups]
 # A subgroup is a channel over some of the world's ranks, with its own sequence numbers, as a
@@ -58,6 +73,7 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -70,10 +86,12 @@ from torch import Tensor
 
 from . import collectives as _c
 from . import rng as _rng
+from .completion import Completions
 from .executor import Executor, Timer, default_thread_count
 from .faults import (
     CollectiveMismatch,
     CollectiveTimeout,
+    FakePGError,
     RankExited,
     WorldAborted,
     format_ranks,
@@ -146,11 +164,22 @@ class World:
         name = f"fakepg-{id(self):x}"
         self.executor = Executor(threads or default_thread_count(), name=name)
         self.timer = Timer(name=name)
-        # If a world is dropped without close(), still stop its daemon workers.
-        weakref.finalize(self, _close_threads, self.executor, self.timer)
+        # Each rank's done-callbacks run on threads of its own; the handler holds the world
+        # weakly (a finalizer's arguments must not keep the world alive).
+        on_failure = weakref.WeakMethod(self._callback_failed)
+        self.completions = Completions(
+            name,
+            timeout=self.timeout,
+            timer=self.timer,
+            on_failure=lambda *args: _call_if_alive(on_failure, *args),
+        )
+        # If a world is dropped without close(), still stop its daemon threads.
+        weakref.finalize(
+            self, _close_threads, self.executor, self.timer, self.completions, self.timeout
+        )
         # _lock guards every field below, every Channel's fields and the membership fields of
         # each Collective; it is never held while running a callback or waiting. Lock order:
-        # World._lock, then a Collective's own lock.
+        # World._lock, then a Collective's own lock, then the completions' lock.
         self._lock = threading.Lock()
         self._channels: dict[Hashable, Channel] = {}
         self._active: set[Collective] = set()  # not yet finished (pending or moving data)
@@ -158,6 +187,9 @@ class World:
         self._views: dict[tuple[Hashable, int], FakeProcessGroup] = {}
         self._abort: BaseException | None = None
         self._abort_rank: int | None = None
+        # A failure the world itself detected (a stuck completion callback), which run()
+        # re-raises first: every rank's error is a consequence of it.
+        self._own_failure: tuple[int, BaseException] | None = None
         self._closed = False
         # See Note [One link per world]: when (perf_counter_ns) the simulated link finishes its
         # last transfer.
@@ -250,7 +282,8 @@ class World:
     ) -> Work:
         """``rank`` (a world rank) issues its next collective on ``channel``."""
         now = time.perf_counter_ns()
-        deferred: list[Callable[[], None]] = []
+        # Issued from a callback on a completion lane? See Note [Completion lanes].
+        lane = self.completions.current_lane()
         with self._lock:
             if self._abort is not None or self._closed:
                 what = _describe(fingerprint, channel.next_seq[rank], channel)
@@ -259,12 +292,18 @@ class World:
             channel.next_seq[rank] = seq + 1
             collective = channel.pending.get(seq)
             if collective is None:
-                collective = self._create_locked(channel, seq, fingerprint, deferred)
+                collective = self._create_locked(channel, seq, fingerprint)
             elif fingerprint != collective.fingerprint and not collective.failed:
-                collective.finish(_mismatch(collective, rank, fingerprint), defer=deferred)
+                collective.finish(_mismatch(collective, rank, fingerprint))
             collective.fingerprints[rank] = fingerprint
             collective.payloads[rank] = payload
             collective.launched_ns[rank] = now
+            collective.levels[rank] = 0 if lane is None else lane.level + 1
+            if lane is not None:
+                with self.completions.lock:
+                    if not collective.done.is_set():
+                        collective.issuer_lanes.append(lane)
+                        self.completions.count_issue_locked(lane)
             full = len(collective.fingerprints) == len(channel.members)
             lands_at_ns = None
             if full:
@@ -272,8 +311,6 @@ class World:
                 if not collective.failed:
                     collective.started_ns = time.perf_counter_ns()
                     lands_at_ns = self._reserve_link(collective, nbytes, net_kind)
-        for callback in deferred:
-            callback()
         if full and not collective.failed:
             payloads = [collective.payloads[r] for r in channel.members]
             try:
@@ -299,33 +336,51 @@ class World:
         self._link_free_ns = begin + cost_ns
         return self._link_free_ns
 
-    def _create_locked(
-        self,
-        channel: Channel,
-        seq: int,
-        fingerprint: _c.Fingerprint,
-        deferred: list[Callable[[], None]],
-    ) -> Collective:
+    def _create_locked(self, channel: Channel, seq: int, fingerprint: _c.Fingerprint) -> Collective:
         collective = Collective(self, channel, seq, fingerprint)
         channel.pending[seq] = collective
         self._active = {c for c in self._active if not c.done.is_set()}
         self._active.add(collective)
         gone = {r: n for r, n in channel.departed.items() if n <= seq}
         if gone:
-            collective.finish(_exited(collective, gone), defer=deferred)
+            collective.finish(_exited(collective, gone))
+        else:
+            self._watch(weakref.ref(collective), collective.created_ns)
         return collective
+
+    def _watch(self, ref: weakref.ref[Collective], since_ns: int) -> None:
+        """Check the collective ``timeout`` after ``since_ns``. See Note [Every collective
+        has a deadline]. (A weak reference: the timer must not keep tensors alive.)"""
+        deadline = since_ns + math.ceil(self.timeout * 1e9)
+        with contextlib.suppress(RuntimeError):  # closing: close() fails what is unfinished
+            self.timer.call_at(deadline, lambda: self._watchdog(ref))
+
+    def _watchdog(self, ref: weakref.ref[Collective]) -> None:
+        """On the timer thread: fail the collective if some rank has not issued it yet and no
+        rank waits for it with a deadline of its own."""
+        collective = ref()
+        if collective is None or collective.done.is_set():
+            return
+        now = time.perf_counter_ns()
+        with self._lock:
+            if collective.channel.pending.get(collective.seq) is not collective:
+                return  # every rank issued it: its data moves and it finishes by itself
+            if collective.waiters > 0:
+                self._watch(ref, now)  # a waiter's own timeout will end it
+                return
+            joined = set(collective.fingerprints)
+            channel = collective.channel
+            elsewhere = self._p2p_elsewhere_locked(collective) if channel.is_p2p else ""
+            first = min(joined, key=lambda r: collective.launched_ns[r])
+            error = _timed_out(collective, None, self.timeout, joined, elsewhere, first)
+            collective.finish(error)
 
     def _wait_timed_out(self, collective: Collective, rank: int, timeout: float) -> None:
         """Fail ``collective`` for every rank because ``rank``'s wait passed ``timeout``."""
-        deferred: list[Callable[[], None]] = []
         with self._lock:
             joined = set(collective.fingerprints)
             elsewhere = self._p2p_elsewhere_locked(collective) if collective.channel.is_p2p else ""
-            collective.finish(
-                _timed_out(collective, rank, timeout, joined, elsewhere), defer=deferred
-            )
-        for callback in deferred:
-            callback()
+            collective.finish(_timed_out(collective, rank, timeout, joined, elsewhere))
 
     def _p2p_elsewhere_locked(self, collective: Collective) -> str:
         """For a timed-out send/recv: what the same pair waits for under other tags."""
@@ -346,7 +401,6 @@ class World:
 
     def _depart(self, rank: int) -> None:
         """``rank`` returned from its function: collectives waiting for it can never finish."""
-        deferred: list[Callable[[], None]] = []
         with self._lock:
             self._gone.add(rank)
             for channel in self._channels.values():
@@ -356,9 +410,33 @@ class World:
                 channel.departed[rank] = issued
                 for collective in channel.pending.values():
                     if rank not in collective.fingerprints:
-                        collective.finish(_exited(collective, {rank: issued}), defer=deferred)
-        for callback in deferred:
-            callback()
+                        collective.finish(_exited(collective, {rank: issued}))
+
+    def _callback_failed(self, rank: int, what: str, error: BaseException | None) -> None:
+        """A completion lane's report: rank ``rank``'s done-callback of ``what`` raised
+        ``error``, or (None) is stuck. Either aborts the world, naming both. See Note
+        [Completion lanes] in fakepg.completion."""
+        failure: BaseException
+        if error is None:
+            failure = CollectiveTimeout(
+                f"fakepg: rank {rank}'s done-callback of {what} did not return within "
+                f"{self.timeout:g} s (the world's timeout), with no collective of its own in "
+                f"flight. It blocks rank {rank}'s completion thread, so the rank's later "
+                "futures could never complete. A callback must not wait for anything but the "
+                "collectives it issues itself (not a lock, an event, or a collective its rank "
+                "issued before and that completes after it); wait for those on the rank's own "
+                "thread."
+            )
+        else:
+            failure = FakePGError(
+                f"fakepg: rank {rank}'s done-callback of {what} raised "
+                f"{type(error).__name__}: {error}; a done-callback must not raise"
+            )
+            failure.__cause__ = error
+        with self._lock:
+            if self._own_failure is None and self._abort is None:
+                self._own_failure = (rank, failure)
+        self.abort(failure, rank=rank)
 
     # ---------------------------------------------------------------------------------------
     # Running one thread per rank.
@@ -420,6 +498,9 @@ class World:
             thread.start()
         stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
         with lock:
+            own = self._own_failure
+            if own is not None and all(exc is not own[1] for _, exc in failures):
+                failures.insert(0, own)  # the world found it first; ranks failed after it
             if not failures and len(returned) < self.world_size:
                 # Closed while a rank had not returned (stuck in a C call, or stopped between
                 # its return and recording it): no partial results.
@@ -509,7 +590,6 @@ class World:
     def _fail_all(
         self, collectives: list[Collective], factory: Callable[[str], ErrorFactory]
     ) -> None:
-        # Outside the lock: finishing runs done-callbacks, which may issue collectives.
         for collective in collectives:
             collective.finish(factory(collective.describe()))
 
@@ -525,7 +605,7 @@ class World:
             self._closed = True
             unfinished = list(self._active)
         self._fail_all(unfinished, lambda what: lambda r: self._aborted_error(r, what))
-        _close_threads(self.executor, self.timer)
+        _close_threads(self.executor, self.timer, self.completions, self.timeout)
 
     def __enter__(self) -> World:
         return self
@@ -540,9 +620,20 @@ class World:
         return f"<fakepg.World size={self.world_size} timeout={self.timeout}s {state}>"
 
 
-def _close_threads(executor: Executor, timer: Timer) -> None:
+def _close_threads(
+    executor: Executor, timer: Timer, completions: Completions, timeout: float
+) -> None:
+    # The timer first (no more landings or watchdog checks), then the workers (the data of
+    # what has started finishes moving), then the lanes (they deliver every callback posted).
     timer.close()
     executor.close()
+    completions.close(grace=min(timeout, 5.0))
+
+
+def _call_if_alive(method: weakref.WeakMethod[Callable[..., None]], *args: Any) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 # -------------------------------------------------------------------------------------------
@@ -608,8 +699,15 @@ def _exited(collective: Collective, gone: dict[int, int]) -> ErrorFactory:
 
 
 def _timed_out(
-    collective: Collective, waiter: int, timeout: float, joined: set[int], elsewhere: str
+    collective: Collective,
+    waiter: int | None,
+    timeout: float,
+    joined: set[int],
+    elsewhere: str,
+    first: int | None = None,
 ) -> ErrorFactory:
+    """``waiter``: the rank whose wait passed ``timeout``; None for the watchdog, counting
+    from when rank ``first`` issued it."""
     what = collective.describe()
     channel = collective.channel
     missing = set(channel.members) - joined
@@ -638,9 +736,15 @@ def _timed_out(
         )
 
     def make(rank: int) -> CollectiveTimeout:
-        whose = "this rank's" if rank == waiter else f"rank {waiter}'s"
+        if waiter is None:
+            issued = "this rank" if rank == first else f"rank {first}"
+            whose = (
+                f"the world's watchdog, since {issued} issued it; no rank waited with a deadline"
+            )
+        else:
+            whose = ("this rank's" if rank == waiter else f"rank {waiter}'s") + " wait"
         return CollectiveTimeout(
-            f"fakepg: {what} timed out after {timeout:g} s ({whose} wait): {detail}"
+            f"fakepg: {what} timed out after {timeout:g} s ({whose}): {detail}"
         )
 
     return make

@@ -15,12 +15,11 @@ any hook on a low-precision copy of the buffer. PowerSGD and post-local SGD live
 # [Buckets launch in index order] in reducer.reducer). A hook runs when its bucket launches, on
 # the thread that launches it, in bucket order; so collectives it issues there are issued in
 # the same order on every rank. A collective issued later from a future's callback is not: the
-# callback runs on whichever thread completes the future, when it does, so it can overtake the
-# next bucket's collectives on one rank and not on another (and on the fake world, a callback
-# that blocks on a collective blocks the thread that would complete the other ranks' ones).
-# So the built-in hooks issue every collective from the hook itself, waiting there for a
-# result they need before the next one (PowerSGD's P before Q), and leave to callbacks only
-# local arithmetic on results that have arrived.
+# callback runs on whichever thread completes the future, when it does (on the fake world, a
+# completion thread of the rank's own), so it can overtake the next bucket's collectives on
+# one rank and not on another. So the built-in hooks issue every collective from the hook
+# itself, waiting there for a result they need before the next one (PowerSGD's P before Q),
+# and leave to callbacks only local arithmetic on results that have arrived.
 """
 
 from __future__ import annotations

@@ -801,9 +801,9 @@ POWERSGD_CONFIGS = {
 @pytest.mark.parametrize("wrap", [False, True], ids=["plain", "fp16 wrapper"])
 def test_powersgd_matches_torchs_hook_in_torchs_ddp(config: str, wrap: bool) -> None:
     """Differential, bit for bit: this DDP with this powerSGD_hook against torch's DDP with
-    torch's, on a one-rank fake world (torch's hook blocks inside future callbacks, which
-    the fake world runs on the thread that completes every rank's collective: with several
-    ranks it cannot run there). Five steps: two of warm-up, then compression with its state."""
+    torch's, on a one-rank fake world, each config plain and in the fp16 wrapper (on two
+    and three ranks: tests/test_powersgd_vs_torch.py). Five steps: two of warm-up, then
+    compression with its state."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
     kwargs = {"start_powerSGD_iter": 2, **POWERSGD_CONFIGS[config]}

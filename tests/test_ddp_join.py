@@ -365,3 +365,111 @@ def test_the_wrapper_is_a_torch_joinable() -> None:
 
     for joinable, device, group in fakepg.run_torch(fn, 2, timeout=20.0):
         assert joinable and device == torch.device("cpu") and group
+
+
+# -------------------------------------------------------------------------------------------
+# torch's own DistributedDataParallel under its join, on the fake world's torch backend.
+
+
+def train_torch(
+    pg: fakepg.FakeProcessGroup, batches: Sequence[int], *, divide: bool, search: bool
+) -> Record:
+    """``train``, with torch's DistributedDataParallel and its ``join()``."""
+    rank = pg.rank()
+    model = net()
+    with torch.no_grad():
+        model.head.bias.add_(rank)
+    ddp = nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=TINY_MB, find_unused_parameters=search
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    with ddp.join(divide_by_initial_world_size=divide):
+        for step in range(batches[rank]):
+            optimizer.zero_grad(set_to_none=True)
+            loss_of(ddp, rank, step, search).backward()
+            grads.append(grads_of(model))
+            optimizer.step()
+    return {
+        "grads": grads,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "count": float(model.count),
+        "seen": list(model.seen),
+    }
+
+
+def run_both(batches: Sequence[int], *, divide: bool, search: bool) -> list[tuple[Record, Record]]:
+    """Per rank: torch's DDP under its join, then this wrapper under torch's Join, in the
+    same rank threads."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Record, Record]:
+        theirs = train_torch(pg, batches, divide=divide, search=search)
+        ours = train(pg, batches, divide=divide, search=search, torch_join=True)
+        return theirs, ours
+
+    return fakepg.run_torch(fn, len(batches), timeout=20.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("divide", "search"),
+    [(True, True), (False, False), (False, True)],
+    ids=["find-unused", "by-training-ranks", "by-training-ranks-find-unused"],
+)
+def test_torchs_ddp_under_its_join_gets_the_exact_average(divide: bool, search: bool) -> None:
+    """torch's own join, with find_unused_parameters or divide_by_initial_world_size=False.
+    Four ranks running out after 1, 1, 3 and 2 batches: every divisor (4, or the 4, 2, 1
+    ranks still training) is a power of two, where torch's multiplication by the reciprocal
+    is the reference's division, so torch's gradients and parameters must be exact. (A joined
+    rank shadows the used-map allreduce with a bare tensor, and torch's C++ reducer keeps
+    Join's work to read the divisor: see Note [The bindings' argument forms] and Note [Works
+    that C++ keeps] in fakepg.torch_backend.) The buffers are this wrapper's, exactly."""
+    batches = [1, 1, 3, 2]
+    records = run_both(batches, divide=divide, search=search)
+    check([theirs for theirs, _ in records], batches, divide=divide, search=search)
+    for rank, (theirs, ours) in enumerate(records):
+        assert theirs["seen"] == ours["seen"], f"rank {rank}"
+        assert theirs["count"] == ours["count"], f"rank {rank}"
+
+
+@pytest.mark.timeout(120)
+def test_torchs_joined_ranks_replay_their_last_used_map() -> None:
+    """Where torch's join differs from this wrapper's, exactly. With find_unused_parameters, a
+    rank that has joined shadows the used-map allreduce with the map it holds, which is the
+    allreduced map of the last iteration it took part in, not zeros. So once a rank has joined,
+    a parameter used in one iteration counts as used in every later one: where no rank still
+    training used it, torch writes a zero gradient where this wrapper (and the reference)
+    leave None. Everything else is exact (the divisor is 4)."""
+    batches = [0, 3, 2, 1]
+    world_size = len(batches)
+    per_step, final = expected(world_size, batches, divide=True, search=True)
+    n_params = len(per_step[0])
+    # What torch counts as used, per step and parameter: used by a rank still training, or
+    # counted as used in the step before while some rank has joined.
+    used_before = [False] * n_params
+    torch_used = []
+    for step in range(max(batches)):
+        joined = any(b <= step for b in batches)
+        now = [
+            w is not None or (joined and before)
+            for w, before in zip(per_step[step], used_before, strict=True)
+        ]
+        torch_used.append(now)
+        used_before = now
+    records = run_both(batches, divide=True, search=True)
+    replayed = 0
+    for rank, (theirs, _) in enumerate(records):
+        assert len(theirs["grads"]) == batches[rank]
+        for step, got in enumerate(theirs["grads"]):
+            for i, (g, w) in enumerate(zip(got, per_step[step], strict=True)):
+                where = f"rank {rank}, step {step}, parameter {i}"
+                if w is not None:
+                    assert g is not None and torch.equal(g, w), where
+                elif torch_used[step][i]:
+                    assert g is not None and not g.any(), f"{where}: torch writes zeros"
+                    replayed += 1
+                else:
+                    assert g is None, where
+        for i, (p, w) in enumerate(zip(theirs["params"], final, strict=True)):
+            assert torch.equal(p, w), f"rank {rank}, final parameter {i}"
+    assert replayed > 0  # the case this test is about occurs

@@ -325,9 +325,9 @@ def run_join_both(batches: list[int]) -> list[tuple[Trace, Trace]]:
 @pytest.mark.parametrize("batches", [[1, 2, 3, 4], [3, 1, 4, 2]])
 def test_join_matches_torchs_join(batches: list[int]) -> None:
     """Bit-identical on four ranks, where the divisor is a power of two: torch multiplies by
-    the reciprocal, this reducer divides, which agree exactly then. (torch's own join with
-    find_unused_parameters, or with divide_by_initial_world_size=False, does not run on the
-    fake world's torch backend; test_ddp_join checks both cases exactly.)"""
+    the reciprocal, this reducer divides, which agree exactly then. (test_ddp_join checks
+    torch's own join with find_unused_parameters and with divide_by_initial_world_size=False
+    against the exact reference.)"""
     for rank, (ours, theirs) in enumerate(run_join_both(batches)):
         assert len(ours) == len(theirs) == batches[rank] + 1
         for step, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):

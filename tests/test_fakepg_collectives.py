@@ -245,8 +245,9 @@ def test_collectives_return_before_peers_join_and_data_moves_off_the_callers_thr
         work0.wait(timeout=5)
         chained.wait()  # the callback may still be running when wait() returns
         assert torch.equal(tensors[0], torch.full((1 << 16,), 2.0))
-        # The future's callback runs on the thread that finished the collective: a worker.
-        assert finisher and "worker" in finisher[0], finisher
+        # The future's callback runs on rank 0's own completion thread (see Note [Completion
+        # lanes]): not on the caller's thread, nor on the worker that moved the data.
+        assert finisher and finisher[0].endswith("-rank0-completion0"), finisher
         assert work0.started_ns is not None and work0.completed_ns is not None
         assert work0.launched_ns <= work0.started_ns <= work0.completed_ns
 

@@ -544,3 +544,150 @@ def test_new_group_and_device_meshes_on_fakepg() -> None:
         assert out["shard"] == float(2 * (r // 2) * 2 + 1)  # ranks 2 (r // 2) and + 1
         if r in (1, 3):
             assert out["sub"] == (4.0, [1, 3].index(r), 2)
+
+
+# -------------------------------------------------------------------------------------------
+# The bindings' argument forms. See Note [The bindings' argument forms] in
+# fakepg.torch_backend.
+
+
+def convenience_forms(rank: int) -> dict[str, list[torch.Tensor]]:
+    """Each collective of the default group called in the C++ bindings' convenience forms
+    (one tensor, plain arguments), as Python code that holds a group may call it."""
+    group = dist.distributed_c10d._get_default_group()
+    ten = timedelta(seconds=10)
+    out: dict[str, list[torch.Tensor]] = {}
+
+    def mine() -> torch.Tensor:
+        return torch.full((2,), float(rank + 1))
+
+    def run(name: str, tensors: list[torch.Tensor], work: dist.Work) -> None:
+        work.wait()
+        out[name] = tensors
+
+    x = mine()
+    run("allreduce(t)", [x], group.allreduce(x))
+    x = mine()
+    run("allreduce(t, op)", [x], group.allreduce(x, dist.ReduceOp.MAX))
+    x = mine()
+    run("allreduce([t], op)", [x], group.allreduce([x], dist.ReduceOp.MIN))
+    x = mine()
+    run(
+        "allreduce(t, op=, timeout=)",
+        [x],
+        group.allreduce(x, op=dist.ReduceOp.PRODUCT, timeout=ten),
+    )
+    x = mine()
+    run("broadcast(t, root)", [x], group.broadcast(x, 1))
+    x = mine()
+    run("reduce(t, root, op)", [x], group.reduce(x, 0, dist.ReduceOp.SUM))
+    outs = [torch.zeros(2), torch.zeros(2)]
+    run("allgather(outputs, t)", outs, group.allgather(outs, mine()))
+    outs = [torch.zeros(2), torch.zeros(2)] if rank == 0 else []
+    run("gather(outputs, t, root)", outs, group.gather(outs, mine(), 0))
+    x = torch.zeros(2)
+    inputs = [torch.full((2,), 10.0), torch.full((2,), 20.0)] if rank == 0 else []
+    run("scatter(t, inputs, root)", [x], group.scatter(x, inputs, 0))
+    x = torch.zeros(2)
+    run(
+        "reduce_scatter(t, inputs, op)",
+        [x],
+        group.reduce_scatter(x, [mine(), mine() * 3], dist.ReduceOp.SUM),
+    )
+    run("barrier(timeout=)", [], group.barrier(timeout=ten))
+    return out
+
+
+def test_the_bindings_convenience_forms_do_what_they_do_on_gloo() -> None:
+    """A bare tensor was iterated as if it were a list (each row a replica), so torch's DDP,
+    whose joined ranks call ``allreduce(local_used_map)``, got a collective no other rank
+    issued. Every form gives exactly gloo's results (dyadic values)."""
+    gloo = run_gloo_threads(convenience_forms, 2)
+    ours = fakepg.run_torch(lambda pg: convenience_forms(pg.rank()), 2, timeout=20.0)
+    for rank in range(2):
+        assert list(ours[rank]) == list(gloo[rank])
+        for name, want in gloo[rank].items():
+            got = ours[rank][name]
+            assert len(got) == len(want), f"rank {rank}: {name}"
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (
+                f"rank {rank}: {name}: {got} != {want}"
+            )
+
+
+def test_a_convenience_timeout_bounds_the_work_and_bad_arguments_are_named() -> None:
+    release = threading.Event()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[str]:
+        if pg.rank() == 1:
+            assert release.wait(20)
+            return []
+        group = dist.distributed_c10d._get_default_group()
+        t = torch.ones(2)
+        texts = []
+        for bad, error in (
+            (lambda: group.allreduce("t"), TypeError),
+            (lambda: group.send(t, 1, 0), TypeError),
+            (lambda: group.broadcast(t, "1"), TypeError),
+            (lambda: group.allreduce(t, timeout=5), TypeError),
+            (lambda: group.allreduce(t, dist.ReduceOp.BAND), ValueError),
+        ):
+            with pytest.raises(error) as info:
+                bad()
+            texts.append(str(info.value))
+        try:
+            work = group.allreduce(t, dist.ReduceOp.SUM, timedelta(seconds=0.2))  # rank 1 never
+            with pytest.raises(fakepg.CollectiveTimeout) as timed_out:
+                work.wait()
+            texts.append(str(timed_out.value))
+        finally:
+            release.set()
+        return texts
+
+    texts = fakepg.run_torch(fn, 2, timeout=20.0)[0]
+    assert (
+        "allreduce on the 'fakepg' backend: tensors must be a tensor or a list of tensors, got str"
+        in texts[0]
+    )
+    assert "send on the 'fakepg' backend: tensors must be a list of tensors, got Tensor" in texts[1]
+    assert "broadcast on the 'fakepg' backend: the root must be a rank (an int)" in texts[2]
+    assert (
+        "allreduce on the 'fakepg' backend: timeout must be a datetime.timedelta, got int"
+        in texts[3]
+    )
+    assert "reduce op RedOpType.BAND is not supported" in texts[4]
+    assert "allreduce #0 (op=SUM) timed out after 0.2 s (this rank's wait)" in texts[5]
+
+
+# -------------------------------------------------------------------------------------------
+# Callbacks that issue and wait for collectives: each rank's run on its own threads.
+
+
+@pytest.mark.timeout(120)
+def test_torchs_powersgd_hook_runs_in_torchs_ddp() -> None:
+    """torch's PowerSGD hook waits, inside future callbacks, for allreduces that it issues
+    there; with every rank's callbacks on one shared thread, rank 1's waited for what rank
+    0's, queued behind it, had not issued yet. Before and after warm-up (iteration 2), the
+    ranks hold the same bits."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[torch.Tensor]], int]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+        ddp = nn.parallel.DistributedDataParallel(net)
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        steps = []
+        for _ in range(4):
+            ddp.zero_grad(set_to_none=True)
+            ddp(torch.randn(3, 16)).sum().backward()
+            steps.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        return steps, state.iter
+
+    results = fakepg.run_torch(fn, 2, timeout=10.0)
+    for steps, iterations in results:
+        assert iterations == 4 and len(steps) == 4 and all(len(s) == 4 for s in steps)
+    for step in range(4):
+        for a, b in zip(results[0][0][step], results[1][0][step], strict=True):
+            assert torch.equal(a, b), f"step {step}"

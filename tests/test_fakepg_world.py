@@ -117,7 +117,7 @@ def test_fixed_latency_rejects_negative_time() -> None:
 def test_the_api_is_exactly_what_init_exports() -> None:
     public = {name for name in dir(fakepg) if not name.startswith("_")}
     modules = {
-        "collectives", "executor", "faults", "group", "netmodel", "rng", "torch_backend", "work",
-        "world", "annotations",
+        "collectives", "completion", "executor", "faults", "group", "netmodel", "rng",
+        "torch_backend", "work", "world", "annotations",
     }  # fmt: skip
     assert set(fakepg.__all__) == public - modules

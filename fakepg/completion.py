@@ -1,0 +1,265 @@
+"""Each rank's completion threads: where the done-callbacks of its collectives run.
+
+In a deployment, each process completes its own futures on a progress thread of its own, so
+one rank's callbacks never wait behind another rank's. The fake world does the same: a
+collective that finishes posts each rank's callbacks to that rank's *lane*, and the lane runs
+them on a thread of the rank's own. See Note [Completion lanes].
+
+# Guarantees: ``post_locked`` is called with ``Completions.lock`` held (the collective holds it
+# while it publishes ``done``), never blocks on a callback and never takes another lock. A
+# lane runs its callbacks one at a time, in the order they were posted. ``current_lane`` and
+# ``count_issue_locked`` are safe from any thread. ``close`` is called once by the owner (the
+# world): it lets every lane deliver what is queued, joins every thread with a deadline, and
+# returns the threads still alive after it. Lock order: the world's lock, a collective's lock,
+# then ``Completions.lock``; a lane never calls out (a callback, the world) while holding it.
+
+# Note [Completion lanes]
+# A collective's done-callbacks for rank r (its torch future's ``then`` chains, ``add_done_
+# callback``s) run on rank r's own completion thread, never on the thread that moved the data
+# and never on another rank's. A callback may therefore block, e.g. wait for a collective that
+# the other ranks issue from their own callbacks (torch's PowerSGD hook does), while the other
+# ranks' callbacks run.
+#
+# Each rank has one lane per nesting level. A collective issued from the rank's own threads
+# completes on its level-0 lane; one issued from a callback running on level k completes on
+# level k + 1. Within a lane, callbacks run one at a time, in the order the collectives
+# completed (the order ``done`` was set, which is the same for every rank, so callbacks that
+# issue collectives issue them in the same order everywhere). A callback that waits for a
+# collective it issued itself thus never waits behind itself. What it must not do is wait for
+# something its own lane would deliver later (a collective of the same level that completes
+# after it, a lock or an event that only a later callback releases): that stalls the lane.
+#
+# Stalls. A lane whose current callback has run for the world's timeout while no collective it
+# issued is unfinished (those have deadlines of their own: see Note [Every collective has a
+# deadline] in fakepg.world) is stuck: the world is aborted with an error naming the rank and
+# the collective whose callback it is; the stuck thread is asked to stop (``CallbackStopped``
+# is raised into it, which ends a callback blocked in Python code, and fails its future); and
+# the lane goes on with a fresh thread, so that everything queued behind is still delivered
+# and every waiter wakes, with its result or the abort's error. A callback blocked in a C call
+# cannot be interrupted; its thread is left behind (a daemon), and ``close`` returns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .executor import Timer
+from .faults import interrupt_thread
+
+__all__: list[str] = []
+
+# _local.lane: the lane whose thread this is (absent on every other thread).
+_local = threading.local()
+
+# What the owner is told: the rank, the collective whose callback it is, and the error the
+# callback raised, or None for a stall.
+FailureHandler = Callable[[int, str, BaseException | None], None]
+
+
+class CallbackStopped(BaseException):
+    """Raised into a completion thread whose callback was declared stuck: a callback blocked
+    in Python code unwinds, and the future it was completing fails instead of hanging."""
+
+
+@dataclass(slots=True)
+class _Item:
+    run: Callable[[], None]
+    what: str  # the collective whose callbacks these are: "allreduce #3 (op=SUM)"
+
+
+class Lane:
+    """Rank ``rank``'s callbacks of the collectives issued at nesting ``level``, run in order
+    on one thread at a time. Fields are guarded by the owner's lock."""
+
+    def __init__(self, owner: Completions, rank: int, level: int) -> None:
+        self.owner = owner
+        self.rank = rank
+        self.level = level
+        self.queue: deque[_Item] = deque()
+        self.wake = threading.Condition(owner.lock)  # notified on post, replacement and close
+        self.thread: threading.Thread | None = None  # the one thread that takes from queue
+        self.current: _Item | None = None  # what ``thread`` is running; None while idle
+        self.runs = 0  # items started: identifies the current one for the stall check
+        self.quiet_since_ns = 0  # the current item's start, or its last collective's end
+        self.in_flight = 0  # collectives its callbacks issued that are not finished yet
+        self.in_callback: set[threading.Thread] = set()  # threads inside item.run now
+        self.retired: list[threading.Thread] = []  # replaced after a stall; joined at close
+
+
+class Completions:
+    """The completion lanes of one world's ranks, started on first use. See Note
+    [Completion lanes]."""
+
+    def __init__(
+        self, name: str, *, timeout: float, timer: Timer, on_failure: FailureHandler
+    ) -> None:
+        self._name = name
+        self._timeout_ns = int(timeout * 1e9)
+        self._timer = timer
+        self._on_failure = on_failure
+        # lock guards every lane's fields, _lanes and _closed. A collective holds it while it
+        # sets ``done`` and posts, so that lanes receive collectives in completion order.
+        self.lock = threading.Lock()
+        self._lanes: dict[tuple[int, int], Lane] = {}
+        self._closed = False
+
+    def current_lane(self) -> Lane | None:
+        """The lane whose callback the calling thread is running, if it is one of ours."""
+        lane: Lane | None = getattr(_local, "lane", None)
+        return lane if lane is not None and lane.owner is self else None
+
+    def count_issue_locked(self, lane: Lane) -> None:
+        """A callback on ``lane`` issued a collective: the lane is not stuck while it is in
+        flight (it has a deadline of its own). Undone by ``collective_finished_locked``."""
+        lane.in_flight += 1
+
+    def collective_finished_locked(self, lane: Lane, now_ns: int) -> None:
+        lane.in_flight -= 1
+        lane.quiet_since_ns = now_ns
+
+    def post_locked(self, rank: int, level: int, run: Callable[[], None], what: str) -> None:
+        """Queue ``run`` on rank ``rank``'s lane of ``level``; start its thread if needed."""
+        lane = self._lanes.get((rank, level))
+        if lane is None:
+            lane = self._lanes[(rank, level)] = Lane(self, rank, level)
+        lane.queue.append(_Item(run, what))
+        if lane.thread is None:
+            # After close nothing should be posted (every collective is finished by then);
+            # if something is, it still runs, on a thread that ends once the queue is empty.
+            self._start_locked(lane)
+        else:
+            lane.wake.notify()
+
+    def _start_locked(self, lane: Lane) -> None:
+        thread = threading.Thread(
+            target=self._work,
+            args=(lane,),
+            name=f"{self._name}-rank{lane.rank}-completion{lane.level}",
+            daemon=True,
+        )
+        lane.thread = thread
+        lane.current = None
+        thread.start()
+
+    def _work(self, lane: Lane) -> None:
+        _local.lane = lane
+        me = threading.current_thread()
+        try:
+            while True:
+                with self.lock:
+                    while lane.thread is me and not lane.queue and not self._closed:
+                        lane.wake.wait()  # idle: woken by a post or by close
+                    if lane.thread is not me:
+                        return  # replaced after a stall: the new thread has the queue
+                    if not lane.queue:
+                        lane.thread = None  # closed and drained
+                        return
+                    item = lane.queue.popleft()
+                    lane.current = item
+                    lane.runs += 1
+                    runs = lane.runs
+                    started = lane.quiet_since_ns = time.perf_counter_ns()
+                    lane.in_callback.add(me)
+                self._watch(lane, runs, started + self._timeout_ns)
+                error: BaseException | None = None
+                try:
+                    item.run()
+                except CallbackStopped:
+                    pass  # declared stuck: the world was told (see _check)
+                except BaseException as exc:  # a done-callback must not raise
+                    error = exc
+                with self.lock:
+                    lane.in_callback.discard(me)
+                    if lane.thread is me:
+                        lane.current = None
+                if error is not None:
+                    self._on_failure(lane.rank, item.what, error)
+        except CallbackStopped:
+            return  # arrived after the callback had returned: this thread was retired anyway
+
+    # ---------------------------------------------------------------------------------------
+    # Stalls. See Note [Completion lanes].
+
+    def _watch(self, lane: Lane, runs: int, at_ns: int) -> None:
+        with contextlib.suppress(RuntimeError):  # closing: close() bounds what is left
+            self._timer.call_at(at_ns, lambda: self._check(lane, runs))
+
+    def _check(self, lane: Lane, runs: int) -> None:
+        """On the timer thread, at the current item's deadline: is the lane stuck?"""
+        now = time.perf_counter_ns()
+        with self.lock:
+            if lane.runs != runs or lane.current is None or self._closed:
+                return  # that item is done (or close() deals with it)
+            if lane.in_flight > 0 or now - lane.quiet_since_ns < self._timeout_ns:
+                stuck = None
+                again = max(now, lane.quiet_since_ns) + self._timeout_ns
+            else:
+                what = lane.current.what
+                stuck = self._replace_locked(lane)
+        if stuck is None:
+            self._watch(lane, runs, again)
+            return
+        self._on_failure(lane.rank, what, None)
+        self._stop(lane, stuck)
+
+    def _replace_locked(self, lane: Lane) -> threading.Thread:
+        """Give the lane a fresh thread; return the stuck one (it exits once its callback
+        returns, if ever)."""
+        stuck = lane.thread
+        assert stuck is not None
+        lane.retired.append(stuck)
+        self._start_locked(lane)
+        return stuck
+
+    def _stop(self, lane: Lane, stuck: threading.Thread) -> None:
+        # Under the lock, so that a thread that has left the callback (it needs the lock to
+        # say so) is never interrupted in the lane's own code.
+        with self.lock:
+            if stuck in lane.in_callback:
+                interrupt_thread(stuck, CallbackStopped)
+
+    # ---------------------------------------------------------------------------------------
+
+    def close(self, grace: float) -> list[threading.Thread]:
+        """Deliver what is queued, then stop and join every lane thread. A lane still busy
+        after ``grace`` seconds is treated as stuck (its thread interrupted, the rest of its
+        queue delivered by a fresh thread, joined for ``grace`` more). Returns the threads
+        still alive."""
+        with self.lock:
+            if self._closed:
+                return []
+            self._closed = True
+            lanes = list(self._lanes.values())
+            for lane in lanes:
+                lane.wake.notify_all()
+        me = threading.current_thread()
+        deadline = time.monotonic() + grace
+        for lane in lanes:
+            for thread in self._threads(lane):
+                if thread is not me:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+        for lane in lanes:
+            with self.lock:
+                busy = lane.thread
+                if busy is None or busy is me or not busy.is_alive():
+                    continue
+                stuck = self._replace_locked(lane)
+            self._stop(lane, stuck)
+        deadline = time.monotonic() + grace
+        left = []
+        for lane in lanes:
+            for thread in self._threads(lane):
+                if thread is not me:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+                    if thread.is_alive():
+                        left.append(thread)
+        return left
+
+    def _threads(self, lane: Lane) -> list[threading.Thread]:
+        with self.lock:
+            return [*lane.retired, *([lane.thread] if lane.thread is not None else [])]
