@@ -577,6 +577,51 @@ def test_static_graph_supports_reentrant_checkpointing() -> None:
             assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
 
 
+class CheckpointedWithAux(nn.Module):
+    """A body under reentrant checkpointing, and an auxiliary head beside it, returned in a
+    dict. The search for parameters reached only by outputs the loss leaves out cannot see
+    into the checkpoint (its forward ran without grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.aux = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"main": checkpoint(self.body, x, use_reentrant=True), "aux": self.aux(x)}
+
+
+def test_static_graph_reduces_a_checkpointed_body_when_a_head_is_left_out_of_the_loss() -> None:
+    """The body's gradients arrive inside the checkpoint's own backward: they are real
+    gradients, not the hook calls without a gradient that the left-out head's get."""
+    world_size, steps = 3, 2
+
+    def build() -> CheckpointedWithAux:
+        return seeded(CheckpointedWithAux, seed=4)
+
+    def loss(out: dict[str, Tensor]) -> Tensor:
+        return out["main"].pow(2).sum()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        model = build()
+        ddp = DDP(model, pg, static_graph=True, bucket_cap_mb=TINY_MB)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            loss(ddp(ckpt_input(pg.rank(), step))).backward()
+            out.append(grads_of(model))
+        return out
+
+    per_rank = run_ranks(fn, world_size)
+    for step in range(steps):
+        want = reference(
+            build, lambda m, r, s=step: loss(m(ckpt_input(r, s))).backward(), world_size
+        )
+        assert want[0] is not None and want[2] is None  # body used, aux left out everywhere
+        for rank in range(world_size):
+            assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
+
+
 def test_without_static_graph_reentrant_checkpointing_is_the_marked_twice_error() -> None:
     def fn(pg: fakepg.FakeProcessGroup) -> str:
         ddp = DDP(checkpointed(), pg)
