@@ -302,7 +302,12 @@ class Reducer:
                     self._hook_order.append(index)  # See Note [Ready order]
                 self._mark_variable_ready(replica_index, index)
                 return
-            if not (self._no_gradient and (replica_index, index) in self._no_gradient):
+            # A hook call without a gradient happens only in a synced backward; the set is
+            # that iteration's, and must not hide the real gradients of later no_sync passes.
+            no_gradient = (
+                self._expect_autograd_hooks and (replica_index, index) in self._no_gradient
+            )
+            if not no_gradient:
                 self._used[replica_index][index] = True  # See Note [Locally used]
             if not self._expect_autograd_hooks:
                 # Accumulating locally; the next synced step reduces the sum.

@@ -313,6 +313,33 @@ def test_outputs_not_used_in_the_loss_make_their_parameters_unused(static_graph:
             assert_bitwise(record["step1"], step1, f"step 1, rank {rank}")
 
 
+def test_a_head_used_only_in_no_sync_passes_after_a_step_that_left_it_out_is_reduced() -> None:
+    """Step 0 leaves head 1 out of the loss. Step 1 uses it in a no_sync pass only, then
+    leaves it out of the synced pass: what every rank accumulated for it in the no_sync pass
+    must be averaged (nothing a rank computed is lost), not left local. (With static_graph
+    the graph may not change so: not tested.)"""
+    world_size = 2
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor | None]:
+        model = tower()
+        ddp = DDP(model, pg, find_unused_parameters=True, bucket_cap_mb=TINY_MB)
+        tower_loss(ddp(x_of(pg.rank()))[:1]).backward()
+        ddp.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            tower_loss(ddp(x_of(pg.rank(), 1))).backward()
+        tower_loss(ddp(x_of(pg.rank(), 2))[:1]).backward()  # synced, head 1 left out
+        return grads_of(model)
+
+    def local(model: nn.Module, rank: int) -> None:
+        tower_loss(model(x_of(rank, 1))).backward()
+        tower_loss(model(x_of(rank, 2))[:1]).backward()
+
+    want = reference(tower, local, world_size)
+    assert want[-1] is not None  # head 1 got gradients in the no_sync pass
+    for rank, got in enumerate(run_ranks(fn, world_size)):
+        assert_bitwise(got, want, f"rank {rank}")
+
+
 class Counter(nn.Module):
     """A buffer that forward reads (recording what it saw) and then changes per rank."""
 
