@@ -81,9 +81,10 @@ _FEATURES = st.integers(1, 4)
 _SEEDS = st.integers(0, 2**16)
 _SHARE = st.integers(0, 3)  # 0: the new branch reuses an earlier branch's layers
 _MODES = st.sampled_from(["none", "some", "all"])
-# Half the branches plain; shrinks to "none".
-_CHECKPOINTS = st.sampled_from(["none", "none", "nonreentrant", "reentrant"])
-_CHECKPOINTS_NOT_REENTRANT = st.sampled_from(["none", "none", "nonreentrant"])
+# Two branches in three plain; shrinks to "none". Reentrant checkpointing only one in six:
+# with the search for unused parameters it is refused, and such a step checks nothing else.
+_CHECKPOINTS = st.sampled_from(["none"] * 4 + ["nonreentrant", "reentrant"])
+_CHECKPOINTS_NOT_REENTRANT = st.sampled_from(["none"] * 4 + ["nonreentrant"])
 # What training loops do, each drawn now and then, each shrinking to the plain choice.
 _RARELY = st.sampled_from([False, False, False, True])
 _HOOKS = st.sampled_from(["none"] * len(HOOK_NAMES) + list(HOOK_NAMES))

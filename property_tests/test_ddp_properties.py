@@ -136,7 +136,7 @@ def ddp_scenarios(
     model: st.SearchStrategy[ModelSpec] | None = None,
     max_world_size: int = 4,
     mode: str | None = None,
-    min_iterations: int = 1,
+    min_iterations: int = 2,
     as_view: bool | None = None,
     hook: str | None = None,
     nested: bool | None = None,
@@ -390,8 +390,10 @@ _STATIC_STALE = DDPScenario(
 )
 
 
-# A core property: four times the profile's examples (ci: 100).
-@settings(max_examples=4 * settings().max_examples)
+# A core property, with the largest space (options x iterations x nested outputs) and cheap
+# examples (tens of ms): eight times the profile's examples (ci: 200). Bugs of the wrapper
+# that need two ranks, a static graph and a second iteration together are found there.
+@settings(max_examples=8 * settings().max_examples)
 @example(_STATIC_STALE)
 @given(ddp_scenarios())
 def test_ddp_gradients_equal_the_mirrors_after_every_pass(s: DDPScenario) -> None:
