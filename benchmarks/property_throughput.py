@@ -44,7 +44,7 @@ CONFIGS: dict[str, st.SearchStrategy[Scenario]] = {
         max_world_size=4, max_replicas=3, model=model_specs(max_params=8)
     ),
     "property 1 as tested (<= 8 ranks, wide layers)": scenarios(
-        unused=False, model=model_specs(allow_unused=False, allow_wide=True)
+        unused=False, model=model_specs(allow_unused=False, allow_wide=True, allow_checkpoint=True)
     ),
 }
 

@@ -1,28 +1,53 @@
 """Deliberately broken reducers ("bad machines") that the properties must catch.
 
-Each is the real :class:`reducer.Reducer` with one seeded bug, in one overridden method, so a
-property that lets any of them pass is too weak. ``MUTANTS`` maps a short name to the class:
-the bugs of one synced iteration, caught by the exact-averaging properties (1-3).
-``TRAINING_MUTANTS``, ``BUCKETING_MUTANTS`` and ``MISUSE_MUTANTS`` are the bugs that the
-multi-iteration (4), torch-equivalence (5) and error (6) properties exist for.
+Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
+:class:`reducer.Reducer` or :class:`reducer.DistributedDataParallel` overriding one method, a
+replacement for one private function of ``reducer.reducer`` or ``reducer.ddp``, or a broken
+``compute_bucket_assignment_by_size``. :func:`applied` puts one in place of the real code for
+everything that looks it up at call time (the properties do), so a property that lets any of
+them pass is too weak. :data:`CATALOGUE` holds them all, by short name, grouped by what they
+break: averaging, unused parameters, accumulation, comm hooks, checkpointing and higher-order
+backward, the DDP wrapper's outputs and buckets, teardown, bucket assignment and errors.
 
-The mutants reach into the reducer's private state on purpose; if it is renamed, a mutant
-stops being broken and ``test_mutants.py`` says so (the property no longer fails).
+``property_tests/test_mutants.py`` checks, within CI's time, that each is caught and shrunk
+by the property meant for it, on a narrowed search; ``benchmarks/harness_power.py`` runs the
+whole property suite against each and measures which property kills it, how fast, and how
+small the reported example is.
+
+The mutants reach into private state and functions on purpose; if one is renamed, the mutant
+stops being broken (or fails to apply) and ``test_mutants.py`` says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import reducer
-from reducer.buckets import Bucket
+import reducer.ddp
+import reducer.reducer
+from reducer.buckets import Bucket, BucketReplica
+
+# The real code, captured at import: the mutants subclass and call these, whatever is applied.
+_Reducer = reducer.Reducer
+_DDP = reducer.DistributedDataParallel
+_assign = reducer.compute_bucket_assignment_by_size
+_copy_all = reducer.reducer._copy_all
+_replace_tensors = reducer.ddp.replace_tensors
 
 
-class SkipDivide(reducer.Reducer):
+# -------------------------------------------------------------------------------------------
+# Averaging.
+
+
+class SkipDivide(_Reducer):
     """Never divides by the world size: the sum instead of the average."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -30,7 +55,29 @@ class SkipDivide(reducer.Reducer):
         self._divisor = 1
 
 
-class OffByOneOffset(reducer.Reducer):
+class DivideByContributions(_Reducer):
+    """Divides by the number of contributions (world size times replicas), not the world
+    size: the replicas of a rank are averaged instead of summed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._divisor *= len(self._replicas)
+        self._prescale = self._divisor > 1
+
+
+class DivideLargeTwice(_Reducer):
+    """Divides a large gradient on its way into the bucket, and again with the rest of the
+    bucket at completion."""
+
+    def initialize_buckets(self, bucket_indices: list[list[int]]) -> None:
+        super().initialize_buckets(bucket_indices)
+        for bucket in self._buckets:
+            for replica in bucket.replicas:
+                if not bucket.expect_sparse_gradient and any(replica.fused):
+                    replica.scale_runs = [replica.contents]
+
+
+class OffByOneOffset(_Reducer):
     """Every parameter after the first of a bucket sits one element too early."""
 
     def initialize_buckets(self, bucket_indices: list[list[int]]) -> None:
@@ -47,12 +94,21 @@ class OffByOneOffset(reducer.Reducer):
                     )
 
 
-class LaunchOutOfOrder(reducer.Reducer):
+class LaunchOutOfOrder(_Reducer):
     """Launches each bucket as soon as it is ready, ignoring the index order."""
 
     def _mark_bucket_ready(self, bucket_index: int) -> None:
         self._launch(self._buckets[bucket_index])
         self._next_bucket += 1
+
+
+class KeepLaunchPointer(_Reducer):
+    """Does not reset the next bucket to launch when a new iteration starts."""
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        kept = self._next_bucket
+        super().prepare_for_backward(outputs)
+        self._next_bucket = kept
 
 
 class _Done:
@@ -87,7 +143,7 @@ class _NoWait:
         return self._work.result()
 
 
-class ForgetToWait(reducer.Reducer):
+class ForgetToWait(_Reducer):
     """Finalize reads the buckets without waiting for their allreduce."""
 
     def _launch(self, bucket: Bucket) -> None:
@@ -96,7 +152,7 @@ class ForgetToWait(reducer.Reducer):
         bucket.work = _NoWait(bucket.work)
 
 
-class DropLastBucket(reducer.Reducer):
+class DropLastBucket(_Reducer):
     """Never reduces the last bucket (it keeps the local, divided gradients)."""
 
     def _launch(self, bucket: Bucket) -> None:
@@ -106,32 +162,11 @@ class DropLastBucket(reducer.Reducer):
             super()._launch(bucket)
 
 
-class GloballyUnusedAsZero(reducer.Reducer):
-    """Treats a parameter unused on every rank as used: writes zeros into its .grad."""
-
-    def _launch_used_map(self) -> None:
-        super()._launch_used_map()
-        assert self._used_map is not None
-        work, used = self._used_map
-        work.wait()
-        used.fill_(1)
-        self._used_map = (_Done([used]), used)
+# -------------------------------------------------------------------------------------------
+# Replicas.
 
 
-class LoseAccumulated(reducer.Reducer):
-    """Forgets that a parameter got a gradient while hooks were not expected (no_sync
-    steps): if the synced step does not use it, what it accumulated is not contributed."""
-
-    def _autograd_hook(self, replica_index: int, index: int) -> None:
-        if self._expect_autograd_hooks:
-            super()._autograd_hook(replica_index, index)
-            return
-        was_used = self._used[replica_index][index]
-        super()._autograd_hook(replica_index, index)
-        self._used[replica_index][index] = was_used
-
-
-class ReduceOnlyReplicaZero(reducer.Reducer):
+class ReduceOnlyReplicaZero(_Reducer):
     """Allreduces replica 0 only; the other replicas keep their local contents."""
 
     def _launch(self, bucket: Bucket) -> None:
@@ -159,7 +194,97 @@ class _Prepend:
         return self._work.result()[:1] + [torch.Tensor.coalesce(t) for t in self._others]
 
 
-class KeepLocallyUsed(reducer.Reducer):
+class ReplicasReadReplicaZero(_Reducer):
+    """Copies replica 0's gradient into every replica's bucket."""
+
+    def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
+        return super()._contribution(0, index, self._replicas[0][index])
+
+    def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
+        # The batched copy too: replica 0's parameters, this replica's views.
+        first = dataclasses.replace(replica, variables=bucket.replicas[0].variables)
+        super()._copy_replica(replica_index, bucket, first)
+
+
+def _write_dense_replica_zero(bucket: Bucket, globally_used: list[int] | None) -> None:
+    """Writes the averages into replica 0's ``.grad`` only; the other replicas keep their
+    local gradients."""
+    grads: list[Tensor] = []
+    views: list[Tensor] = []
+    replica = bucket.replicas[0]
+    for index, param, view in zip(
+        bucket.variable_indices, replica.variables, replica.views, strict=True
+    ):
+        if globally_used is not None and not globally_used[index]:
+            continue
+        if param.grad is None:
+            param.grad = torch.empty_like(param, memory_format=torch.preserve_format)
+        grads.append(param.grad)
+        views.append(view)
+    _copy_all(grads, views)
+
+
+# -------------------------------------------------------------------------------------------
+# Unused parameters and the used map.
+
+
+class GloballyUnusedAsZero(_Reducer):
+    """Treats a parameter unused on every rank as used: writes zeros into its .grad."""
+
+    def _launch_used_map(self) -> None:
+        super()._launch_used_map()
+        assert self._used_map is not None
+        work, used = self._used_map
+        work.wait()
+        used.fill_(1)
+        self._used_map = (_Done([used]), used)
+
+
+class UsedMapAtPrepare(_Reducer):
+    """Takes the used map when the iteration starts, so it misses every use in the synced
+    backward itself (only gradients accumulated before count)."""
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        super().prepare_for_backward(outputs)
+        self._early_used = [any(per_replica) for per_replica in zip(*self._used, strict=True)]
+
+    def _launch_used_map(self) -> None:
+        used = torch.tensor(self._early_used, dtype=torch.int32)
+        self._used_map = (self._process_group.allreduce([used]), used)
+
+
+class UsedMapMin(_Reducer):
+    """Reduces the used map with MIN: a parameter counts as used only if every rank used it."""
+
+    def _launch_used_map(self) -> None:
+        used = torch.tensor(
+            [any(per_replica) for per_replica in zip(*self._used, strict=True)], dtype=torch.int32
+        )
+        self._used_map = (self._process_group.allreduce([used], reducer.ReduceOp.MIN), used)
+
+
+class ContributeStale(_Reducer):
+    """A parameter unused on this rank contributes whatever its .grad holds, not zeros."""
+
+    def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
+        grad = param.grad
+        return grad if grad is not None and grad.layout == torch.strided else None
+
+
+class LoseAccumulated(_Reducer):
+    """Forgets that a parameter got a gradient while hooks were not expected (no_sync
+    steps): if the synced step does not use it, what it accumulated is not contributed."""
+
+    def _autograd_hook(self, replica_index: int, index: int) -> None:
+        if self._expect_autograd_hooks:
+            super()._autograd_hook(replica_index, index)
+            return
+        was_used = self._used[replica_index][index]
+        super()._autograd_hook(replica_index, index)
+        self._used[replica_index][index] = was_used
+
+
+class KeepLocallyUsed(_Reducer):
     """Never clears the per-iteration "locally used" map: a parameter used in one iteration
     still counts as used in the next ones."""
 
@@ -169,7 +294,202 @@ class KeepLocallyUsed(reducer.Reducer):
         self._used = used
 
 
-class VagueErrors(reducer.Reducer):
+# -------------------------------------------------------------------------------------------
+# Gradients as bucket views.
+
+
+class ViewKeepsStale(_Reducer):
+    """Bucket views: a parameter unused on this rank whose .grad is its view contributes
+    what the view holds (an older gradient), not zeros."""
+
+    def _settle_view(
+        self, replica_index: int, index: int, replica: reducer.buckets.BucketReplica, intra: int
+    ) -> None:
+        if replica.variables[intra].grad is replica.views[intra]:
+            return
+        super()._settle_view(replica_index, index, replica, intra)
+
+
+class ViewsIgnoreUsedMap(_Reducer):
+    """Bucket views: points every .grad at its view after the reduction, also that of a
+    parameter no rank used (whose .grad must stay as it was)."""
+
+    def _point_grads_at_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        super()._point_grads_at_views(bucket, None)
+
+
+class KeepOldViews(_Reducer):
+    """Bucket views: moves the gradients into views once, at construction; rebuilt buckets
+    leave each .grad in the old bucket."""
+
+    def _attach_views(self) -> None:
+        if not getattr(self, "_views_attached", False):
+            self._views_attached = True
+            super()._attach_views()
+
+
+# -------------------------------------------------------------------------------------------
+# Sparse gradients.
+
+
+class SparseNotDivided(_Reducer):
+    """A sparse gradient's bucket is reduced without dividing it by the world size."""
+
+    def _set_sparse_contents(
+        self, replica_index: int, index: int, replica: reducer.buckets.BucketReplica
+    ) -> None:
+        prescale, self._prescale = self._prescale, False
+        try:
+            super()._set_sparse_contents(replica_index, index, replica)
+        finally:
+            self._prescale = prescale
+
+
+def _write_sparse_always(
+    bucket: Bucket, results: list[Tensor], globally_used: list[int] | None
+) -> None:
+    """Writes a sparse bucket's result into .grad even where no rank used the parameter."""
+    for replica, result in zip(bucket.replicas, results, strict=True):
+        replica.variables[0].grad = result
+
+
+# -------------------------------------------------------------------------------------------
+# Comm hooks.
+
+
+class PrescaleWithHook(_Reducer):
+    """Still divides each bucket by the world size when a comm hook is registered (which
+    divides too)."""
+
+    def register_comm_hook(self, state: object, hook: reducer.CommHook) -> None:
+        super().register_comm_hook(state, hook)
+        self._prescale = self._divisor > 1
+
+
+def _ignore_hook_result(bucket: Bucket, results: list[Tensor]) -> None:
+    """Keeps the bucket's own contents, whatever tensor the comm hook's future returned."""
+
+
+# -------------------------------------------------------------------------------------------
+# Nested and higher-order backward.
+
+
+def _finalize_on_current_task(callback: Callable[[], None]) -> None:
+    """Queues finalize on the backward pass running now, which a reentrant checkpoint's
+    inner backward is: finalize runs before the outer backward's later gradients."""
+    engine: Any = torch.autograd.Variable._execution_engine
+    engine.queue_callback(callback)
+
+
+def _hook_in_grad_mode(reducer_ref: Any, replica_index: int, index: int, _param: Tensor) -> None:
+    """Runs the reducer's hook in whatever grad mode autograd runs hooks in: under
+    ``backward(create_graph=True)``, its copies and in-place division are recorded."""
+    red = reducer_ref()
+    if red is not None:
+        red._autograd_hook(replica_index, index)
+
+
+class MarkReadyTwiceSilently(_Reducer):
+    """A parameter marked ready again in the same iteration is ignored, not an error."""
+
+    def _mark_variable_ready(self, replica_index: int, index: int) -> None:
+        if self._ready[replica_index][index]:
+            return
+        super()._mark_variable_ready(replica_index, index)
+
+
+# -------------------------------------------------------------------------------------------
+# Static graph.
+
+
+class StaticForgetsUnused(_Reducer):
+    """Static graph: after the first iteration, the parameters it found unused are not
+    marked ready any more."""
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        super().prepare_for_backward(outputs)
+        if self._remaining is not None:
+            self._unused, self._unused_set = [], set()
+
+
+class StaticReadyAtFirstCall(_Reducer):
+    """Static graph: a parameter is ready at its first hook call, however many the first
+    iteration counted (reentrant checkpointing fires some hooks several times)."""
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        super().prepare_for_backward(outputs)
+        if self._remaining is not None:
+            self._remaining = [[min(c, 1) for c in counts] for counts in self._remaining]
+
+
+# -------------------------------------------------------------------------------------------
+# The DDP wrapper: outputs, buckets, no_sync.
+
+
+class LeftOutHeadsUsed(_Reducer):
+    """Parameters reached only by outputs the loss leaves out count as used (with their
+    stale .grad, or zeros), not as unused."""
+
+    def _expect_no_gradient(self, *outputs: Sequence[Tensor]) -> None:
+        pass
+
+
+def _find_top_level_tensors(obj: Any) -> list[Tensor]:
+    """Finds the output tensor, or the tensors of a flat list or tuple; nothing in dicts,
+    namedtuple fields nested deeper, dataclasses or nested containers."""
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [o for o in obj if isinstance(o, Tensor)]
+    return []
+
+
+def _replace_but_dicts(obj: Any, replacement: dict[int, Tensor]) -> Any:
+    """Rebuilds the outputs with the sink's tensors, except inside dicts (left as they are,
+    so the loss bypasses the sink there)."""
+    if isinstance(obj, dict):
+        return obj
+    return _replace_tensors(obj, replacement)
+
+
+class IgnoreSyncToggle(_DDP):
+    """Reduces at every forward with grad enabled: ``require_backward_grad_sync = False``
+    (and so ``no_sync()``) is ignored."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.require_backward_grad_sync = True
+        return super().forward(*inputs, **kwargs)
+
+
+class RebuildFromOwnOrder(_DDP):
+    """Rebuilds the buckets in this rank's own ready order, without taking rank 0's."""
+
+    def _rebuild_buckets(self) -> None:
+        ready_order = self.reducer.ready_order
+        in_order = _assign(
+            [self._params[i] for i in ready_order],
+            self._rebuild_limits,
+            [self._sparse[i] for i in ready_order],
+        )
+        self.reducer.initialize_buckets([[ready_order[j] for j in b] for b in in_order])
+        self._buckets_rebuilt = True
+
+
+# -------------------------------------------------------------------------------------------
+# Teardown and errors.
+
+
+class KeepHooksAfterClose(_Reducer):
+    """close() marks the reducer closed but leaves its hooks on the parameters."""
+
+    def close(self) -> None:
+        kept = list(self._hook_handles)
+        self._hook_handles.clear()
+        super().close()
+        self._hook_handles.extend(kept)
+
+
+class VagueErrors(_Reducer):
     """Every misuse during training raises a bare RuntimeError that names nothing."""
 
     def _fail(self, error: BaseException) -> BaseException:
@@ -177,7 +497,7 @@ class VagueErrors(reducer.Reducer):
         return RuntimeError("reduction failed")
 
 
-class AcceptInvalidBuckets(reducer.Reducer):
+class AcceptInvalidBuckets(_Reducer):
     """Silently replaces an invalid bucket assignment with one bucket per parameter."""
 
     def initialize_buckets(self, bucket_indices: list[list[int]]) -> None:
@@ -187,8 +507,10 @@ class AcceptInvalidBuckets(reducer.Reducer):
             super().initialize_buckets([[i] for i in range(len(self._replicas[0]))])
 
 
+# -------------------------------------------------------------------------------------------
+# Bucket assignment.
+
 Assign = Callable[[Sequence[Tensor], Sequence[int], Sequence[bool] | None], list[list[int]]]
-_assign = reducer.compute_bucket_assignment_by_size
 
 
 def _close_above_limit(
@@ -205,6 +527,34 @@ def _first_limit_only(
     return _assign(tensors, limits[:1], sparse)
 
 
+def _one_limit_for_all_keys(
+    tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
+) -> list[list[int]]:
+    """Moves every (dtype, device) key on to the next limit when any bucket closes, not
+    each key when one of its own buckets does."""
+    flags = list(sparse or [False] * len(tensors))
+    result: list[list[int]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+    current = 0
+    for i, tensor in enumerate(tensors):
+        if flags[i]:
+            result.append([i])
+            continue
+        key = (tensor.dtype, tensor.device)
+        indices, size = open_buckets.get(key, ([], 0))
+        indices.append(i)
+        size += tensor.numel() * tensor.element_size()
+        if size >= limits[current]:
+            result.append(indices)
+            open_buckets[key] = ([], 0)
+            current = min(current + 1, len(limits) - 1)
+        else:
+            open_buckets[key] = (indices, size)
+    result.extend(indices for indices, _ in open_buckets.values() if indices)
+    result.sort(key=min)
+    return result
+
+
 def _sparse_not_alone(
     tensors: Sequence[Tensor], limits: Sequence[int], sparse: Sequence[bool] | None
 ) -> list[list[int]]:
@@ -219,29 +569,167 @@ def _unsorted(
     return _assign(tensors, limits, sparse)[::-1]
 
 
-MUTANTS: dict[str, type[reducer.Reducer]] = {
-    "skip the divide": SkipDivide,
-    "off-by-one bucket offset": OffByOneOffset,
-    "launch out of order": LaunchOutOfOrder,
-    "forget to wait": ForgetToWait,
-    "drop the last bucket": DropLastBucket,
-    "globally unused as zero": GloballyUnusedAsZero,
-    "lose accumulated gradients": LoseAccumulated,
-    "reduce only replica 0": ReduceOnlyReplicaZero,
+# -------------------------------------------------------------------------------------------
+# The catalogue.
+
+Patch = tuple[str, str, object]  # (module, attribute, replacement)
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    """One seeded bug: its name, what it gets wrong, and the code it replaces."""
+
+    name: str
+    group: str
+    patches: tuple[Patch, ...]
+
+    @property
+    def bug(self) -> str:
+        """The one-line description: the replacement's docstring, first sentence."""
+        doc = getattr(self.patches[0][2], "__doc__", None) or ""
+        return " ".join(doc.split()).split(". ")[0].rstrip(".")
+
+    @property
+    def replacement(self) -> Any:
+        """What the mutant puts in place (a class or a function)."""
+        return self.patches[0][2]
+
+
+def _reducer_class(cls: type[reducer.Reducer]) -> tuple[Patch, ...]:
+    # The wrapper builds its reducer from reducer.ddp's name, the properties from the package's.
+    return (("reducer", "Reducer", cls), ("reducer.ddp", "Reducer", cls))
+
+
+def _in(module: str, name: str, replacement: object) -> tuple[Patch, ...]:
+    return ((module, name, replacement),)
+
+
+_ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
+    # Averaging.
+    ("skip the divide", "averaging", _reducer_class(SkipDivide)),
+    ("divide by world size x replicas", "averaging", _reducer_class(DivideByContributions)),
+    ("divide large gradients twice", "averaging", _reducer_class(DivideLargeTwice)),
+    ("off-by-one bucket offset", "averaging", _reducer_class(OffByOneOffset)),
+    ("launch out of order", "averaging", _reducer_class(LaunchOutOfOrder)),
+    ("launch pointer not reset", "averaging", _reducer_class(KeepLaunchPointer)),
+    ("forget to wait", "averaging", _reducer_class(ForgetToWait)),
+    ("drop the last bucket", "averaging", _reducer_class(DropLastBucket)),
+    # Replicas.
+    ("reduce only replica 0", "replicas", _reducer_class(ReduceOnlyReplicaZero)),
+    ("replicas read replica 0", "replicas", _reducer_class(ReplicasReadReplicaZero)),
+    (
+        "write back replica 0 only",
+        "replicas",
+        _in("reducer.reducer", "_write_dense", _write_dense_replica_zero),
+    ),
+    # Unused parameters and accumulation.
+    ("globally unused as zero", "unused", _reducer_class(GloballyUnusedAsZero)),
+    ("used map taken at prepare", "unused", _reducer_class(UsedMapAtPrepare)),
+    ("used map reduced with MIN", "unused", _reducer_class(UsedMapMin)),
+    ("locally unused contributes stale grad", "unused", _reducer_class(ContributeStale)),
+    ("lose accumulated gradients", "accumulation", _reducer_class(LoseAccumulated)),
+    ("stale locally-used map", "accumulation", _reducer_class(KeepLocallyUsed)),
+    # Bucket views.
+    ("bucket view contributes stale grad", "views", _reducer_class(ViewKeepsStale)),
+    ("views ignore the used map", "views", _reducer_class(ViewsIgnoreUsedMap)),
+    ("rebuilt buckets keep old views", "views", _reducer_class(KeepOldViews)),
+    # Sparse gradients.
+    ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),
+    (
+        "sparse unused grad overwritten",
+        "sparse",
+        _in("reducer.reducer", "_write_sparse", _write_sparse_always),
+    ),
+    # Comm hooks.
+    ("prescale with a comm hook too", "comm hooks", _reducer_class(PrescaleWithHook)),
+    (
+        "hook's new tensor ignored",
+        "comm hooks",
+        _in("reducer.reducer", "_adopt_hook_result", _ignore_hook_result),
+    ),
+    # Checkpointing, higher-order and repeated backward.
+    (
+        "finalize at a checkpoint's inner end",
+        "backward",
+        _in("reducer.reducer", "_at_backward_end", _finalize_on_current_task),
+    ),
+    (
+        "hooks recorded under grad mode",
+        "backward",
+        _in("reducer.reducer", "_grad_ready_hook", _hook_in_grad_mode),
+    ),
+    ("second backward accepted silently", "backward", _reducer_class(MarkReadyTwiceSilently)),
+    ("static graph forgets unused", "static graph", _reducer_class(StaticForgetsUnused)),
+    ("static graph ready at first call", "static graph", _reducer_class(StaticReadyAtFirstCall)),
+    # The DDP wrapper.
+    ("left-out heads count as used", "DDP wrapper", _reducer_class(LeftOutHeadsUsed)),
+    (
+        "nested outputs not searched",
+        "DDP wrapper",
+        _in("reducer.ddp", "find_tensors", _find_top_level_tensors),
+    ),
+    (
+        "dict outputs bypass the sink",
+        "DDP wrapper",
+        _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
+    ),
+    ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "rebuild from own ready order",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
+    ),
+    # Teardown and errors.
+    ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),
+    ("vague errors", "errors", _reducer_class(VagueErrors)),
+    ("accept invalid buckets", "errors", _reducer_class(AcceptInvalidBuckets)),
+    # Bucket assignment.
+    (
+        "close a bucket above the limit",
+        "bucketing",
+        _in("reducer", "compute_bucket_assignment_by_size", _close_above_limit),
+    ),
+    (
+        "never move to the next limit",
+        "bucketing",
+        _in("reducer", "compute_bucket_assignment_by_size", _first_limit_only),
+    ),
+    (
+        "one limit for all keys",
+        "bucketing",
+        _in("reducer", "compute_bucket_assignment_by_size", _one_limit_for_all_keys),
+    ),
+    (
+        "sparse gradients not alone",
+        "bucketing",
+        _in("reducer", "compute_bucket_assignment_by_size", _sparse_not_alone),
+    ),
+    (
+        "buckets unsorted",
+        "bucketing",
+        _in("reducer", "compute_bucket_assignment_by_size", _unsorted),
+    ),
+]
+
+CATALOGUE: dict[str, Mutant] = {
+    name: Mutant(name, group, patches) for name, group, patches in _ENTRIES
 }
 
-TRAINING_MUTANTS: dict[str, type[reducer.Reducer]] = {
-    "stale locally-used map": KeepLocallyUsed,
-}
 
-BUCKETING_MUTANTS: dict[str, Assign] = {
-    "close a bucket above the limit": _close_above_limit,
-    "never move to the next limit": _first_limit_only,
-    "sparse gradients not alone": _sparse_not_alone,
-    "buckets unsorted": _unsorted,
-}
+@contextmanager
+def applied(mutant: Mutant) -> Iterator[None]:
+    """Put ``mutant`` in place of the real code for the duration of the block.
 
-MISUSE_MUTANTS: dict[str, type[reducer.Reducer]] = {
-    "vague errors": VagueErrors,
-    "accept invalid buckets": AcceptInvalidBuckets,
-}
+    Process-wide (module attributes), so nothing else may run in this process meanwhile;
+    the properties look up the classes and functions they test at call time.
+    """
+    saved: list[tuple[Any, str, object]] = []
+    try:
+        for module_name, attribute, replacement in mutant.patches:
+            module = importlib.import_module(module_name)
+            saved.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, replacement)
+        yield
+    finally:
+        for module, attribute, original in reversed(saved):
+            setattr(module, attribute, original)

@@ -3,11 +3,14 @@
 Each strategy is usable alone and shrinks toward the simplest case (one branch, one rank, one
 bucket, everything used), so a failing property reports a minimal counterexample:
 
-- :func:`branch_specs`, :func:`model_specs`: random models (Linear, MLP, LayerNorm, Conv1d,
-  Conv2d, Embedding dense or sparse, a Linear head stacked on conv and embedding layers;
+- :func:`branch_specs`, :func:`model_specs`: random models (Linear with and without bias,
+  MLP, LayerNorm, Conv1d, Conv2d, Embedding dense or sparse, a Linear head stacked on conv
+  and embedding layers;
   float32 and float64 mixed; shared layers; optional branches, the source of unused
-  parameters), small enough to run in milliseconds, optionally with a wide layer whose
-  weight exceeds the reducer's size thresholds.
+  parameters; activation checkpointing of branches, reentrant or not, including a layer used
+  twice), small enough to run in milliseconds, optionally with a wide layer whose weight
+  exceeds the reducer's size thresholds.
+- :func:`output_layouts`: outputs nested in lists, tuples, dicts, namedtuples and dataclasses.
 - :func:`bucket_assignments`: valid bucket partitions of a model's parameters, either from
   ``compute_bucket_assignment_by_size`` with random limits or arbitrary groupings that respect
   dtype, device and sparse-alone, in arbitrary bucket order.
@@ -19,7 +22,10 @@ bucket, everything used), so a failing property reports a minimal counterexample
 - :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
   replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
   steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
-  gradients, gradients as bucket views.
+  gradients, gradients as bucket views, and what training loops do: a static graph, a comm
+  hook (in place, returning a new tensor, dividing itself, fp16/bf16 compression), higher-order
+  backward (``create_graph=True``, a gradient penalty), a second backward through the same
+  graph, a new reducer on the same models after ``close()``, a slow network.
 
 The number of synced iterations is drawn by the multi-iteration state machine
 (``property_tests/test_multi_iteration.py``), whose rules are the iterations.
@@ -38,14 +44,26 @@ from torch import Tensor
 
 import reducer
 
-from .harness import Scenario
-from .model import HEAD_KINDS, KINDS, BranchSpec, ModelSpec, build_model, sparse_flags, wide_width
+from .harness import BACKWARDS, Scenario, twice_refused_everywhere
+from .hooks import HOOK_NAMES
+from .model import (
+    CONTAINERS,
+    HEAD_KINDS,
+    KINDS,
+    BranchSpec,
+    ModelSpec,
+    OutputLayout,
+    build_model,
+    sparse_flags,
+    wide_width,
+)
 
 __all__ = [
     "branch_specs",
     "bucket_assignments",
     "bucketing_inputs",
     "model_specs",
+    "output_layouts",
     "scenarios",
     "size_limits",
     "unused_patterns",
@@ -54,7 +72,7 @@ __all__ = [
 
 DTYPES = (torch.float32, torch.float64)
 # Kinds whose first layer reads ``width`` features, so that a wide input makes a large weight.
-_WIDE_KINDS = ("linear", "mlp", "layernorm")
+_WIDE_KINDS = ("proj", "linear", "mlp", "layernorm")
 # One wide branch in 16, drawn as a choice that shrinks to "not wide".
 _WIDE = st.sampled_from([False] * 15 + [True])
 # Strategies built once: building one (and validating it) costs more than drawing from it.
@@ -63,6 +81,19 @@ _FEATURES = st.integers(1, 4)
 _SEEDS = st.integers(0, 2**16)
 _SHARE = st.integers(0, 3)  # 0: the new branch reuses an earlier branch's layers
 _MODES = st.sampled_from(["none", "some", "all"])
+# Two branches in three plain; shrinks to "none". Reentrant checkpointing only one in six:
+# with the search for unused parameters it is refused, and such a step checks nothing else.
+_CHECKPOINTS = st.sampled_from(["none"] * 4 + ["nonreentrant", "reentrant"])
+_CHECKPOINTS_NOT_REENTRANT = st.sampled_from(["none"] * 4 + ["nonreentrant"])
+# What training loops do, each drawn now and then, each shrinking to the plain choice.
+_RARELY = st.sampled_from([False, False, False, True])
+_HOOKS = st.sampled_from(["none"] * len(HOOK_NAMES) + list(HOOK_NAMES))
+_BACKWARDS = st.sampled_from(["plain", "plain", "create_graph", "penalty"])
+_LATENCY_S = 0.01  # longer than the small models' backward: finalize must wait for the data
+_LATENCIES = st.sampled_from([0.0] * 7 + [_LATENCY_S])
+# Dicts twice as often as each other container: most models that nest return them.
+_CONTAINER_CHOICES = (*CONTAINERS, "dict")
+_CONTAINERS = st.sampled_from(_CONTAINER_CHOICES)
 
 
 @st.composite
@@ -75,25 +106,36 @@ def branch_specs(
     optional: bool | None = None,
     allow_head: bool = True,
     allow_wide: bool = False,
+    allow_checkpoint: bool = False,
 ) -> BranchSpec:
     """One branch. ``optional=None`` draws whether it can be switched off.
 
     ``allow_head`` may stack a Linear on a conv or embedding layer. ``allow_wide`` rarely makes
     the first layer of a linear, MLP or LayerNorm branch so wide (``model.wide_width``) that
-    its weight is large enough for the reducer's size-dependent paths.
+    its weight is large enough for the reducer's size-dependent paths. ``allow_checkpoint``
+    runs some branches under activation checkpointing; a reentrant one is never optional
+    (whether the reducer must refuse a step then depends on the model alone, not on the rank:
+    see ``harness.refusal``) and never an embedding (whose input cannot require grad).
     """
     kind = draw(_sampled(kinds))
     dtype = draw(_sampled(dtypes))
     out = draw(_FEATURES)
     wide = allow_wide and kind in _WIDE_KINDS and draw(_WIDE)
+    sparse = kind == "embedding" and allow_sparse and draw(_BOOLEANS)
+    is_optional = draw(_BOOLEANS) if optional is None else optional
+    mode = "none"
+    if allow_checkpoint:
+        reentrant_ok = kind != "embedding" and optional is not True
+        mode = draw(_CHECKPOINTS if reentrant_ok else _CHECKPOINTS_NOT_REENTRANT)
     return BranchSpec(
         kind=kind,
         dtype=dtype,
         width=wide_width(out) if wide else draw(_FEATURES),
         out=out,
-        sparse=kind == "embedding" and allow_sparse and draw(_BOOLEANS),
-        optional=draw(_BOOLEANS) if optional is None else optional,
+        sparse=sparse,
+        optional=is_optional and mode != "reentrant",
         head=allow_head and kind in HEAD_KINDS and draw(_BOOLEANS),
+        checkpoint=mode,
     )
 
 
@@ -104,10 +146,14 @@ def _sampled(values: tuple[Any, ...]) -> st.SearchStrategy[Any]:
 
 @functools.lru_cache(maxsize=64)
 def _branches(
-    allow_sparse: bool, optional: bool, allow_head: bool, allow_wide: bool
+    allow_sparse: bool, optional: bool, allow_head: bool, allow_wide: bool, allow_checkpoint: bool
 ) -> st.SearchStrategy[BranchSpec]:
     return branch_specs(
-        allow_sparse=allow_sparse, optional=optional, allow_head=allow_head, allow_wide=allow_wide
+        allow_sparse=allow_sparse,
+        optional=optional,
+        allow_head=allow_head,
+        allow_wide=allow_wide,
+        allow_checkpoint=allow_checkpoint,
     )
 
 
@@ -123,18 +169,21 @@ def model_specs(
     require_optional: bool = False,
     allow_head: bool = True,
     allow_wide: bool = False,
+    allow_checkpoint: bool = False,
 ) -> ModelSpec:
     """A model of 1 to ``max_branches`` branches with at most ``max_params`` parameters.
 
     Branch 0 always runs, so every rank computes some gradient in every step. With
-    ``allow_shared``, a later branch may reuse an earlier branch's layers. With
-    ``require_optional``, at least one branch can be switched off (one more branch is added
-    if needed, even beyond ``max_params``). ``allow_head`` and ``allow_wide``: see
-    :func:`branch_specs`.
+    ``allow_shared``, a later branch may reuse an earlier branch's layers (a layer used twice,
+    under a checkpoint of its own with ``allow_checkpoint``). With ``require_optional``, at
+    least one branch can be switched off (one more branch is added if needed, even beyond
+    ``max_params``). ``allow_head``, ``allow_wide`` and ``allow_checkpoint``: see
+    :func:`branch_specs`; the branches that run a reentrant-checkpointed branch's layers are
+    all non-optional.
     """
 
     def branch(optional: bool) -> st.SearchStrategy[BranchSpec]:
-        return _branches(allow_sparse, optional, allow_head, allow_wide)
+        return _branches(allow_sparse, optional, allow_head, allow_wide, allow_checkpoint)
 
     branches = [draw(branch(False))]
     params = branches[0].parameter_count
@@ -143,16 +192,64 @@ def model_specs(
         owners = [i for i, b in enumerate(branches) if b.shared_with is None]
         if allow_shared and draw(_SHARE) == 0:
             owner = draw(_sampled(tuple(owners)))
-            branches.append(replace(branches[owner], optional=optional, shared_with=owner))
+            mode = branches[owner].checkpoint
+            if allow_checkpoint:
+                reentrant_ok = branches[owner].kind != "embedding"
+                mode = draw(_CHECKPOINTS if reentrant_ok else _CHECKPOINTS_NOT_REENTRANT)
+            shared = replace(branches[owner], optional=optional, shared_with=owner, checkpoint=mode)
+            branches.append(shared)
             continue
         new = draw(branch(optional))
         if params + new.parameter_count > max_params:
             break
         params += new.parameter_count
         branches.append(new)
+    branches = _reentrant_groups_always_run(branches)
     if require_optional and not any(b.optional for b in branches):
-        branches.append(draw(branch(True)))
+        branches.append(draw(_branches(allow_sparse, True, allow_head, allow_wide, False)))
     return ModelSpec(tuple(branches), seed=draw(_SEEDS))
+
+
+def _reentrant_groups_always_run(branches: list[BranchSpec]) -> list[BranchSpec]:
+    """Make every branch that runs the layers of a reentrant-checkpointed branch non-optional."""
+
+    def owner(b: int) -> int:
+        shared = branches[b].shared_with
+        return b if shared is None else shared
+
+    reentrant = {owner(b) for b, br in enumerate(branches) if br.checkpoint == "reentrant"}
+    return [
+        replace(br, optional=False) if br.optional and owner(b) in reentrant else br
+        for b, br in enumerate(branches)
+    ]
+
+
+@st.composite
+def output_layouts(draw: st.DrawFn, branches: int, *, max_depth: int = 2) -> OutputLayout:
+    """How a model returns the outputs of ``branches`` branches: a container (list, tuple,
+    dict, namedtuple or dataclass) of branch indices and nested containers, up to
+    ``max_depth`` levels below the top, in any order. A nested container is of another kind
+    than the one holding it (a dict in a tuple, a list in a dataclass), so that some outputs
+    sit in one kind and some in another. Shrinks to a flat list in branch order (a model that
+    returns ``[out0, out1, ...]``)."""
+    leaves = list(range(branches))
+    if draw(_BOOLEANS):
+        leaves = draw(st.permutations(leaves))
+    return _layout(draw, tuple(leaves), max_depth, draw(_CONTAINERS))
+
+
+def _layout(draw: st.DrawFn, leaves: tuple[int, ...], depth: int, kind: str) -> OutputLayout:
+    children: list[int | OutputLayout] = []
+    rest = list(leaves)
+    while rest:
+        if depth > 0 and draw(_BOOLEANS):  # a nested container of the next few outputs
+            count = draw(st.integers(1, len(rest)))
+            inner = draw(_sampled(tuple(k for k in _CONTAINER_CHOICES if k != kind)))
+            children.append(_layout(draw, tuple(rest[:count]), depth - 1, inner))
+            rest = rest[count:]
+        else:
+            children.append(rest.pop(0))
+    return (kind, tuple(children))
 
 
 @st.composite
@@ -189,26 +286,38 @@ def bucket_assignments(
     return [list(b) for b in buckets]
 
 
-def size_limits(sizes: Sequence[int]) -> st.SearchStrategy[list[int]]:
+def size_limits(
+    sizes: Sequence[int], *, keys: Sequence[object] | None = None
+) -> st.SearchStrategy[list[int]]:
     """1 to 4 bucket size limits in bytes for tensors of ``sizes`` bytes: from 0 to about
     twice their total, or exactly a running total of them (where a bucket closes only if the
-    comparison is ``>=``, as it must be)."""
+    comparison is ``>=``, as it must be); with ``keys`` (each tensor's bucket key), also the
+    running totals of each key's tensors."""
     total = sum(sizes)
-    running = sorted({sum(sizes[: i + 1]) for i in range(len(sizes))} | set(sizes))
-    limit = st.integers(0, 2 * total + 1) | st.sampled_from(running)
+    running = {sum(sizes[: i + 1]) for i in range(len(sizes))} | set(sizes)
+    if keys is not None:
+        for key in set(keys):
+            mine = [size for size, k in zip(sizes, keys, strict=True) if k == key]
+            running |= {sum(mine[: i + 1]) for i in range(len(mine))}
+    limit = st.integers(0, 2 * total + 1) | st.sampled_from(sorted(running))
     return st.lists(limit, min_size=1, max_size=4)
 
 
 _BUCKETING_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_BUCKETING_KEYS = tuple(
+    (dtype, device) for dtype in _BUCKETING_DTYPES for device in ("cpu", "meta")
+)
+
+
 @st.composite
-def _bucketing_tensor(draw: st.DrawFn) -> Tensor:
+def _bucketing_tensor(draw: st.DrawFn, keys: tuple[tuple[torch.dtype, str], ...]) -> Tensor:
     numel = draw(st.integers(1, 2048))
     rows = draw(st.sampled_from([1, *(r for r in (2, 3, 4) if numel % r == 0)]))
     shape = (numel,) if rows == 1 else (rows, numel // rows)
-    device = draw(st.sampled_from(["cpu", "meta"]))
-    return torch.empty(shape, dtype=draw(st.sampled_from(_BUCKETING_DTYPES)), device=device)
+    dtype, device = draw(_sampled(keys))
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @st.composite
@@ -219,14 +328,18 @@ def bucketing_inputs(
 
     Tensors of 1 to 2048 elements in four dtypes, on the CPU or the meta device (so that the
     (dtype, device) keys of buckets vary; meta tensors cost nothing), shaped flat or 2-D. The
-    sparse flags are absent (None) or one per tensor, drawn with it (so that shrinking drops
-    a tensor with its flag).
+    tensors share 1 to 3 keys, drawn first, so that buckets of several keys fill up side by
+    side (each key moves on to the next limit by itself). The limits include each key's
+    running totals, where its buckets close exactly. The sparse flags are absent (None) or one
+    per tensor, drawn with it (so that shrinking drops a tensor with its flag).
     """
+    keys = tuple(draw(st.permutations(_BUCKETING_KEYS))[: draw(st.integers(1, 3))])
     flagged = draw(st.booleans())
-    entry = st.tuples(_bucketing_tensor(), st.booleans() if flagged else st.just(False))
+    entry = st.tuples(_bucketing_tensor(keys), st.booleans() if flagged else st.just(False))
     entries = draw(st.lists(entry, min_size=1, max_size=max_tensors))
     tensors = [t for t, _ in entries]
-    limits = draw(size_limits([t.numel() * t.element_size() for t in tensors]))
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    limits = draw(size_limits(sizes, keys=[(t.dtype, t.device) for t in tensors]))
     return tensors, limits, [f for _, f in entries] if flagged else None
 
 
@@ -322,14 +435,33 @@ def scenarios(
     as_view: bool | None = None,
     model: st.SearchStrategy[ModelSpec] | None = None,
     preset_sparse: bool | None = None,
+    static_graph: bool | None = None,
+    hook: str | None = None,
+    backward: str | None = None,
+    twice: bool | None = None,
+    rebuild: bool | None = None,
+    latency: float | None = None,
 ) -> Scenario:
     """A whole scenario. ``None`` for a flag means "draw it".
 
     ``unused=False`` runs every branch in every step; ``find_unused`` passes the outputs to
     ``prepare_for_backward``; ``min_local_steps``/``max_local_steps`` bound the local
-    (no-sync) backward passes before the synced one.
+    (no-sync) backward passes before the synced one. The default model strategy checkpoints
+    some branches.
+
+    What the training loop does is drawn now and then where the scenario allows it, each
+    shrinking to the plain choice: ``static_graph``; a comm ``hook`` (one replica, dense
+    gradients only: hooks take one replica per process); the ``backward`` mode (see
+    ``harness.BACKWARDS``; dense gradients only, and the gradient penalty not through a
+    reentrant checkpoint, which does not support ``torch.autograd.grad``); ``twice`` (not with
+    ``static_graph``, whose first iteration takes every gradient at the end of the first
+    backward, nor with reentrant checkpoints; only where the first backward leaves the step
+    unfinished on every rank: see ``harness.refusal``); ``rebuild``; ``latency`` (seconds). A
+    value given where the scenario does not allow it raises ValueError.
     """
-    spec = draw(model if model is not None else model_specs(allow_unused=unused))
+    spec = draw(
+        model if model is not None else model_specs(allow_unused=unused, allow_checkpoint=True)
+    )
     params, sparse = _parameters_of(spec)
     local_steps = draw(st.integers(min_local_steps, max_local_steps))
     search = draw(_BOOLEANS) if find_unused is None else find_unused
@@ -343,17 +475,63 @@ def scenarios(
         )
     )
     world_size = len(steps[0])
+    replicas = draw(st.integers(1, max_replicas))
+    static = _allowed(draw, "static_graph", static_graph, _RARELY, False)
+    dense = not spec.has_sparse
+    modes = [m for m in BACKWARDS if m == "plain" or dense]
+    if spec.has_reentrant and "penalty" in modes:
+        modes.remove("penalty")
     return Scenario(
         model=spec,
         world_size=world_size,
-        replicas=draw(st.integers(1, max_replicas)),
+        replicas=replicas,
         buckets=tuple(tuple(b) for b in draw(bucket_assignments(params, sparse))),
         steps=steps,
         find_unused=search,
         preset_grads=draw(_BOOLEANS) if preset_grads is None else preset_grads,
         as_view=draw(_BOOLEANS) if as_view is None else as_view,
         preset_sparse=draw(_BOOLEANS) if preset_sparse is None else preset_sparse,
+        static_graph=static,
+        hook=_allowed(draw, "hook", hook, _HOOKS, "none", replicas == 1 and dense),
+        backward=_allowed(draw, "backward", backward, _BACKWARDS, "plain", values=modes),
+        twice=_allowed(
+            draw,
+            "twice",
+            twice,
+            _RARELY,
+            False,
+            not static and not spec.has_reentrant and twice_refused_everywhere(spec, steps),
+        ),
+        rebuild=draw(_RARELY) if rebuild is None else rebuild,
+        latency=draw(_LATENCIES) if latency is None else latency,
     )
+
+
+def _allowed(
+    draw: st.DrawFn,
+    name: str,
+    given: Any,
+    strategy: st.SearchStrategy[Any],
+    plain: Any,
+    allowed: bool = True,
+    *,
+    values: Sequence[Any] | None = None,
+) -> Any:
+    """``given`` if not None (ValueError if the scenario does not allow it), else drawn from
+    ``strategy`` where allowed (a drawn value outside ``values`` becomes ``plain``), else
+    ``plain``."""
+
+    def permitted(value: Any) -> bool:
+        return bool(value == plain or (allowed and (values is None or value in values)))
+
+    if given is not None:
+        if not permitted(given):
+            raise ValueError(f"scenarios: {name}={given!r} is not possible for this scenario")
+        return given
+    if not allowed:
+        return plain
+    value = draw(strategy)
+    return value if permitted(value) else plain
 
 
 def _parameters_of(spec: ModelSpec) -> tuple[list[Tensor], list[bool]]:

@@ -27,7 +27,13 @@ _OPTIONAL = ModelSpec(
 
 # The core properties get four times the profile's examples (ci: 100).
 @settings(max_examples=4 * settings().max_examples)
-@given(scenarios(min_local_steps=1, max_local_steps=3, model=model_specs(allow_wide=True)))
+@given(
+    scenarios(
+        min_local_steps=1,
+        max_local_steps=3,
+        model=model_specs(allow_wide=True, allow_checkpoint=True),
+    )
+)
 @example(  # only rank 0's local passes use the embedding and the MLP; the synced one does not
     Scenario(
         _OPTIONAL,

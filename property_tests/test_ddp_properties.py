@@ -1,19 +1,35 @@
 """Property 5: reducer.DistributedDataParallel averages exactly, whatever its options.
 
-Hypothesis draws a model, a world size, the wrapper's options (``find_unused_parameters``,
-``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb`` from one parameter per
-bucket to one bucket for all, a comm hook or none) and a few iterations, each a window of
-``no_sync`` backward passes (or the ``require_backward_grad_sync`` toggle) and one synced one,
-with per-rank unused branches, and branches whose output is returned but left out of the loss
-(their parameters count as unused, not as used with zeros). Beside the ranks, one plain
-*mirror* model per rank runs the same passes; at each synced step its gradients become the
-exact rank-order average of the mirrors' own gradients (DESIGN.md). The ranks must hold
-exactly the mirrors' gradients, bit for bit, after every pass: local ones inside a window,
-averaged ones after the synced pass, and ``.grad`` untouched for a parameter no rank used
-since the last synced pass.
+Hypothesis draws a model (some branches under activation checkpointing, reentrant or not, a
+layer used twice), a world size, the wrapper's options (``find_unused_parameters`` and/or
+``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb`` from one parameter per bucket
+to one bucket for all, a comm hook or none: see ``property_tests.hooks``), how the model
+returns its outputs (any nesting of lists, tuples, dicts, namedtuples and dataclasses), how
+the loop differentiates (plain, ``create_graph=True``, a gradient penalty) and a few
+iterations, each a window of ``no_sync`` backward passes (or the ``require_backward_grad_sync``
+toggle) and one synced one, with per-rank unused branches, and heads whose output is returned
+but left out of the loss (their parameters count as unused, not as used with zeros). Beside
+the ranks, one plain *mirror* model per rank runs the same passes; at each synced step its
+gradients become the exact average of the mirrors' own gradients (the rank-order average, or
+what the comm hook computes). The ranks must hold exactly the mirrors' gradients, bit for bit,
+after every pass: local ones inside a window, averaged ones after the synced pass, and
+``.grad`` untouched for a parameter no rank used since the last synced pass.
+
+Where the reducer must refuse (``harness.model_refusal``: reentrant checkpointing while
+searching for unused parameters, a layer in two backward passes without ``static_graph``, or
+a second backward through the same graph), every rank must raise the documented error at the
+first synced pass instead. After ``close()`` no parameter may carry a hook of the reducer.
 
 The buckets are rebuilt after the first iteration (unless searching for unused parameters), so
 later iterations check the rebuilt layout too.
+
+Not drawn, with the reason: a second backward with ``find_unused_parameters`` or
+``static_graph`` (the wrapper's output sink counts the outputs the first backward does not
+reach as unused, so the first backward ends the iteration and the second accumulates
+locally, as after no_sync); a gradient penalty with ``static_graph`` (``torch.autograd.grad``
+runs through the output sink, whose first-iteration reduction then ends before the real
+backward starts); sparse gradients (comm hooks and higher-order backward take dense ones;
+the Reducer properties cover sparse buckets).
 """
 
 from __future__ import annotations
@@ -21,19 +37,39 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from hypothesis import event, example, given
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import fakepg
 import reducer
 
-from .harness import active_branches, snapshot
-from .model import BranchSpec, ModelSpec, branch_inputs, build_model, loss_of
+from .harness import (
+    Refusal,
+    active_branches,
+    assert_refused,
+    backward,
+    hook_count,
+    hooks_left,
+    model_refusal,
+    note_size,
+    snapshot,
+    sync_intra_op_threads,
+)
+from .hooks import AVERAGES, HOOK_NAMES, HOOKS, state_for
+from .model import (
+    BranchSpec,
+    GeneratedModel,
+    ModelSpec,
+    OutputLayout,
+    branch_inputs,
+    build_model,
+    loss_of,
+    unpack,
+)
 from .reference import rank_order_average
-from .strategies import model_specs, unused_patterns, world_sizes
+from .strategies import model_specs, output_layouts, unused_patterns, world_sizes
 
-HOOKS: dict[str, reducer.CommHook | None] = {"none": None, "allreduce": reducer.allreduce_hook}
 Pattern = tuple[frozenset[int], ...]  # per rank: the optional branches that run
 
 
@@ -54,13 +90,30 @@ class DDPScenario:
     zero_grad: tuple[str, ...]  # per iteration: "keep", "none" or "zero" before it
     windows: tuple[tuple[Pattern, ...], ...]
     dropped: tuple[tuple[Pattern, ...], ...]
+    layout: OutputLayout | None = None  # how forward nests its outputs (None: a list)
+    backward: str = "plain"  # see harness.BACKWARDS
+    twice: bool = False  # a first backward of branch 0 before each synced one
 
-    def kept(
-        self, outputs: list[Tensor], active: frozenset[int], dropped: frozenset[int]
-    ) -> Tensor:
+    def kept(self, packed: object, active: frozenset[int], dropped: frozenset[int]) -> Tensor:
         """The loss over the outputs of ``active`` branches (in index order) not dropped."""
-        return loss_of(
-            [o for b, o in zip(sorted(active), outputs, strict=True) if b not in dropped]
+        outputs = self.outputs(packed, active)
+        return loss_of([outputs[b] for b in sorted(active) if b not in dropped])
+
+    def outputs(self, packed: object, active: frozenset[int]) -> dict[int, Tensor]:
+        """Branch index -> output, from what forward returned."""
+        if self.layout is None:
+            assert isinstance(packed, list)
+            return dict(zip(sorted(active), packed, strict=True))
+        return unpack(self.layout, packed, active)
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """What the first synced pass must raise instead of averaging, if anything."""
+        return model_refusal(
+            self.model,
+            find_unused=self.find_unused and not self.static_graph,  # the wrapper's search
+            static_graph=self.static_graph,
+            twice=self.twice,
         )
 
     def inputs(self, rank: int, iteration: int, micro: int) -> list[Tensor]:
@@ -68,16 +121,45 @@ class DDPScenario:
         return branch_inputs(self.model, seed)
 
 
+# The search for unused parameters twice as often: most of what the wrapper adds is there.
+_WRAPPER_MODES = st.sampled_from(["plain", "find_unused", "static_graph", "both", "find_unused"])
+_DDP_HOOKS = st.sampled_from(["none"] * len(HOOK_NAMES) + list(HOOK_NAMES))
+_DDP_BACKWARDS = st.sampled_from(["plain", "plain", "create_graph", "penalty"])
+_RARELY = st.sampled_from([False, False, False, True])
+_MOSTLY = st.sampled_from([False, True, True, True])  # real models nest their outputs
+
+
 @st.composite
-def ddp_scenarios(draw: st.DrawFn) -> DDPScenario:
+def ddp_scenarios(
+    draw: st.DrawFn,
+    *,
+    model: st.SearchStrategy[ModelSpec] | None = None,
+    max_world_size: int = 4,
+    mode: str | None = None,
+    min_iterations: int = 2,
+    as_view: bool | None = None,
+    hook: str | None = None,
+    nested: bool | None = None,
+) -> DDPScenario:
+    """A DDP scenario. ``mode`` is "plain", "find_unused", "static_graph" or "both"; it and
+    the other flags are drawn where None (a narrower search for a known bug fixes some)."""
     optional = draw(st.integers(0, 3)) > 0  # mostly models with branches that can go unused
     spec = draw(
-        model_specs(max_branches=3, max_params=6, allow_sparse=False, require_optional=optional)
+        model
+        if model is not None
+        else model_specs(
+            max_branches=3,
+            max_params=6,
+            allow_sparse=False,
+            require_optional=optional,
+            allow_checkpoint=True,
+        )
     )
-    world_size = draw(world_sizes(4))
-    mode = draw(st.sampled_from(["plain", "find_unused", "static_graph"]))
-    static_graph, find_unused = mode == "static_graph", mode == "find_unused"
-    iterations = draw(st.integers(1, 3))
+    world_size = draw(world_sizes(max_world_size))
+    mode = draw(_WRAPPER_MODES) if mode is None else mode
+    static_graph = mode in ("static_graph", "both")
+    find_unused = mode in ("find_unused", "both")
+    iterations = draw(st.integers(min_iterations, max(3, min_iterations)))
 
     def drop(pattern: Pattern, allowed: bool) -> Pattern:
         """Per rank, active optional branches left out of the loss: none, each rank's own
@@ -93,7 +175,8 @@ def ddp_scenarios(draw: st.DrawFn) -> DDPScenario:
         )
 
     if static_graph:
-        # The same graph every pass: one pattern per rank, drawn once.
+        # The same graph every pass: one pattern per rank, drawn once. The sink counts the
+        # heads left out of the loss as unused with or without find_unused_parameters.
         fixed = draw(unused_patterns(spec, world_size, 1, synced_all_used=False))[0]
         fixed_drop = drop(fixed, True)
         lengths = [draw(st.integers(0, 2)) + 1 for _ in range(iterations)]
@@ -114,18 +197,37 @@ def ddp_scenarios(draw: st.DrawFn) -> DDPScenario:
         dropped = tuple(
             tuple(drop(p, find_unused or n < len(w) - 1) for n, p in enumerate(w)) for w in windows
         )
+    # A second backward only where the first leaves the synced pass unfinished on every
+    # rank: without the sink (see the module docstring), every branch runs in a synced pass
+    # (synced_all_used), so some branch must own layers other than branch 0's.
+    twice_possible = (
+        mode == "plain"
+        and not spec.has_reentrant
+        and any(spec.owner(b) != 0 for b in range(len(spec.branches)))
+    )
+    modes = ["plain", "create_graph"] + (
+        ["penalty"] if not static_graph and not spec.has_reentrant else []
+    )
+    chosen = draw(_DDP_BACKWARDS)
     return DDPScenario(
         model=spec,
         world_size=world_size,
         find_unused=find_unused,
         static_graph=static_graph,
-        as_view=draw(st.booleans()),
+        as_view=draw(st.booleans()) if as_view is None else as_view,
         bucket_cap_mb=draw(st.sampled_from([1e-5, 1e-4, 3e-4, 25.0])),
-        hook=draw(st.sampled_from(sorted(HOOKS))),
+        hook=draw(_DDP_HOOKS) if hook is None else hook,
         toggle_attribute=draw(st.booleans()),
         zero_grad=tuple(draw(st.sampled_from(["keep", "none", "zero"])) for _ in windows),
         windows=windows,
         dropped=dropped,
+        layout=(
+            draw(output_layouts(len(spec.branches)))
+            if (draw(_MOSTLY) if nested is None else nested)
+            else None
+        ),
+        backward=chosen if chosen in modes else "plain",
+        twice=twice_possible and draw(_RARELY),
     )
 
 
@@ -137,12 +239,27 @@ def _zero(model: nn.Module, how: str) -> None:
 Grads = list[Tensor | None]
 
 
-def run_ddp(s: DDPScenario) -> list[list[Grads]]:
-    """Per rank, the gradients after every pass, in order."""
+@dataclass(frozen=True, slots=True)
+class DDPRankRun:
+    """One rank's gradients after every pass, the error it raised where the scenario must
+    be refused, and the parameters that kept a hook of the reducer after ``close()``."""
 
-    def rank_fn(pg: fakepg.FakeProcessGroup) -> list[Grads]:
+    passes: list[Grads]
+    error: str | None
+    hooks_left: tuple[str, ...]
+
+
+def run_ddp(s: DDPScenario) -> list[DDPRankRun]:
+    """Per rank, the gradients after every pass, in order (up to the refused pass)."""
+    refused = s.refusal is not None
+
+    def rank_fn(pg: fakepg.FakeProcessGroup) -> DDPRankRun:
+        sync_intra_op_threads()
         rank = pg.rank()
         model = build_model(s.model)
+        params: list[Tensor] = list(model.parameters())
+        before = [hook_count(p) for p in params]
+        # reducer.DistributedDataParallel as it is now: see harness (a mutant may replace it).
         ddp = reducer.DistributedDataParallel(
             model,
             pg,
@@ -151,30 +268,66 @@ def run_ddp(s: DDPScenario) -> list[list[Grads]]:
             gradient_as_bucket_view=s.as_view,
             static_graph=s.static_graph,
         )
-        hook = HOOKS[s.hook]
-        if hook is not None:
-            ddp.register_comm_hook(None, hook)
-        after: list[Grads] = []
         try:
-            for k, window in enumerate(s.windows):
-                _zero(ddp, s.zero_grad[k])
-                for micro, pattern in enumerate(window):
-                    synced = micro == len(window) - 1
-                    active = active_branches(s.model, pattern[rank])
-                    inputs = s.inputs(rank, k, micro)
-                    dropped = s.dropped[k][micro][rank]
-                    if s.toggle_attribute or synced:
-                        ddp.require_backward_grad_sync = synced
-                        s.kept(ddp(inputs, active), active, dropped).backward()
-                    else:
-                        with ddp.no_sync():
-                            s.kept(ddp(inputs, active), active, dropped).backward()
-                    after.append([snapshot(p.grad) for p in model.parameters()])
-            return after
+            if s.hook != "none":
+                ddp.register_comm_hook(state_for(s.hook, pg), HOOKS[s.hook])
+            after, error = _passes(s, ddp, params, rank, refused)
         finally:
             ddp.reducer.close()
+        return DDPRankRun(after, error, hooks_left(params, before))
 
     return fakepg.run(rank_fn, s.world_size, timeout=20.0)
+
+
+def _passes(
+    s: DDPScenario,
+    ddp: reducer.DistributedDataParallel,
+    params: list[Tensor],
+    rank: int,
+    refused: bool,
+) -> tuple[list[Grads], str | None]:
+    """Every pass of ``s`` on this rank; the gradients after each, up to a refused one."""
+    after: list[Grads] = []
+    for k, window in enumerate(s.windows):
+        _zero(ddp, s.zero_grad[k])
+        for micro, pattern in enumerate(window):
+            synced = micro == len(window) - 1
+            active = active_branches(s.model, pattern[rank])
+            inputs = s.inputs(rank, k, micro)
+            dropped = s.dropped[k][micro][rank]
+            if s.toggle_attribute or synced:
+                ddp.require_backward_grad_sync = synced
+                error = _pass(s, ddp, params, inputs, active, dropped, synced, refused)
+                if error is not None:
+                    return after, error
+            else:
+                with ddp.no_sync():
+                    _pass(s, ddp, params, inputs, active, dropped, False, False)
+            after.append([snapshot(p.grad) for p in params])
+    return after, None
+
+
+def _pass(
+    s: DDPScenario,
+    module: nn.Module,
+    params: list[Tensor],
+    inputs: list[Tensor],
+    active: frozenset[int],
+    dropped: frozenset[int],
+    synced: bool,
+    refused: bool,
+) -> str | None:
+    """One forward and backward; the refusal's message, where one is expected."""
+    packed = module(inputs, active, s.layout)
+    try:
+        if s.twice and synced:
+            loss_of([s.outputs(packed, active)[0]]).backward(retain_graph=True)
+        backward(s.backward, s.kept(packed, active, dropped), params)
+    except reducer.ReductionError as exc:
+        if not refused:
+            raise
+        return str(exc)
+    return None
 
 
 def run_mirrors(s: DDPScenario) -> list[list[Grads]]:
@@ -195,20 +348,24 @@ def run_mirrors(s: DDPScenario) -> list[list[Grads]]:
             for r, mirror in enumerate(mirrors):
                 active = active_branches(s.model, pattern[r])
                 dropped = s.dropped[k][micro][r]
-                s.kept(mirror(s.inputs(r, k, micro), active), active, dropped).backward()
+                packed = mirror(s.inputs(r, k, micro), active, s.layout)
+                backward(s.backward, s.kept(packed, active, dropped), list(mirror.parameters()))
             if micro == len(window) - 1:
-                _average(mirrors, used, s.world_size)
+                _average(mirrors, used, s.world_size, s.hook)
                 used = [[False] * count for _ in mirrors]
             for r, mirror in enumerate(mirrors):
                 after[r].append([snapshot(p.grad) for p in mirror.parameters()])
     return after
 
 
-def _average(mirrors: list[nn.Module], used: list[list[bool]], world_size: int) -> None:
+def _average(
+    mirrors: list[GeneratedModel], used: list[list[bool]], world_size: int, hook: str
+) -> None:
     params = [list(m.parameters()) for m in mirrors]
+    average_of = AVERAGES[hook] if hook != "none" else rank_order_average
     for i in range(len(params[0])):
         column = [snapshot(params[r][i].grad) if used[r][i] else None for r in range(world_size)]
-        average = rank_order_average(column, world_size)
+        average = average_of(column, world_size)
         if average is None:
             continue  # no rank used it since the last synced pass: .grad stays as it is
         for r in range(world_size):
@@ -233,12 +390,37 @@ _STATIC_STALE = DDPScenario(
 )
 
 
+# A core property, with the largest space (options x iterations x nested outputs) and cheap
+# examples (tens of ms): eight times the profile's examples (ci: 200). Bugs of the wrapper
+# that need two ranks, a static graph and a second iteration together are found there.
+@settings(max_examples=8 * settings().max_examples)
 @example(_STATIC_STALE)
 @given(ddp_scenarios())
 def test_ddp_gradients_equal_the_mirrors_after_every_pass(s: DDPScenario) -> None:
+    note_size(s.model.parameter_count, s.world_size)
     event(f"hook={s.hook}, static={s.static_graph}, find_unused={s.find_unused}")
     event(f"outputs left out of the loss: {any(d for w in s.dropped for p in w for d in p)}")
-    got, want = run_ddp(s), run_mirrors(s)
+    event(f"outputs nested: {s.layout is not None}; backward: {s.backward}; twice: {s.twice}")
+    event(f"checkpoints: {sorted({b.checkpoint for b in s.model.branches})}")
+    why = s.refusal
+    event(f"refused: {why.why}" if why is not None else "averaged")
+    check_ddp(s)
+
+
+def check_ddp(s: DDPScenario) -> None:
+    """The property: the ranks hold the mirrors' gradients after every pass, or raise the
+    documented error on every rank where the wrapper must refuse; no hook left after close."""
+    runs = run_ddp(s)
+    for rank, run in enumerate(runs):
+        assert not run.hooks_left, (
+            f"rank {rank}: after close(), hooks of the reducer are left on "
+            f"{'; '.join(run.hooks_left)}"
+        )
+    why = s.refusal
+    if why is not None:
+        assert_refused([run.error for run in runs], why)
+        return
+    got, want = [run.passes for run in runs], run_mirrors(s)
     for rank in range(s.world_size):
         for n, (grads, expected) in enumerate(zip(got[rank], want[rank], strict=True)):
             for i, (g, w) in enumerate(zip(grads, expected, strict=True)):

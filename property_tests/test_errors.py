@@ -28,7 +28,14 @@ from hypothesis import strategies as st
 import fakepg
 import reducer
 
-from .harness import ReducerFactory, Scenario, assert_matches_reference, run_reducer
+from .harness import (
+    ReducerFactory,
+    Scenario,
+    assert_matches_reference,
+    hook_count,
+    note_size,
+    run_reducer,
+)
 from .model import GeneratedModel, branch_inputs, build_model, loss_of, sparse_flags
 from .strategies import bucket_assignments, model_specs, scenarios
 
@@ -39,7 +46,7 @@ WAIT_S = 10.0  # every collective of these runs fails after this long instead of
 def _train(
     scenario: Scenario,
     models: list[GeneratedModel],
-    make_reducer: ReducerFactory,
+    make_reducer: ReducerFactory | None,
     *,
     iterations: int,
     use_skipped_outside_forward: bool = False,
@@ -47,11 +54,12 @@ def _train(
     """Run ``iterations`` synced steps of ``scenario``'s first step pattern on ``models``
     (one per rank); optionally add a skipped branch's parameters to the loss."""
     s = scenario
+    make = reducer.Reducer if make_reducer is None else make_reducer  # as it is now
 
     def rank_fn(pg: fakepg.FakeProcessGroup) -> None:
         model = models[pg.rank()]
         names = [name for name, _ in model.named_parameters()]
-        red = make_reducer(
+        red = make(
             [list(model.parameters())],
             [list(b) for b in s.buckets],
             pg,
@@ -85,10 +93,16 @@ def _described(index: int, name: str) -> str:
     return re.escape(f"parameter {index} ({name!r})")
 
 
-def _check_recovers(scenario: Scenario, models: list[GeneratedModel]) -> None:
-    """Close-and-rebuild works: on the same models (gradients cleared), one clean synced
-    iteration with every branch running gives exactly the reference's gradients."""
+def _check_recovers(
+    scenario: Scenario, models: list[GeneratedModel], make_reducer: ReducerFactory | None
+) -> None:
+    """Close-and-rebuild works: the closed reducer left no hook on the models, and on the
+    same models (gradients cleared), one clean synced iteration with every branch running
+    gives exactly the reference's gradients."""
     s = scenario
+    for rank, model in enumerate(models):
+        left = [name for name, p in model.named_parameters() if hook_count(p)]
+        assert not left, f"rank {rank}: after close(), hooks are left on {left}"
     clean = Scenario(
         s.model,
         s.world_size,
@@ -99,7 +113,8 @@ def _check_recovers(scenario: Scenario, models: list[GeneratedModel]) -> None:
     )
     for model in models:
         model.zero_grad(set_to_none=True)
-    assert_matches_reference(run_reducer(clean, models=[[m] for m in models]), clean)
+    got = run_reducer(clean, make_reducer, models=[[m] for m in models])
+    assert_matches_reference(got, clean)
 
 
 # -- a parameter used outside forward ---------------------------------------------------------
@@ -121,7 +136,7 @@ def used_outside_forward(draw: st.DrawFn) -> Scenario:
 
 
 def check_used_outside_forward(
-    scenario: Scenario, make_reducer: ReducerFactory = reducer.Reducer
+    scenario: Scenario, make_reducer: ReducerFactory | None = None
 ) -> None:
     models = [build_model(scenario.model) for _ in range(scenario.world_size)]
     skipped = next(b for b in scenario.model.optional_branches if b not in scenario.steps[0][0])
@@ -129,11 +144,12 @@ def check_used_outside_forward(
     which = "|".join(_described(i, name) for i, name in named.items())
     with pytest.raises(reducer.ReductionError, match=f"({which}) was marked ready twice"):
         _train(scenario, models, make_reducer, iterations=1, use_skipped_outside_forward=True)
-    _check_recovers(scenario, models)
+    _check_recovers(scenario, models, make_reducer)
 
 
 @given(used_outside_forward())
 def test_a_parameter_used_outside_forward_is_reported(scenario: Scenario) -> None:
+    note_size(scenario.model.parameter_count, scenario.world_size)
     check_used_outside_forward(scenario)
 
 
@@ -158,7 +174,7 @@ def unfinished_iterations(draw: st.DrawFn) -> tuple[Scenario, int]:
 
 
 def check_unfinished_iteration(
-    case: tuple[Scenario, int], make_reducer: ReducerFactory = reducer.Reducer
+    case: tuple[Scenario, int], make_reducer: ReducerFactory | None = None
 ) -> None:
     scenario, rank = case
     models = [build_model(scenario.model) for _ in range(scenario.world_size)]
@@ -174,13 +190,14 @@ def check_unfinished_iteration(
     assert set(map(int, re.findall(r"parameter (\d+)", listed))) == set(named), message
     for i, name in named.items():
         assert re.search(_described(i, name), listed), f"parameter {i} not named: {message}"
-    _check_recovers(scenario, models)
+    _check_recovers(scenario, models, make_reducer)
 
 
 @given(unfinished_iterations())
 def test_a_second_iteration_before_the_reduction_finished_is_reported(
     case: tuple[Scenario, int],
 ) -> None:
+    note_size(case[0].model.parameter_count, case[0].world_size)
     check_unfinished_iteration(case)
 
 
@@ -238,12 +255,14 @@ def corrupted(draw: st.DrawFn) -> BucketCase:
     return params, sparse, buckets, match
 
 
-def check_invalid_buckets(case: BucketCase, make_reducer: ReducerFactory = reducer.Reducer) -> None:
+def check_invalid_buckets(case: BucketCase, make_reducer: ReducerFactory | None = None) -> None:
     params, sparse, buckets, match = case
+    make = reducer.Reducer if make_reducer is None else make_reducer  # as it is now
     with fakepg.World(1) as world, pytest.raises(reducer.BucketAssignmentError, match=match):
-        make_reducer([params], buckets, world.group(0), [sparse])
+        make([params], buckets, world.group(0), [sparse])
 
 
 @given(corrupted())
 def test_invalid_bucket_indices_raise_value_error(case: BucketCase) -> None:
+    note_size(len(case[0]), 1)
     check_invalid_buckets(case)

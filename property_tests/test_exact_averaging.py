@@ -31,7 +31,11 @@ _MIXED = ModelSpec(
 
 # The core properties get four times the profile's examples (ci: 100).
 @settings(max_examples=4 * settings().max_examples)
-@given(scenarios(unused=False, model=model_specs(allow_unused=False, allow_wide=True)))
+@given(
+    scenarios(
+        unused=False, model=model_specs(allow_unused=False, allow_wide=True, allow_checkpoint=True)
+    )
+)
 @example(  # a weight of 2**16 elements, 3 ranks (the division by 3 is inexact), 2 replicas
     Scenario(_WIDE, 3, 2, ((0, 1),), ((frozenset(),) * 3,), False, preset_grads=True)
 )

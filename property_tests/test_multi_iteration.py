@@ -49,7 +49,14 @@ from torch import Tensor, nn
 import fakepg
 import reducer
 
-from .harness import ReducerFactory, active_branches, snapshot, sync_intra_op_threads
+from .harness import (
+    ReducerFactory,
+    active_branches,
+    hook_count,
+    note_size,
+    snapshot,
+    sync_intra_op_threads,
+)
 from .model import GeneratedModel, ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
 from .reference import rank_order_average, sparse_average
 from .strategies import bucket_assignments, model_specs, unused_patterns
@@ -64,7 +71,8 @@ class TrainingMachine(RuleBasedStateMachine):
     of the shrunk counterexample), so a test can see how small a failing run is.
     """
 
-    make_reducer: ClassVar[ReducerFactory] = reducer.Reducer
+    # None: reducer.Reducer as it is when the machine starts (a mutant may replace it).
+    make_reducer: ClassVar[ReducerFactory | None] = None
     last_run: ClassVar[list[str]] = []
     # The space of setups; a subclass may narrow it (a quicker search for a known bug).
     model_space: ClassVar[st.SearchStrategy[ModelSpec]] = model_specs(
@@ -83,6 +91,8 @@ class TrainingMachine(RuleBasedStateMachine):
         find_unused = data.draw(st.sampled_from(cls.find_unused_choices), label="find_unused")
         as_view = data.draw(st.booleans(), label="as_view")
         cls.last_run = [f"setup(world_size={world_size}, replicas={replicas})"]
+        note_size(spec.parameter_count, world_size)
+        make = reducer.Reducer if cls.make_reducer is None else cls.make_reducer
         self.spec, self.world_size, self.replicas = spec, world_size, replicas
         self.find_unused = find_unused
         self.world = fakepg.World(world_size, timeout=20.0)
@@ -91,7 +101,7 @@ class TrainingMachine(RuleBasedStateMachine):
         params0 = list(self.models[0][0].parameters())
         buckets = data.draw(bucket_assignments(params0, self.sparse))
         self.reducers = [
-            cls.make_reducer(
+            make(
                 [list(m.parameters()) for m in models],
                 buckets,
                 self.world.group(r),
@@ -120,6 +130,10 @@ class TrainingMachine(RuleBasedStateMachine):
             for red in self.reducers:
                 red.close()
             self.world.close()
+            for r, models in enumerate(self.models):
+                for d, model in enumerate(models):
+                    left = [name for name, p in model.named_parameters() if hook_count(p)]
+                    assert not left, f"rank {r}, replica {d}: hooks left after close(): {left}"
 
     # -- rules --------------------------------------------------------------------------------
 
@@ -327,8 +341,10 @@ def _sgd(model: nn.Module, set_to_none: bool) -> None:
     model.zero_grad(set_to_none=set_to_none)
 
 
-# Each example is up to 8 rules long (ci: 25 examples, about 200 backward passes).
+# A core property: four times the profile's examples, each up to 8 rules long (ci: 100
+# examples, about 800 backward passes). Bugs that need several iterations to show (a map of
+# locally used parameters never cleared) need a few of the right ones in a row.
 TrainingMachine.TestCase.settings = settings(
-    settings(), max_examples=settings().max_examples, stateful_step_count=8
+    settings(), max_examples=4 * settings().max_examples, stateful_step_count=8
 )
 test_training_matches_the_references = TrainingMachine.TestCase

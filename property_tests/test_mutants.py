@@ -1,20 +1,22 @@
-"""The properties catch every seeded bug, and Hypothesis shrinks each to a minimal example.
+"""The properties catch every seeded bug, and Hypothesis shrinks each to a small example.
 
-For each broken reducer of :mod:`property_tests.mutants`, Hypothesis searches the inputs of
-the property meant to catch it for one that fails, and shrinks it. Each test asserts that one
-is found, that the shrunk example is the smallest that can show the bug (two ranks to see a
-wrong average, two replicas to see replica 1 left out, ...), and, where it is a scenario,
-that the real reducer passes that very example.
+For each mutant of :data:`property_tests.mutants.CATALOGUE`, with the mutant in place of the
+real code, Hypothesis searches the inputs of the property meant to catch it for one that
+fails, and shrinks it. Each test asserts that one is found, that the shrunk example is small
+(at most 3 parameters and 2 ranks, and where it says more, the smallest that can show the bug:
+two ranks to see a wrong average, two replicas to see replica 1 left out, ...), and that the
+real code passes that very example.
 
-- Properties 1-3 (one synced iteration) against the eight bugs of ``MUTANTS``;
-- property 4 (the training state machine) against ``TRAINING_MUTANTS``;
-- property 5 (bucket assignment equals torch's) against ``BUCKETING_MUTANTS``;
-- property 6 (misuse raises the documented error) against ``MISUSE_MUTANTS``.
+This is the fast check that CI runs: each search is narrowed to the part of the property's
+input space where the mutant's bug lives (``CASES``), with the property's own check.
+``benchmarks/harness_power.py`` runs the full measurement: the whole property suite, with
+its own strategies and the ci profile's example counts, against each mutant.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,13 +24,13 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
-import fakepg
 import reducer
 
-from .harness import Scenario, check_against_reference, reference
-from .model import ModelSpec
-from .mutants import BUCKETING_MUTANTS, MISUSE_MUTANTS, MUTANTS, TRAINING_MUTANTS
+from .harness import Scenario, check_against_reference, reference, refusal
+from .model import BranchSpec, ModelSpec, wide_width
+from .mutants import CATALOGUE, Mutant, applied
 from .strategies import bucketing_inputs, model_specs, scenarios
+from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,
     check_unfinished_iteration,
@@ -40,7 +42,6 @@ from .test_errors import (
 from .test_multi_iteration import TrainingMachine
 from .test_torch_equivalence import check_bucket_assignment
 
-with_optional: st.SearchStrategy[ModelSpec] = model_specs(require_optional=True)
 # Generate, then shrink; no explain phase (it reruns variants of the shrunk example).
 SEARCH = settings(
     max_examples=400,
@@ -50,6 +51,7 @@ SEARCH = settings(
     phases=[Phase.generate, Phase.shrink],
     suppress_health_check=list(HealthCheck),
 )
+LATENCY_S = 0.05  # well past the end of a small model's backward
 
 
 def _fails(check: Callable[[], None]) -> bool:
@@ -61,112 +63,321 @@ def _fails(check: Callable[[], None]) -> bool:
     return False
 
 
-def _one_iteration(
-    s: Scenario,
-    *,
-    world_size: int | None = None,
-    replicas: int | None = None,
-    contributions: int | None = None,
-    branches: int = 1,
-) -> bool:
+# -- what to search, and what counts as shrunk ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """Where a mutant's bug lives: inputs of ``check`` drawn from ``strategy``; ``minimal``
+    says whether the shrunk example is the smallest that shows it."""
+
+    strategy: st.SearchStrategy[Any]
+    check: Callable[[Any], None]
+    minimal: Callable[[Any], bool] = lambda _: True
+
+
+def _size(example: Any) -> tuple[int, int]:
+    """(parameters, ranks) of an example of any property."""
+    if isinstance(example, Scenario | DDPScenario):
+        return example.model.parameter_count, example.world_size
+    if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
+        return example[0].model.parameter_count, example[0].world_size
+    return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
+
+
+def _one_step(s: Scenario, *, ranks: int | None = None, replicas: int | None = None) -> bool:
     return (
         len(s.steps) == 1
-        and len(s.model.branches) <= branches
-        and (world_size is None or s.world_size == world_size)
+        and (ranks is None or s.world_size == ranks)
         and (replicas is None or s.replicas == replicas)
-        and (contributions is None or s.world_size * s.replicas == contributions)
     )
 
 
-# name -> (scenarios that can expose it, network latency, is the shrunk scenario minimal?)
-CASES: dict[str, tuple[st.SearchStrategy[Scenario], float, Callable[[Scenario], bool]]] = {
+def _plain(**overrides: Any) -> dict[str, Any]:
+    """Scenario flags that switch off what the bug does not need (a faster search)."""
+    flags: dict[str, Any] = {
+        "static_graph": False,
+        "hook": "none",
+        "backward": "plain",
+        "twice": False,
+        "rebuild": False,
+        "latency": 0.0,
+    }
+    flags.update(overrides)
+    return flags
+
+
+with_optional = model_specs(require_optional=True)
+dense_optional = model_specs(require_optional=True, allow_sparse=False)
+dense_all_used = model_specs(allow_unused=False, allow_sparse=False)
+checkpointed = model_specs(allow_unused=False, allow_sparse=False, allow_checkpoint=True)
+sparse_optional = st.builds(
+    lambda seed: ModelSpec(
+        (BranchSpec("proj"), BranchSpec("embedding", sparse=True, optional=True)), seed=seed
+    ),
+    st.integers(0, 2**16),
+)
+sparse_only = st.builds(
+    lambda seed: ModelSpec((BranchSpec("embedding", sparse=True),), seed=seed),
+    st.integers(0, 2**16),
+)
+wide_only = st.builds(
+    lambda out, seed: ModelSpec((BranchSpec("proj", width=wide_width(out), out=out),), seed=seed),
+    st.integers(1, 4),
+    st.integers(0, 2**16),
+)
+
+averaging = check_against_reference
+
+CASES: dict[str, Case] = {
     # One branch, two ranks of one replica: the smallest world where the sum is not the average.
-    "skip the divide": (
-        scenarios(unused=False),
-        0.0,
-        lambda s: _one_iteration(s, world_size=2, replicas=1),
+    "skip the divide": Case(
+        scenarios(unused=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2, replicas=1) and len(s.model.branches) == 1,
+    ),
+    # One rank of two replicas: divided by two where the sum over one rank is the average.
+    "divide by world size x replicas": Case(
+        scenarios(unused=False, max_world_size=2, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=2),
+    ),
+    # A weight above the size where the division is fused into the copy, on two ranks.
+    "divide large gradients twice": Case(
+        scenarios(unused=False, model=wide_only, max_replicas=1, as_view=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
     ),
     # One rank is enough: the layout is wrong before any communication.
-    "off-by-one bucket offset": (
-        scenarios(unused=False),
-        0.0,
-        lambda s: (
-            _one_iteration(s, world_size=1, replicas=1) and max(len(b) for b in s.buckets) >= 2
-        ),
+    "off-by-one bucket offset": Case(
+        scenarios(unused=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=1) and max(len(b) for b in s.buckets) >= 2,
     ),
     # Two ranks whose buckets become ready in different orders: one needs an unused branch.
-    "launch out of order": (
-        scenarios(find_unused=True, model=with_optional, max_world_size=4),
-        0.0,
-        lambda s: _one_iteration(s, world_size=2, replicas=1, branches=2) and len(s.buckets) >= 2,
+    "launch out of order": Case(
+        scenarios(find_unused=True, model=with_optional, max_world_size=4, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2, replicas=1) and len(s.buckets) >= 2,
     ),
-    # Two contributions (two ranks, or one rank with two replicas). The simulated network
-    # takes 0.5 s, and the models are small enough that backward ends long before the data
-    # lands (no used map: its wait would hold finalize back).
-    "forget to wait": (
+    # A second synced iteration: the wrapper's property runs several.
+    "launch pointer not reset": Case(
+        ddp_scenarios(min_iterations=2, mode="plain", hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 1,
+    ),
+    # Two contributions, and a network slower than the backward of a small model.
+    "forget to wait": Case(
         scenarios(
             unused=False,
             find_unused=False,
             max_world_size=2,
             max_replicas=2,
             model=model_specs(max_branches=2, max_params=4, allow_unused=False),
+            **_plain(latency=LATENCY_S),
         ),
-        0.5,
-        lambda s: _one_iteration(s, contributions=2),
+        averaging,
+        lambda s: _one_step(s) and s.world_size * s.replicas == 2,
     ),
-    "drop the last bucket": (
-        scenarios(unused=False),
-        0.0,
-        lambda s: _one_iteration(s, contributions=2),
+    "drop the last bucket": Case(
+        scenarios(unused=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s) and s.world_size * s.replicas == 2,
+    ),
+    # One rank with two replicas.
+    "reduce only replica 0": Case(
+        scenarios(unused=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=2),
+    ),
+    "replicas read replica 0": Case(
+        scenarios(unused=False, as_view=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=2),
+    ),
+    "write back replica 0 only": Case(
+        scenarios(unused=False, as_view=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=2),
     ),
     # One rank that skips an optional branch.
-    "globally unused as zero": (
-        scenarios(find_unused=True, model=with_optional),
-        0.0,
-        lambda s: (
-            _one_iteration(s, world_size=1, replicas=1, branches=2)
-            and any(e.untouched for e in reference(s))
-        ),
+    "globally unused as zero": Case(
+        scenarios(find_unused=True, model=with_optional, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=1) and any(e.untouched for e in reference(s)),
+    ),
+    # One rank: every parameter the synced backward uses looks unused.
+    "used map taken at prepare": Case(
+        scenarios(find_unused=True, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1),
+    ),
+    # Two ranks, one of which skips a branch the other runs.
+    "used map reduced with MIN": Case(
+        scenarios(find_unused=True, model=with_optional, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    # Two ranks, one of which skips a branch whose parameters hold an older gradient.
+    "locally unused contributes stale grad": Case(
+        scenarios(find_unused=True, model=with_optional, preset_grads=True, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
     ),
     # One local step, then the synced one, and two contributions: with one, the lost
     # gradient is still in .grad, and the parameter, unused everywhere, keeps it.
-    "lose accumulated gradients": (
-        scenarios(find_unused=True, model=with_optional, min_local_steps=1, max_local_steps=2),
-        0.0,
-        lambda s: (
-            len(s.steps) == 2 and s.world_size * s.replicas == 2 and len(s.model.branches) == 2
+    "lose accumulated gradients": Case(
+        scenarios(
+            find_unused=True, model=with_optional, min_local_steps=1, max_local_steps=2, **_plain()
         ),
+        averaging,
+        lambda s: len(s.steps) == 2 and s.world_size * s.replicas == 2,
     ),
-    # One rank with two replicas.
-    "reduce only replica 0": (
-        scenarios(unused=False),
-        0.0,
-        lambda s: _one_iteration(s, world_size=1, replicas=2),
+    # Bucket views: two contributions (the stale view of one is summed into the bucket,
+    # which is .grad), or one rank that skips a branch no other rank runs.
+    "bucket view contributes stale grad": Case(
+        scenarios(
+            find_unused=True, model=with_optional, preset_grads=True, as_view=True, **_plain()
+        ),
+        averaging,
+        lambda s: _one_step(s) and s.world_size * s.replicas == 2,
     ),
+    "views ignore the used map": Case(
+        scenarios(
+            find_unused=True, model=with_optional, preset_grads=True, as_view=True, **_plain()
+        ),
+        averaging,
+        lambda s: _one_step(s, ranks=1),
+    ),
+    # Buckets are rebuilt after the first iteration, by the wrapper.
+    "rebuilt buckets keep old views": Case(
+        ddp_scenarios(min_iterations=2, mode="plain", as_view=True, hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 1,
+    ),
+    "sparse gradient not divided": Case(
+        scenarios(unused=False, model=sparse_only, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    "sparse unused grad overwritten": Case(
+        scenarios(find_unused=True, model=sparse_optional, preset_sparse=True, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1),
+    ),
+    "prescale with a comm hook too": Case(
+        scenarios(unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="allreduce")),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    "hook's new tensor ignored": Case(
+        scenarios(unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="new tensor")),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    # A layer in two reentrant checkpoints: the refusal is expected, even on one rank.
+    "finalize at a checkpoint's inner end": Case(
+        scenarios(unused=False, model=checkpointed, max_world_size=2, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1) and refusal(s) is not None,
+    ),
+    # backward(create_graph=True) or a gradient penalty, two ranks (a division to record).
+    "hooks recorded under grad mode": Case(
+        scenarios(unused=False, model=dense_all_used, **_plain(backward=None)),
+        averaging,
+        lambda s: _one_step(s) and s.backward != "plain",
+    ),
+    # A second backward, or a layer in two reentrant checkpoints: the refusal is expected.
+    "second backward accepted silently": Case(
+        scenarios(unused=False, model=checkpointed, **_plain(twice=None)),
+        averaging,
+        lambda s: _one_step(s, ranks=1) and refusal(s) is not None,
+    ),
+    "static graph forgets unused": Case(
+        ddp_scenarios(model=dense_optional, min_iterations=2, mode="static_graph", hook="none"),
+        check_ddp,
+    ),
+    "static graph ready at first call": Case(
+        ddp_scenarios(model=checkpointed, min_iterations=2, mode="static_graph", hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 1,
+    ),
+    "left-out heads count as used": Case(
+        ddp_scenarios(model=dense_optional, hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 1,
+    ),
+    "nested outputs not searched": Case(
+        ddp_scenarios(model=dense_optional, mode="find_unused", hook="none", nested=True),
+        check_ddp,
+        lambda s: s.world_size == 1,
+    ),
+    # Either one rank leaves out a head whose output is in a dict (the sink never sees it:
+    # the iteration cannot finish), or two ranks whose gradients from outputs in dicts count
+    # as none (on one rank, its own gradient is the average).
+    "dict outputs bypass the sink": Case(
+        ddp_scenarios(model=dense_optional, hook="none", nested=True), check_ddp
+    ),
+    # A local pass that the mutant reduces: on one rank, reducing changes nothing.
+    "no_sync ignored": Case(
+        ddp_scenarios(model=dense_all_used, mode="plain", hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 2,
+    ),
+    # Ranks whose gradients become ready in different orders (static graph, one of them
+    # skipping a branch), so that their own orders give different buckets.
+    "rebuild from own ready order": Case(
+        ddp_scenarios(model=dense_optional, min_iterations=2, mode="static_graph", hook="none"),
+        check_ddp,
+        lambda s: s.world_size == 2,
+    ),
+    "hooks left after close": Case(
+        scenarios(unused=False, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=1, replicas=1),
+    ),
+}
+
+# Properties whose inputs are not a Scenario: the training machine, misuse, bucketing.
+TRAINING = {"stale locally-used map"}
+MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
+    "vague errors": [
+        (used_outside_forward(), check_used_outside_forward),
+        (unfinished_iterations(), check_unfinished_iteration),
+    ],
+    "accept invalid buckets": [(corrupted(), check_invalid_buckets)],
+}
+BUCKETING = {
+    "close a bucket above the limit",
+    "never move to the next limit",
+    "one limit for all keys",
+    "sparse gradients not alone",
+    "buckets unsorted",
 }
 
 
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) == set(MUTANTS)
-    assert len(MUTANTS) >= 8
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING == set(CATALOGUE)
+    assert len(CATALOGUE) >= 25
 
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_the_averaging_properties_catch_and_shrink(name: str) -> None:
-    mutant = MUTANTS[name]
-    strategy, latency, minimal = CASES[name]
-    network = fakepg.FixedLatency(latency) if latency else None
-    shrunk = find(
-        strategy,
-        lambda s: _fails(lambda: check_against_reference(s, mutant, network=network)),
-        settings=SEARCH,
-    )
-    assert minimal(shrunk), f"{name}: not shrunk to the smallest case: {shrunk}"
-    # The real reducer passes the very scenario that exposes the mutant.
-    check_against_reference(shrunk, network=network)
+def _search(mutant: Mutant, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> Any:
+    """The shrunk example on which ``check`` fails with ``mutant`` in place."""
+    with applied(mutant):
+        return find(strategy, lambda example: _fails(lambda: check(example)), settings=SEARCH)
 
 
-@pytest.mark.parametrize("name", sorted(TRAINING_MUTANTS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_properties_catch_and_shrink(name: str) -> None:
+    case = CASES[name]
+    shrunk = _search(CATALOGUE[name], case.strategy, case.check)
+    parameters, ranks = _size(shrunk)
+    assert parameters <= 3 and ranks <= 2, f"{name}: not shrunk: {shrunk}"
+    assert case.minimal(shrunk), f"{name}: not shrunk to the smallest case: {shrunk}"
+    case.check(shrunk)  # the real code passes the very example that exposes the mutant
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING))
 def test_the_training_property_catches_and_shrinks(name: str) -> None:
     # The same machine over a smaller space, where the bug shows (unused parameters are
     # searched for): every run replays a world and three sets of models, and shrinking
@@ -175,7 +386,6 @@ def test_the_training_property_catches_and_shrinks(name: str) -> None:
         "BrokenTrainingMachine",
         (TrainingMachine,),
         {
-            "make_reducer": TRAINING_MUTANTS[name],
             "last_run": [],
             "model_space": model_specs(max_branches=2, max_params=4, require_optional=True),
             "max_world_size": 2,
@@ -183,7 +393,7 @@ def test_the_training_property_catches_and_shrinks(name: str) -> None:
             "find_unused_choices": (True,),
         },
     )
-    with pytest.raises(AssertionError):
+    with applied(CATALOGUE[name]), pytest.raises(AssertionError):
         run_state_machine_as_test(
             machine, settings=settings(SEARCH, max_examples=1000, stateful_step_count=5)
         )
@@ -192,39 +402,25 @@ def test_the_training_property_catches_and_shrinks(name: str) -> None:
     assert machine.last_run[0] == "setup(world_size=1, replicas=1)", machine.last_run
 
 
-@pytest.mark.parametrize("name", sorted(BUCKETING_MUTANTS))
+@pytest.mark.parametrize("name", sorted(BUCKETING))
 def test_the_bucketing_property_catches_and_shrinks(name: str) -> None:
-    assign = BUCKETING_MUTANTS[name]
-    tensors, limits, sparse = find(
-        bucketing_inputs(),
-        lambda case: _fails(lambda: check_bucket_assignment(case[0], case[1], case[2], assign)),
-        settings=SEARCH,
+    tensors, limits, sparse = _search(
+        CATALOGUE[name], bucketing_inputs(), lambda case: check_bucket_assignment(*case)
     )
     # Two tensors show each bug, but "the next limit" needs a third to follow a second limit.
     assert len(tensors) <= 3 and len(limits) <= 2, f"{name}: not shrunk: {len(tensors)} tensors"
     check_bucket_assignment(tensors, limits, sparse)
 
 
-# (mutant, the property that must catch it): its inputs and its check.
-MISUSE_CASES: list[tuple[str, st.SearchStrategy[Any], Callable[[Any, Any], None]]] = [
-    ("vague errors", used_outside_forward(), check_used_outside_forward),
-    ("vague errors", unfinished_iterations(), check_unfinished_iteration),
-    ("accept invalid buckets", corrupted(), check_invalid_buckets),
-]
-
-
-def test_every_misuse_mutant_has_a_case() -> None:
-    assert {name for name, _, _ in MISUSE_CASES} == set(MISUSE_MUTANTS)
-
-
 @pytest.mark.parametrize(
-    ("name", "strategy", "check"), MISUSE_CASES, ids=[c[2].__name__ for c in MISUSE_CASES]
+    ("name", "strategy", "check"),
+    [(name, strategy, check) for name, cases in MISUSE.items() for strategy, check in cases],
+    ids=[f"{name}-{check.__name__}" for name, cases in MISUSE.items() for _, check in cases],
 )
 def test_the_misuse_properties_catch_and_shrink(
-    name: str, strategy: st.SearchStrategy[Any], check: Callable[[Any, Any], None]
+    name: str, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]
 ) -> None:
-    mutant = MISUSE_MUTANTS[name]
-    shrunk = find(strategy, lambda case: _fails(lambda: check(case, mutant)), settings=SEARCH)
+    shrunk = _search(CATALOGUE[name], strategy, check)
     scenario = shrunk if isinstance(shrunk, Scenario) else shrunk[0]
     if isinstance(scenario, Scenario):
         assert scenario.world_size == 1 and len(scenario.model.branches) == 2, (
@@ -233,4 +429,12 @@ def test_the_misuse_properties_catch_and_shrink(
     else:  # a corrupted bucket assignment: of a one-branch model
         params = shrunk[0]
         assert len(params) <= 2, f"{name}: not shrunk: {len(params)} parameters"
-    check(shrunk, reducer.Reducer)  # the real reducer passes the same example
+    check(shrunk)  # the real reducer passes the same example
+
+
+def test_applying_a_mutant_replaces_the_code_and_restores_it() -> None:
+    real = reducer.Reducer
+    with applied(CATALOGUE["skip the divide"]):
+        assert reducer.Reducer is not real and reducer.ddp.Reducer is reducer.Reducer
+    assert reducer.Reducer is real and reducer.ddp.Reducer is real
+    assert all(m.bug for m in CATALOGUE.values()), "every mutant describes its bug"

@@ -2,6 +2,7 @@
 
 On arbitrary tensor lists (four dtypes, two devices, sparse flags or none, any limits) and on
 the parameters of random models, in forward order and in the reverse order DDP buckets in.
+Both get the core properties' example count (four times the profile's).
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
 import reducer
 
+from .harness import note_size
 from .model import ModelSpec, build_model, sparse_flags
 from .strategies import bucketing_inputs, model_specs, size_limits
 
@@ -25,9 +27,12 @@ def check_bucket_assignment(
     tensors: Sequence[Tensor],
     limits: Sequence[int],
     sparse: Sequence[bool] | None,
-    assign: Assign = reducer.compute_bucket_assignment_by_size,
+    assign: Assign | None = None,
 ) -> None:
-    ours = assign(tensors, limits, sparse)
+    """``assign`` (``reducer.compute_bucket_assignment_by_size`` as it is now, by default)
+    gives torch's buckets."""
+    note_size(len(tensors), None)
+    ours = (assign or reducer.compute_bucket_assignment_by_size)(tensors, limits, sparse)
     # torch takes [] for "no sparse flags"; ours takes None too.
     theirs, _ = dist._compute_bucket_assignment_by_size(  # type: ignore[attr-defined]
         list(tensors), list(limits), list(sparse or [])
@@ -39,6 +44,9 @@ def check_bucket_assignment(
     )
 
 
+# As many examples as the core properties (ci: 100): a bug may need two keys whose buckets
+# fill up side by side, with two limits, to show.
+@settings(max_examples=4 * settings().max_examples)
 @given(bucketing_inputs())
 def test_bucket_assignment_of_any_tensors_equals_torchs(
     case: tuple[list[Tensor], list[int], list[bool] | None],
@@ -46,6 +54,7 @@ def test_bucket_assignment_of_any_tensors_equals_torchs(
     check_bucket_assignment(*case)
 
 
+@settings(max_examples=4 * settings().max_examples)
 @given(model_specs(max_branches=6, max_params=16, allow_wide=True), st.booleans(), st.data())
 def test_bucket_assignment_of_model_parameters_equals_torchs(
     spec: ModelSpec, reverse: bool, data: st.DataObject

@@ -88,7 +88,8 @@ class OutputSink(torch.autograd.Function):
         if reducer is not None:
             if any(g is None for g in grads):
                 with_grad = [o for o, g in zip(outputs, grads, strict=True) if g is not None]
-                reducer._expect_no_gradient(with_grad)
+                without = [o for o, g in zip(outputs, grads, strict=True) if g is None]
+                reducer._expect_no_gradient(with_grad, without)
             if ctx.recording:
                 reducer._queue_recorded_finalize()
         return (None, None, *grads)

@@ -299,18 +299,24 @@ class Reducer:
     # ---------------------------------------------------------------------------------------
     # 2. During backward.
 
-    def _expect_no_gradient(self, outputs_with_grad: Sequence[Tensor]) -> None:
-        """Backward found outputs the loss did not use; ``outputs_with_grad`` are the others.
+    def _expect_no_gradient(
+        self, outputs_with_grad: Sequence[Tensor], outputs_without_grad: Sequence[Tensor]
+    ) -> None:
+        """Backward found outputs the loss did not use (``outputs_without_grad``).
 
         Called before any hook (from the DDP wrapper's output sink). Parameters that only the
         unused outputs reach get hook calls without a gradient: they count as unused, not as
-        used with zeros. See Note [Outputs not used in the loss] in reducer.ddp.
+        used with zeros. See Note [Outputs not used in the loss] in reducer.ddp. A parameter
+        that the search reaches from neither kind of output is not among them: inside a
+        reentrant checkpoint (whose forward ran without grad, hiding it from the search), it
+        gets a real gradient from the checkpoint's own backward.
         """
         with self._lock:
             if not self._expect_autograd_hooks:
                 return
             reached = reached_accumulators(outputs_with_grad, self._accumulators)
-            self._no_gradient = set(self._accumulators.values()) - reached - self._unused_set
+            only_unused = reached_accumulators(outputs_without_grad, self._accumulators)
+            self._no_gradient = only_unused - reached - self._unused_set
             self._plain_iteration = self._plain_iteration and not self._no_gradient
 
     def _autograd_hook(self, replica_index: int, index: int) -> None:
@@ -322,7 +328,12 @@ class Reducer:
                     self._hook_order.append(index)  # See Note [Ready order]
                 self._mark_variable_ready(replica_index, index)
                 return
-            if not (self._no_gradient and (replica_index, index) in self._no_gradient):
+            # A hook call without a gradient happens only in a synced backward; the set is
+            # that iteration's, and must not hide the real gradients of later no_sync passes.
+            no_gradient = (
+                self._expect_autograd_hooks and (replica_index, index) in self._no_gradient
+            )
+            if not no_gradient:
                 self._used[replica_index][index] = True  # See Note [Locally used]
             if not self._expect_autograd_hooks:
                 # Accumulating locally; the next synced step reduces the sum.

@@ -313,6 +313,33 @@ def test_outputs_not_used_in_the_loss_make_their_parameters_unused(static_graph:
             assert_bitwise(record["step1"], step1, f"step 1, rank {rank}")
 
 
+def test_a_head_used_only_in_no_sync_passes_after_a_step_that_left_it_out_is_reduced() -> None:
+    """Step 0 leaves head 1 out of the loss. Step 1 uses it in a no_sync pass only, then
+    leaves it out of the synced pass: what every rank accumulated for it in the no_sync pass
+    must be averaged (nothing a rank computed is lost), not left local. (With static_graph
+    the graph may not change so: not tested.)"""
+    world_size = 2
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor | None]:
+        model = tower()
+        ddp = DDP(model, pg, find_unused_parameters=True, bucket_cap_mb=TINY_MB)
+        tower_loss(ddp(x_of(pg.rank()))[:1]).backward()
+        ddp.zero_grad(set_to_none=True)
+        with ddp.no_sync():
+            tower_loss(ddp(x_of(pg.rank(), 1))).backward()
+        tower_loss(ddp(x_of(pg.rank(), 2))[:1]).backward()  # synced, head 1 left out
+        return grads_of(model)
+
+    def local(model: nn.Module, rank: int) -> None:
+        tower_loss(model(x_of(rank, 1))).backward()
+        tower_loss(model(x_of(rank, 2))[:1]).backward()
+
+    want = reference(tower, local, world_size)
+    assert want[-1] is not None  # head 1 got gradients in the no_sync pass
+    for rank, got in enumerate(run_ranks(fn, world_size)):
+        assert_bitwise(got, want, f"rank {rank}")
+
+
 class Counter(nn.Module):
     """A buffer that forward reads (recording what it saw) and then changes per rank."""
 
@@ -573,6 +600,51 @@ def test_static_graph_supports_reentrant_checkpointing() -> None:
             world_size,
         )
         assert want[-1] is None and want[-2] is None  # `unused` never gets a gradient
+        for rank in range(world_size):
+            assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
+
+
+class CheckpointedWithAux(nn.Module):
+    """A body under reentrant checkpointing, and an auxiliary head beside it, returned in a
+    dict. The search for parameters reached only by outputs the loss leaves out cannot see
+    into the checkpoint (its forward ran without grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.aux = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"main": checkpoint(self.body, x, use_reentrant=True), "aux": self.aux(x)}
+
+
+def test_static_graph_reduces_a_checkpointed_body_when_a_head_is_left_out_of_the_loss() -> None:
+    """The body's gradients arrive inside the checkpoint's own backward: they are real
+    gradients, not the hook calls without a gradient that the left-out head's get."""
+    world_size, steps = 3, 2
+
+    def build() -> CheckpointedWithAux:
+        return seeded(CheckpointedWithAux, seed=4)
+
+    def loss(out: dict[str, Tensor]) -> Tensor:
+        return out["main"].pow(2).sum()
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        model = build()
+        ddp = DDP(model, pg, static_graph=True, bucket_cap_mb=TINY_MB)
+        out = []
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            loss(ddp(ckpt_input(pg.rank(), step))).backward()
+            out.append(grads_of(model))
+        return out
+
+    per_rank = run_ranks(fn, world_size)
+    for step in range(steps):
+        want = reference(
+            build, lambda m, r, s=step: loss(m(ckpt_input(r, s))).backward(), world_size
+        )
+        assert want[0] is not None and want[2] is None  # body used, aux left out everywhere
         for rank in range(world_size):
             assert_bitwise(per_rank[rank][step], want, f"step {step}, rank {rank}")
 
