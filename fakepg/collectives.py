@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reducer._collective_args import SPEC_FIELDS, CollectiveRules, TensorSpec
+from reducer.collectives import SPEC_FIELDS, CollectiveRules, TensorSpec
 from reducer.process_group import ReduceOp
 
 __all__: list[str] = []

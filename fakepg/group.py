@@ -1,7 +1,7 @@
 """What one rank calls: :class:`FakeProcessGroup`, its view of a group of a fake world.
 
 Each collective checks its arguments on the calling rank (shared rules:
-``reducer._collective_args``), builds the fingerprint that every rank must agree on, and a
+``reducer.collectives``), builds the fingerprint that every rank must agree on, and a
 plan: the kernel tasks (see :mod:`fakepg.collectives`) that move the data once every rank has
 joined. Roots and peers are ranks of this group; world ranks appear only in errors.
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from reducer import _collective_args as _args
+from reducer import collectives as _args
 from reducer.process_group import ReduceOp
 
 from . import collectives as _c

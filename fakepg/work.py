@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from reducer import _collective_args as _args
+from reducer import collectives as _args
 
 from .collectives import RULES, Fingerprint, Task
 from .faults import FakePGError

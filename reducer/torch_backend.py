@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _collective_args as _args
+from . import collectives as _args
 from .errors import InvalidArgument, ReductionError
 from .process_group import ReduceOp
 from .validation import check_timeout

@@ -1,4 +1,5 @@
-"""Local validation of collective arguments, shared by every process group of the project.
+"""The argument rules every process group shares: a part of the protocol, beside
+``reducer.process_group``.
 
 The fake world (``fakepg``) and the torch.distributed adapter (:class:`TorchProcessGroup`)
 accept the same arguments, apart from a few rules their backends dictate (see
@@ -10,7 +11,8 @@ checks for the rest of torch.distributed's (reduce, reduce_scatter, all_to_all, 
 scatter, allgather_into_tensor, send and recv, wait timeouts), which fakepg uses, under
 either implementation's rules.
 
-``fakepg`` imports this module; it imports nothing from ``fakepg`` (dependencies point one way).
+A backend imports this module and ``reducer.process_group``, nothing else of ``reducer``; this
+module imports only ``reducer.process_group`` (dependencies point one way).
 """
 
 from __future__ import annotations
@@ -24,7 +26,29 @@ from torch import Tensor
 
 from .process_group import ReduceOp
 
-__all__: list[str] = []
+__all__ = [
+    "SPEC_FIELDS",
+    "CollectiveRules",
+    "TensorSpec",
+    "check_tensor_list",
+    "check_allreduce",
+    "check_allgather",
+    "check_tensor",
+    "check_dense",
+    "check_rank",
+    "check_peer",
+    "check_tag",
+    "check_timeout",
+    "check_reduce",
+    "check_reduce_scatter",
+    "check_reduce_scatter_tensor",
+    "check_allgather_into_tensor",
+    "check_coalesced",
+    "check_all_to_all",
+    "check_all_to_all_single",
+    "check_gather",
+    "check_scatter",
+]
 
 # The fields of a TensorSpec, in the order messages list them.
 SPEC_FIELDS = ("dtype", "shape", "layout", "device")

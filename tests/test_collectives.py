@@ -15,7 +15,7 @@ import torch
 
 from fakepg import collectives as fake
 from reducer import InvalidArgument, ReduceOp, torch_backend
-from reducer import _collective_args as args
+from reducer import collectives as args
 
 FAKE = fake.RULES
 TORCH = torch_backend._RULES
