@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine, table
 
-from reducer import simulate
+from reducer.tools import simulate
 
 
 class PeakThreads:

@@ -1,4 +1,4 @@
-"""How well the what-if predictor (reducer.whatif) predicts real gloo step times on this machine.
+"""How well the what-if predictor (reducer.tools.whatif) predicts real gloo step times here.
 
 1. Fit the link: two gloo processes over loopback time allreduces of 4 KiB to 64 MiB; a
    least-squares line (relative errors) t = a + b * S gives the alpha-beta model of a 2-rank ring
@@ -35,9 +35,9 @@ from _common import interleave, machine, table
 
 import fakepg
 import reducer
-from reducer import _sim_models as models
-from reducer import simulate
-from reducer.whatif import BackwardProfile, sweep
+from reducer.tools import simulate
+from reducer.tools.simulate import models
+from reducer.tools.whatif import BackwardProfile, sweep
 
 WORLD_SIZE = _gloo.WORLD_SIZE
 WARMUP = 3

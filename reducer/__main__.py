@@ -1,7 +1,7 @@
-"""``python -m reducer``: see reducer.cli."""
+"""``python -m reducer``: see reducer.tools.cli."""
 
 import sys
 
-from reducer.cli import main
+from reducer.tools.cli import main
 
 sys.exit(main())

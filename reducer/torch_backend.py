@@ -29,7 +29,7 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 # first combined locally, in list order, into its first tensor ((t0 op t1) op t2 ...; replicas
 # on other devices are brought to the first one's), that tensor is allreduced, and the result
 # is copied into the others once it arrives. For SUM this adds each rank's replicas before the
-# ranks' sums; on dyadic data (see reducer.validate) the order makes no difference. allgather
+# ranks' sums; on dyadic data (see reducer.tools.validate) the order makes no difference. allgather
 # and broadcast of a list issue one torch call per tensor.
 
 # Note [AVG where the backend lacks it]

@@ -36,7 +36,7 @@ import reducer
 from property_tests import harness
 from property_tests.model import BranchSpec, ModelSpec
 from property_tests.reference import rank_order_average
-from reducer import simulate
+from reducer.tools import simulate
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))

@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from reducer import cli
+from reducer.tools import cli
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NANOGPT = SCRIPTS / "nanogpt_train.py"

@@ -1,13 +1,12 @@
-"""The simulation's exact check (reducer._sim_verify) and its models' patterns, on their own."""
+"""The simulation's exact check (reducer.tools.simulate.verify) and its models' patterns, alone."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reducer import _sim_models as models
-from reducer import _sim_verify as verify
 from reducer import sparse_gradient_flags
+from reducer.tools.simulate import models, verify
 
 
 def test_the_reference_adds_in_rank_order() -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fakepg.executor import default_thread_count
-from reducer import cli, simulate
+from reducer.tools import cli, simulate
 
 OPTIONS = [
     "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",

@@ -1,4 +1,4 @@
-"""reducer.trace: Chrome trace events from hand-made records, and from a real simulation."""
+"""reducer.tools.trace: Chrome trace events from hand-made records, and from a real simulation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from reducer import IterationStats, cli
-from reducer.trace import Pass, RankStep, Span, chrome_trace, write_chrome_trace
+from reducer import IterationStats
+from reducer.tools import cli
+from reducer.tools.trace import Pass, RankStep, Span, chrome_trace, write_chrome_trace
 
 NAMES = ["a.weight", "a.bias", "b.weight"]
 T0 = 1_000_000_000  # an absolute perf_counter_ns origin

@@ -1,7 +1,7 @@
 """``python -m reducer validate``: the suite on gloo (processes it starts, and under torchrun)
 and fakepg (threads), a check that is broken on purpose, the NCCL skip, and argument errors.
 
-Most runs call ``reducer.validate.main``, the subcommand's own entry point (the same
+Most runs call ``reducer.tools.validate.main``, the subcommand's own entry point (the same
 ``add_arguments`` and ``run`` that ``python -m reducer validate`` dispatches to, and what the
 spawned ranks run); the torchrun test and ``test_the_cli_dispatches_validate`` go through
 ``python -m reducer validate`` itself.
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from reducer import validate
+from reducer.tools import validate
 
 CHECKS = [
     "exact average",
@@ -32,7 +32,7 @@ CHECKS = [
 def run_validate(*args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     return subprocess.run(
-        [sys.executable, "-m", "reducer.validate", *args],
+        [sys.executable, "-m", "reducer.tools.validate", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -191,8 +191,8 @@ def test_the_cli_dispatches_validate() -> None:
         timeout=60,
     )
     assert out.returncode == 0, (
-        "python -m reducer validate is not reachable; reducer/cli.py imports every subcommand "
-        f"module when it builds its parser:\n{out.stderr[-600:]}"
+        "python -m reducer validate is not reachable; reducer/tools/cli.py imports every "
+        f"subcommand module when it builds its parser:\n{out.stderr[-600:]}"
     )
     assert "--backend {fakepg,gloo,nccl}" in out.stdout and "--nproc" in out.stdout
 
@@ -253,11 +253,12 @@ def test_nccl_on_the_cpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_started_ranks_get_the_same_options() -> None:
     args = parsed("--backend", "gloo", "--device", "cuda", "--nproc", "3", "--timeout", "9")
     assert validate._rank_command(args)[1:] == [
-        *("-m", "reducer.validate", "--backend", "gloo", "--device", "cuda", "--timeout", "9.0")
+        *("-m", "reducer.tools.validate", "--backend", "gloo", "--device", "cuda"),
+        *("--timeout", "9.0"),
     ]
     args = parsed("--backend", "gloo", "--break-check", "sparse gradients")
     assert validate._rank_command(args)[1:] == [
-        *("-m", "reducer.validate", "--backend", "gloo", "--timeout", "120.0"),
+        *("-m", "reducer.tools.validate", "--backend", "gloo", "--timeout", "120.0"),
         *("--break-check", "sparse gradients"),
     ]
 

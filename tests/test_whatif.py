@@ -1,4 +1,4 @@
-"""reducer.whatif: the replay of a profiled backward, exactly, and its buckets against DDP's."""
+"""reducer.tools.whatif: the replay of a profiled backward, exactly; its buckets against DDP's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 import fakepg
 import reducer
-from reducer import _sim_models as models
 from reducer.stats import IterationStats
-from reducer.whatif import BackwardProfile, best, bucket_assignment, predict_step, sweep
+from reducer.tools.simulate import models
+from reducer.tools.whatif import BackwardProfile, best, bucket_assignment, predict_step, sweep
 
 MIB = 1 << 20
 MS = 1_000_000  # ns

@@ -23,9 +23,10 @@ from rich.progress import (
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from .simulate import SimulationResult, _Config
-    from .trace import RankStep
-    from .whatif import BackwardProfile, Prediction
+    from reducer.tools.trace import RankStep
+    from reducer.tools.whatif import BackwardProfile, Prediction
+
+    from .records import Config, SimulationResult
 
 __all__: list[str] = []
 
@@ -118,7 +119,7 @@ def step_timings(steps: Sequence[RankStep], wall_ns: Sequence[int]) -> dict[str,
     return rows
 
 
-def print_summary(out: Console, config: _Config, result: SimulationResult) -> None:
+def print_summary(out: Console, config: Config, result: SimulationResult) -> None:
     """The run's settings, its buckets, timings and the verdict."""
     sparse_count = sum(result.sparse)
     info = Table(title="simulate", show_header=False, title_justify="left")
@@ -164,7 +165,7 @@ def print_summary(out: Console, config: _Config, result: SimulationResult) -> No
     out.print(f"verification: {_verdict(config, result)}", soft_wrap=True)
 
 
-def _verdict(config: _Config, result: SimulationResult) -> str:
+def _verdict(config: Config, result: SimulationResult) -> str:
     if result.mismatch is not None:
         return f"[bold red]FAILED[/] at {result.mismatch.message()}"
     if result.failure is not None:
@@ -193,8 +194,8 @@ def _timing_table(result: SimulationResult) -> Table:
 
 def print_sweep(
     out: Console,
-    config: _Config,
-    measure: _Config,
+    config: Config,
+    measure: Config,
     result: SimulationResult,
     profile: BackwardProfile,
     predictions: Sequence[Prediction],

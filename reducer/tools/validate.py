@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .buckets import ddp_bucket_assignment
-from .process_group import ProcessGroup
-from .reducer import Reducer
-from .torch_backend import TorchProcessGroup
+from reducer.buckets import ddp_bucket_assignment
+from reducer.process_group import ProcessGroup
+from reducer.reducer import Reducer
+from reducer.torch_backend import TorchProcessGroup
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -153,7 +153,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m reducer.validate``: the subcommand on its own (what spawned ranks run)."""
+    """``python -m reducer.tools.validate``: the subcommand on its own (what spawned ranks run)."""
     parser = argparse.ArgumentParser(prog="python -m reducer validate", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
@@ -279,7 +279,7 @@ def _spawn(args: argparse.Namespace) -> int:
 
 def _rank_command(args: argparse.Namespace) -> list[str]:
     """What each started rank runs: this command with the same options, minus --nproc."""
-    command = [sys.executable, "-m", "reducer.validate", "--backend", args.backend]
+    command = [sys.executable, "-m", "reducer.tools.validate", "--backend", args.backend]
     if args.device is not None:
         command += ["--device", args.device]
     command += ["--timeout", str(args.timeout)]

@@ -36,7 +36,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,15 +43,14 @@ from torch import Tensor
 
 # The simulation runs on the fake world; `import reducer` never imports this module.
 import fakepg
+from reducer.buckets import sparse_gradient_flags
+from reducer.comm_hooks import CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from reducer.ddp import DistributedDataParallel
+from reducer.tools.trace import Pass, RankStep, Span, write_chrome_trace
+from reducer.tools.whatif import BackwardProfile, best, sweep
 
-from . import _sim_models as models
-from . import _sim_report as report
-from . import _sim_verify as verify
-from .buckets import sparse_gradient_flags
-from .comm_hooks import CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from .ddp import DistributedDataParallel
-from .trace import Pass, RankStep, Span, write_chrome_trace
-from .whatif import BackwardProfile, best, sweep
+from . import models, report, verify
+from .records import Config, SimulationResult
 
 __all__ = ["SimulationResult", "add_arguments", "main", "measure_profile", "run", "simulate"]
 
@@ -143,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m reducer.simulate``: the subcommand on its own."""
+    """``python -m reducer simulate``, called in this process: the subcommand on its own."""
     parser = argparse.ArgumentParser(prog="python -m reducer simulate", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
@@ -152,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Simulate (or sweep) as ``args`` say; 0 if every step verified, 1 if not, 2 on bad args."""
     try:
-        config = _Config.from_args(args)
+        config = Config.from_args(args)
     except ValueError as exc:
         print(f"simulate: {exc}", file=sys.stderr)
         return 2
@@ -179,149 +177,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------------
-# Configuration.
-
-
-@dataclass(frozen=True, slots=True)
-class _Config:
-    world_size: int
-    model: str
-    width: int | None
-    batch_size: int
-    steps: int
-    bucket_cap_mb: float
-    find_unused: bool
-    unused_pattern: str
-    micro_batches: int
-    comm_hook: str
-    network_spec: str
-    network: fakepg.NetworkModel | None
-    trace: str | None
-    seed: int
-    device: torch.device
-    timeout: float
-    sweep_caps: tuple[float, ...]
-    measure_world_size: int
-    corrupt: tuple[int, int, str] | None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> _Config:
-        positive = {
-            "--world-size": args.world_size,
-            "--steps": args.steps,
-            "--batch-size": args.batch_size,
-            "--no-sync-every": args.no_sync_every,
-            "--measure-world-size": args.measure_world_size,
-        }
-        for flag, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
-        if args.width is not None and args.width < 4:
-            raise ValueError(f"--width must be >= 4, got {args.width}")
-        if not args.bucket_cap_mb > 0:
-            raise ValueError(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-        if not args.timeout > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-        network = fakepg.parse_network(args.network)
-        caps: tuple[float, ...] = ()
-        if args.sweep_bucket_cap is not None:
-            try:
-                caps = tuple(float(c) for c in args.sweep_bucket_cap.split(",") if c.strip())
-            except ValueError:
-                caps = ()
-            if not caps or any(not c > 0 for c in caps):
-                raise ValueError(
-                    f"--sweep-bucket-cap takes bucket caps in MiB, > 0, separated by commas "
-                    f"(e.g. 1,5,25,100), got {args.sweep_bucket_cap!r}"
-                )
-        device = _parse_device(args.device)
-        if caps and device.type != "cpu":
-            raise ValueError(
-                f"--sweep-bucket-cap predicts from the times the host measures, which on "
-                f"{device.type} are when work was issued, not done; run the sweep with "
-                "--device cpu"
-            )
-        _check_available(device, args.device)
-        corrupt = None
-        if args.corrupt_grad is not None:
-            corrupt = _corrupt_target(args)
-        return cls(
-            world_size=args.world_size,
-            model=args.model,
-            width=args.width,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            bucket_cap_mb=args.bucket_cap_mb,
-            find_unused=args.find_unused,
-            unused_pattern=args.unused_pattern,
-            micro_batches=args.no_sync_every,
-            comm_hook=args.comm_hook,
-            network_spec=args.network,
-            network=network,
-            trace=args.trace,
-            seed=args.seed,
-            device=device,
-            timeout=args.timeout,
-            sweep_caps=caps,
-            measure_world_size=args.measure_world_size,
-            corrupt=corrupt,
-        )
-
-    def network_name(self) -> str:
-        return "none (memory speed)" if self.network is None else str(self.network)
-
-    def describe(self) -> dict[str, Any]:
-        """The run's settings, as the trace's metadata."""
-        return {
-            "model": self.model,
-            "world_size": self.world_size,
-            "steps": self.steps,
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "find_unused_parameters": self.find_unused,
-            "unused_pattern": self.unused_pattern,
-            "micro_batches": self.micro_batches,
-            "comm_hook": self.comm_hook,
-            "network": self.network_name(),
-            "seed": self.seed,
-            "device": str(self.device),
-        }
-
-
-# -------------------------------------------------------------------------------------------
-# The result.
-
-
-@dataclass
-class SimulationResult:
-    """What a simulation produced: per rank and step records, and the verdict."""
-
-    world_size: int
-    param_names: list[str]
-    params: list[Tensor]  # rank 0's parameters on the meta device: shapes and dtypes
-    sparse: list[bool]
-    steps: list[RankStep] = field(default_factory=list)
-    step_wall_ns: list[int] = field(default_factory=list)
-    bucket_nbytes: list[int] = field(default_factory=list)
-    verified_steps: int = 0
-    mismatch: verify.Mismatch | None = None
-    failure: str | None = None
-    # (step, rank, parameter) with no local gradient; (step, parameter) unused everywhere.
-    unused_local: int = 0
-    unused_everywhere: int = 0
-    unused_names: set[str] = field(default_factory=set)
-    # Rank 0's local sparse gradient bytes per step, per parameter (0 for dense).
-    sparse_nbytes: list[list[int]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.mismatch is None and self.failure is None
-
-    def rank_steps(self, rank: int) -> list[RankStep]:
-        return [s for s in self.steps if s.rank == rank]
-
-
-# -------------------------------------------------------------------------------------------
 # One rank: its DDP model, its reference copy, its optimizer.
 
 
@@ -329,7 +184,7 @@ class _Rank:
     """Rank ``pg.rank()``'s replica; built on that rank's thread (DDP's constructor issues
     collectives)."""
 
-    def __init__(self, pg: fakepg.FakeProcessGroup, config: _Config) -> None:
+    def __init__(self, pg: fakepg.FakeProcessGroup, config: Config) -> None:
         self.rank = pg.rank()
         self.config = config
         self.module = models.build_model(config.model, config.width, config.seed).to(config.device)
@@ -436,7 +291,7 @@ class _Rank:
 
 
 def _simulate(
-    config: _Config,
+    config: Config,
     *,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> SimulationResult:
@@ -537,7 +392,7 @@ def _sparse_bytes(grad: Tensor | None) -> int:
 
 
 def _unfinished(
-    step: int, ranks: Sequence[_Rank], config: _Config, error: BaseException | None
+    step: int, ranks: Sequence[_Rank], config: Config, error: BaseException | None
 ) -> str:
     """Why ``step`` failed: a rank whose reduction could not finish because some parameters
     got no gradient there (its reference copy says which), else the error itself."""
@@ -569,20 +424,6 @@ def _describe_failure(exc: BaseException) -> str:
     return text + "".join(f" ({note})" for note in notes)
 
 
-def _corrupt_target(args: argparse.Namespace) -> tuple[int, int, str]:
-    """--corrupt-grad STEP:RANK:PARAM, checked against the world and the model's names."""
-    parts = args.corrupt_grad.split(":", 2)
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise ValueError("--corrupt-grad takes STEP:RANK:PARAM (PARAM an index or a name)")
-    step, rank, which = int(parts[0]), int(parts[1]), parts[2]
-    model = models.build_model(args.model, args.width, args.seed)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    known = (which.isdigit() and int(which) < len(names)) or which in names
-    if rank >= args.world_size or not known:
-        raise ValueError(f"--corrupt-grad: no rank {rank} or parameter {which!r} in this run")
-    return step, rank, which
-
-
 def _progress_text(records: Sequence[RankStep]) -> str:
     its = [r.iteration for r in records if r.iteration is not None]
     if not its:
@@ -590,32 +431,6 @@ def _progress_text(records: Sequence[RankStep]) -> str:
     comm = sum(it.comm_ns for it in its) / len(its) / 1e6
     overlap = sum(it.overlap_ns for it in its) / len(its) / 1e6
     return f"comm {comm:.2f} ms, overlap {overlap:.2f} ms"
-
-
-def _parse_device(text: str) -> torch.device:
-    """--device: the CPU or a CUDA device."""
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device takes cpu, cuda or cuda:N, got {text!r}")
-    return device
-
-
-def _check_available(device: torch.device, text: str) -> None:
-    """A CUDA --device must exist here."""
-    if device.type != "cuda":
-        return
-    if not torch.cuda.is_available():
-        build = "has no CUDA" if torch.version.cuda is None else "sees no GPU"
-        raise ValueError(
-            f"--device {text}: this torch ({torch.__version__}) {build}; run on the CPU "
-            "(--device cpu) or on a machine with a GPU"
-        )
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise ValueError(f"--device {text}: only {count} GPU(s) visible (cuda:0 ...)")
 
 
 def _device_name(device: torch.device) -> str:
@@ -670,7 +485,7 @@ def simulate(args: argparse.Namespace) -> SimulationResult:
     """Run the simulation ``args`` (from :func:`add_arguments`) describe, without printing;
     raises ValueError for invalid arguments. ``--trace`` and ``--sweep-bucket-cap`` are
     ignored: see :func:`run`."""
-    config = _Config.from_args(args)
+    config = Config.from_args(args)
     with _intra_op_threads(1), _deterministic_kernels(config.device):
         return _simulate(config)
 
@@ -679,25 +494,25 @@ def measure_profile(args: argparse.Namespace) -> tuple[SimulationResult, Backwar
     """The measuring run of ``--sweep-bucket-cap`` for ``args`` (from :func:`add_arguments`):
     ``--measure-world-size`` ranks, no simulated network, every step verified. The profile is
     None if the run failed (the result says why)."""
-    config = _Config.from_args(args)
+    config = Config.from_args(args)
     with _intra_op_threads(1), _deterministic_kernels(config.device):
         return _measure(config, None)
 
 
 def _measure(
-    config: _Config, progress: Callable[[int, int, str], None] | None
+    config: Config, progress: Callable[[int, int, str], None] | None
 ) -> tuple[SimulationResult, BackwardProfile | None]:
-    measure = _Config(**{**_asdict(config), "world_size": config.measure_world_size,
+    measure = Config(**{**_asdict(config), "world_size": config.measure_world_size,
                          "network": None, "network_spec": "none", "trace": None})  # fmt: skip
     result = _simulate(measure, progress=progress)
     return result, _profile(result, measure) if result.ok else None
 
 
-def _run_sweep(config: _Config, console: Any, *, progress: bool) -> int:
+def _run_sweep(config: Config, console: Any, *, progress: bool) -> int:
     """Measure a small run, then predict the step per bucket cap; prints the best."""
     with report.progress_bar(console, progress) as advance:
         result, profile = _measure(config, advance)
-    measured = _Config(**{**_asdict(config), "world_size": config.measure_world_size})
+    measured = Config(**{**_asdict(config), "world_size": config.measure_world_size})
     if profile is None:
         report.print_summary(console, measured, result)
         return 1
@@ -706,7 +521,7 @@ def _run_sweep(config: _Config, console: Any, *, progress: bool) -> int:
     return 0
 
 
-def _profile(result: SimulationResult, config: _Config) -> BackwardProfile:
+def _profile(result: SimulationResult, config: Config) -> BackwardProfile:
     """Rank 0's measured steps, skipping the first two (warm-up, bucket rebuild)."""
     steps = result.rank_steps(0)
     kept = [s for s in (steps[2:] if len(steps) > 2 else steps) if s.iteration is not None]
@@ -732,5 +547,5 @@ def _before_backward_ns(record: RankStep) -> int:
     return record.iteration.start_ns - record.passes[0].forward.start_ns
 
 
-def _asdict(config: _Config) -> dict[str, Any]:
+def _asdict(config: Config) -> dict[str, Any]:
     return {name: getattr(config, name) for name in config.__dataclass_fields__}

@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
-from .buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
-from .stats import IterationStats
+from reducer.buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from reducer.stats import IterationStats
 
 __all__ = ["BackwardProfile", "CostModel", "Prediction", "best", "predict_step", "sweep"]
 

@@ -16,9 +16,9 @@ __all__ = ["build_parser", "main"]
 
 # name -> (module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
 _SUBCOMMANDS = {
-    "simulate": ("reducer.simulate", "simulate data-parallel training of N ranks on threads"),
-    "validate": ("reducer.validate", "run the validation suite on a real or fake backend"),
-    "launch": ("reducer.launch", "run a torchrun-style training script on N rank threads"),
+    "simulate": ("reducer.tools.simulate", "simulate data-parallel training of N ranks on threads"),
+    "validate": ("reducer.tools.validate", "run the validation suite on a real or fake backend"),
+    "launch": ("reducer.tools.launch", "run a torchrun-style training script on N rank threads"),
 }
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-from ._launch_threads import RankOutput, ThreadEnviron, rank_environment
+from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,7 +58,7 @@ _LAUNCHER_FILES = (
     os.path.join("", "threading.py"),
     os.path.join("", "runpy.py"),
     os.path.join("fakepg", "world.py"),
-    os.path.join("reducer", "launch.py"),
+    os.path.join("reducer", "tools", "launch", "__init__.py"),
 )
 _PLUMBING_FILES = (os.path.join("fakepg", "rng.py"), os.path.join("torch", "overrides.py"))
 _RULE = "=" * 60

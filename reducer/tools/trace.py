@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .stats import IterationStats
+from reducer.stats import IterationStats
 
 __all__ = ["Pass", "RankStep", "Span", "chrome_trace", "write_chrome_trace"]
 
