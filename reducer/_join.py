@@ -31,7 +31,7 @@ fake world, on gloo or NCCL through TorchProcessGroup, and on fakepg's torch bac
 from __future__ import annotations
 
 from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -39,9 +39,6 @@ from torch.distributed.algorithms.join import JoinHook
 
 from .errors import ReductionError
 from .process_group import ProcessGroup, Work
-
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
 
 __all__: list[str] = []
 
@@ -58,6 +55,52 @@ class JoinConfig(NamedTuple):
 DISABLED = JoinConfig(enable=False, throw_on_early_termination=False, is_first_joinable=False)
 
 
+class _ShadowingReducer(Protocol):
+    """What join needs of the wrapper's reducer."""
+
+    @property
+    def iterations(self) -> int: ...
+
+    def _shadow_iteration(self, *, used_map: bool) -> None: ...
+
+
+class JoiningWrapper(Protocol):
+    """What join needs of the wrapper: ``reducer.DistributedDataParallel`` is the one.
+
+    A protocol, not an import of ``reducer.ddp``: the wrapper imports this module, and
+    dependencies point one way. The attributes join writes are part of it.
+    """
+
+    _join_config: JoinConfig
+    _divide_by_initial_world_size: bool
+    _shadowed: int
+
+    @property
+    def process_group(self) -> ProcessGroup: ...
+
+    @property
+    def find_unused_parameters(self) -> bool: ...
+
+    @property
+    def static_graph(self) -> bool: ...
+
+    @property
+    def reducer(self) -> _ShadowingReducer: ...
+
+    @property
+    def join_device(self) -> torch.device: ...
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook: ...
+
+    def _should_rebuild(self) -> bool: ...
+
+    def _rebuild_buckets(self) -> None: ...
+
+    def _sync_buffers(self, *, candidate: bool) -> None: ...
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None: ...
+
+
 class Join:
     """The context manager :meth:`reducer.DistributedDataParallel.join` returns.
 
@@ -68,7 +111,7 @@ class Join:
 
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        ddp: JoiningWrapper,
         *,
         enable: bool,
         throw_on_early_termination: bool,
@@ -126,7 +169,7 @@ class DDPJoinHook(JoinHook):
     """What a rank that ran out of inputs does for each iteration of the others, and once
     all have run out. Usable by torch's ``Join`` too (it calls these two methods)."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: JoiningWrapper, divide_by_initial_world_size: bool) -> None:
         super().__init__()
         self._ddp = ddp
         ddp._divide_by_initial_world_size = bool(divide_by_initial_world_size)
@@ -152,7 +195,7 @@ class DDPJoinHook(JoinHook):
         self._ddp._sync_final_model(is_last_joiner)
 
 
-def notify_join_context(ddp: DistributedDataParallel) -> tuple[Work, Tensor] | None:
+def notify_join_context(ddp: JoiningWrapper) -> tuple[Work, Tensor] | None:
     """In forward, under join: tell the ranks that ran out that this one still trains.
 
     Returns the notification's work and tensor (its sum is how many ranks train), or None
@@ -175,7 +218,7 @@ def notify_join_context(ddp: DistributedDataParallel) -> tuple[Work, Tensor] | N
     return work, ones
 
 
-def announce_sync(ddp: DistributedDataParallel, synced: bool) -> None:
+def announce_sync(ddp: JoiningWrapper, synced: bool) -> None:
     """In forward, under join: tell the ranks that ran out whether this iteration's backward
     reduces (their ``main_hook`` shadows it only then)."""
     flag = torch.full((1,), float(synced), dtype=torch.float32, device=ddp.join_device)
