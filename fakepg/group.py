@@ -12,7 +12,7 @@ joined. Roots and peers are ranks of this group; world ranks appear only in erro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -21,28 +21,61 @@ from reducer import collectives as _args
 from reducer.process_group import ReduceOp
 
 from . import collectives as _c
-from .work import Work
+from .work import Channel, Work
 
 if TYPE_CHECKING:
-    from .world import Channel, World
+    from .executor import Executor
 
 __all__ = ["FakeProcessGroup"]
 
 _Spec = _args.TensorSpec
 
 
+class WorldView(Protocol):
+    """What a group view uses of its world; :class:`fakepg.World` is the one implementation.
+    A protocol, not an import: the world imports this module to build the views."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def executor(self) -> Executor: ...
+
+    def _new_group(
+        self, parent: Channel, rank: int, ranks: tuple[int, ...]
+    ) -> FakeProcessGroup | None: ...
+
+    def _p2p_channel(self, group: Channel, src: int, dst: int, tag: int) -> Channel: ...
+
+    def _issue(
+        self,
+        channel: Channel,
+        rank: int,
+        fingerprint: _c.Fingerprint,
+        payload: Any,
+        outputs: list[Tensor],
+        plan: Callable[[list[Any]], list[_c.Task]],
+        nbytes: int,
+        net_kind: str,
+    ) -> Work: ...
+
+
 class FakeProcessGroup:
     """Rank ``rank``'s view of a group of a :class:`World` (the whole world, or a subgroup
     from :meth:`new_group`); implements ``reducer.ProcessGroup``."""
 
-    def __init__(self, world: World, channel: Channel, global_rank: int) -> None:
+    def __init__(self, world: WorldView, channel: Channel, global_rank: int) -> None:
         self._world = world
         self._channel = channel
         self._global_rank = global_rank
         self._rank = channel.members.index(global_rank)
 
     @property
-    def world(self) -> World:
+    def world(self) -> WorldView:
+        """The :class:`fakepg.World` this group belongs to (typed by what groups use of it)."""
         return self._world
 
     @property

@@ -1,4 +1,5 @@
-"""A collective shared by all ranks (:class:`Collective`) and each rank's handle (:class:`Work`).
+"""A collective shared by all ranks (:class:`Collective`), the channel whose sequence it
+belongs to (:class:`Channel`), and each rank's handle (:class:`Work`).
 
 # Guarantees: a Collective finishes exactly once, successfully or with an error, from whichever
 # thread gets there first (the executor after the last kernel task, a rank whose wait timed
@@ -13,8 +14,8 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -25,19 +26,61 @@ from .collectives import RULES, Fingerprint, Task
 from .faults import FakePGError
 
 if TYPE_CHECKING:
-    from .completion import Lane
-    from .world import Channel, World
+    from .completion import Completions, Lane
+    from .executor import Executor, Timer
 
 __all__ = ["Work"]
 
 ErrorFactory = Callable[[int], BaseException]
 
 
+class _Host(Protocol):
+    """What a collective needs of its world (:class:`fakepg.World` is the one). A protocol,
+    not an import: the world imports this module to create collectives."""
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def executor(self) -> Executor: ...
+
+    @property
+    def timer(self) -> Timer: ...
+
+    @property
+    def completions(self) -> Completions: ...
+
+    def _wait_timed_out(self, collective: Collective, rank: int, timeout: float) -> None: ...
+
+
+class Channel:
+    """One sequence space (see Note [Matching by sequence number] in fakepg.world); fields
+    guarded by the world's lock."""
+
+    def __init__(self, key: Hashable, members: tuple[int, ...], label: str) -> None:
+        self.key = key
+        self.members = members  # world ranks, in group-rank order
+        self.label = label  # how messages name it: "" for the world, " in group [0, 2]"
+        # For the messages of one pair: (the group's key, source, destination, tag).
+        self.pair: tuple[Hashable, int, int, int] | None = None
+        self.next_seq = dict.fromkeys(members, 0)
+        self.pending: dict[int, Collective] = {}  # issued by some members, not yet by all
+        self.departed: dict[int, int] = {}  # rank -> how many it issued before it returned
+        # See Note [Subgroups] in fakepg.world: per member, how many new_group calls it made
+        # on this group; per call number, the first caller and the ranks it named.
+        self.new_group_calls = dict.fromkeys(members, 0)
+        self.new_groups: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    @property
+    def is_p2p(self) -> bool:
+        return self.pair is not None
+
+
 class Collective:
     """The k-th collective of a channel (a group, or a pair's messages): who joined with what,
     and how it ended."""
 
-    def __init__(self, world: World, channel: Channel, seq: int, fingerprint: Fingerprint) -> None:
+    def __init__(self, world: _Host, channel: Channel, seq: int, fingerprint: Fingerprint) -> None:
         self.world = world
         self.channel = channel
         self.seq = seq

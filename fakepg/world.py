@@ -99,36 +99,13 @@ from .faults import (
 )
 from .group import FakeProcessGroup
 from .netmodel import NetworkModel
-from .work import Collective, ErrorFactory, Work
+from .work import Channel, Collective, ErrorFactory, Work
 
 __all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
 
 T = TypeVar("T")
 
 _WORLD_KEY = "world"
-
-
-class Channel:
-    """One sequence space (see Note [Matching by sequence number]); fields guarded by the
-    world's lock."""
-
-    def __init__(self, key: Hashable, members: tuple[int, ...], label: str) -> None:
-        self.key = key
-        self.members = members  # world ranks, in group-rank order
-        self.label = label  # how messages name it: "" for the world, " in group [0, 2]"
-        # For the messages of one pair: (the group's key, source, destination, tag).
-        self.pair: tuple[Hashable, int, int, int] | None = None
-        self.next_seq = dict.fromkeys(members, 0)
-        self.pending: dict[int, Collective] = {}  # issued by some members, not yet by all
-        self.departed: dict[int, int] = {}  # rank -> how many it issued before it returned
-        # See Note [Subgroups]: per member, how many new_group calls it made on this group;
-        # per call number, the first caller and the ranks it named.
-        self.new_group_calls = dict.fromkeys(members, 0)
-        self.new_groups: dict[int, tuple[int, tuple[int, ...]]] = {}
-
-    @property
-    def is_p2p(self) -> bool:
-        return self.pair is not None
 
 
 class World:
