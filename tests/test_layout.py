@@ -1,0 +1,224 @@
+"""The package layout: the import graph of ``reducer`` and ``fakepg`` has no circles, and its
+edges point one way: tools (``reducer.tools``) -> core (the rest of ``reducer``) -> protocol
+(``reducer.process_group``, ``reducer.collectives``); ``fakepg`` -> protocol.
+
+The graph is read from the source with ``ast``, so it sees every import: those at the top of a
+module, those under ``if TYPE_CHECKING:`` (a circle there is still a circle for a reader and for
+the type checker) and those inside functions (a circle deferred to call time is still a circle).
+An edge goes from a module to the module it names; a package's ``__init__`` is the package's
+module. The parent packages Python imports on the way are not edges: every submodule would
+otherwise be in a circle with its package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("reducer", "fakepg")
+
+# The protocol: what every process group implements and the argument rules they share. It
+# imports nothing else of the project.
+PROTOCOL = frozenset({"reducer.process_group", "reducer.collectives"})
+# What fakepg may import from reducer: the protocol, nothing else. fakepg is a backend, not a
+# user of the reducer (its errors are its own: fakepg.FakePGError and subclasses).
+FAKEPG_MAY_IMPORT = PROTOCOL
+TOOLS = "reducer.tools"
+# ``python -m reducer`` runs this module as a script: it hands the command line to the tools,
+# and nothing imports it, so it sits above the tools, not in the core.
+ENTRY_POINT = "reducer.__main__"
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imported(module: str, path: Path, known: set[str]) -> Iterator[str]:
+    """The dotted names that ``module`` imports anywhere in its source (top level,
+    ``TYPE_CHECKING`` blocks, function bodies), relative imports resolved; ``from X import y``
+    is an import of ``X.y`` when that is a module, else of ``X``."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                base = module.split(".")
+                if not is_package:
+                    base.pop()  # a module's relative imports start from its package
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                yield submodule if submodule in known else target
+
+
+def import_graph(root: Path, packages: Sequence[str]) -> dict[str, set[str]]:
+    """module -> the modules of ``packages`` it imports (imports of anything else dropped)."""
+    modules = {
+        _module_name(root, path): path
+        for package in packages
+        for path in sorted((root / package).rglob("*.py"))
+    }
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        edges = set()
+        for name in _imported(module, path, known):
+            # ``import a.b.c`` where c is a name, not a module: the longest known prefix.
+            parts = name.split(".")
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                edges.add(".".join(parts))
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path ``[a, b, ..., a]``, or None. Depth-first, in name order,
+    so the report is the same on every run."""
+    state: dict[str, int] = {}  # 1: on the current path; 2: finished, no circle through it
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for succ in sorted(graph.get(node, ())):
+            if state.get(succ) == 1:
+                return [*path[path.index(succ) :], succ]
+            if succ not in state and (found := visit(succ)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+GRAPH = import_graph(ROOT, PACKAGES)
+
+
+def _edges(source: str, target: str, *, except_to: frozenset[str] = frozenset()) -> list[str]:
+    """Every ``a imports b`` with a in ``source`` and b in ``target``, except b in
+    ``except_to``."""
+    return sorted(
+        f"{module} imports {imported}"
+        for module, targets in GRAPH.items()
+        if _in(module, source)
+        for imported in targets
+        if _in(imported, target) and imported not in except_to
+    )
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
+    # The reader itself, on a package made for it: relative imports from a module and from a
+    # package's __init__ (one and two levels), an import under TYPE_CHECKING, one inside a
+    # function, ``import a.b.c`` and ``from a import module``. Without this, the checks below
+    # could pass by seeing nothing.
+    files = {
+        "pkg/__init__.py": "from .a import x\n",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import Y\n",
+        "pkg/b.py": "def f():\n    from . import c\n",
+        "pkg/c.py": "import os\nimport pkg.sub.d\n",
+        "pkg/sub/__init__.py": "from ..a import x\n",
+        "pkg/sub/d.py": "from pkg import b\nfrom . import e\n",
+        "pkg/sub/e.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path, ["pkg"])
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b"},
+        "pkg.b": {"pkg.c"},
+        "pkg.c": {"pkg.sub.d"},
+        "pkg.sub": {"pkg.a"},
+        "pkg.sub.d": {"pkg.b", "pkg.sub.e"},
+        "pkg.sub.e": set(),
+    }
+    assert find_cycle(graph) == ["pkg.b", "pkg.c", "pkg.sub.d", "pkg.b"]
+    # And on the project: a function-local import (the tools import fakepg only when run).
+    assert "fakepg" in GRAPH["reducer.tools.launch"]
+
+
+def test_find_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a", "b"}}) is None
+
+
+def test_no_import_circles() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, (
+        "import circle: " + " -> ".join(cycle or []) + ". Break it: move what both sides "
+        "need into a module below both, or name it with a typing.Protocol"
+    )
+
+
+def test_the_protocol_imports_nothing_else_of_the_project() -> None:
+    bad = sorted(
+        f"{module} imports {imported}"
+        for module in PROTOCOL
+        for imported in GRAPH[module]
+        if imported not in PROTOCOL
+    )
+    assert not bad, f"the protocol ({sorted(PROTOCOL)}) must stand alone: {bad}"
+
+
+def test_fakepg_imports_only_the_protocol_from_reducer() -> None:
+    bad = _edges("fakepg", "reducer", except_to=FAKEPG_MAY_IMPORT)
+    assert not bad, f"fakepg may import from reducer only {sorted(FAKEPG_MAY_IMPORT)}: {bad}"
+    assert _edges("fakepg", "reducer"), "fakepg implements the protocol; it should import it"
+
+
+def test_the_core_never_imports_the_tools_nor_the_fake_world() -> None:
+    bad = sorted(
+        f"{module} imports {imported}"
+        for module, targets in GRAPH.items()
+        if _in(module, "reducer") and not _in(module, TOOLS) and module != ENTRY_POINT
+        for imported in targets
+        if _in(imported, TOOLS) or _in(imported, "fakepg")
+    )
+    assert not bad, f"the core (reducer outside {TOOLS}) must not import tools or fakepg: {bad}"
+
+
+def test_only_python_m_reducer_reaches_the_tools_from_outside() -> None:
+    assert GRAPH[ENTRY_POINT] == {"reducer.tools.cli"}
+    assert not [m for m, targets in GRAPH.items() if ENTRY_POINT in targets]
+
+
+def test_the_tools_sit_on_the_core_and_the_fake_world() -> None:
+    # The allowed direction is the one in use: tools import both the core and fakepg.
+    assert _edges(TOOLS, "fakepg")
+    assert [e for e in _edges(TOOLS, "reducer") if not _in(e.split()[-1], TOOLS)]
+
+
+def test_python_m_reducer_lists_its_subcommands() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "reducer", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+    ).stdout
+    for command in ("simulate", "validate", "launch"):
+        assert f"    {command} " in out, out
