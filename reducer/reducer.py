@@ -62,6 +62,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import errors
 from .bucket_views import (
     BucketViews,
     adopt_hook_result,
@@ -73,28 +74,15 @@ from .bucket_views import (
 from .buckets import (
     Bucket,
     BucketReplica,
+    Slot,
     build_buckets,
     empty_sparse_like,
     shadow_bucket,
+    slots,
     validate_bucket_indices,
 )
 from .comm_hooks import GRAD_BUCKET_TYPES, CommHook, FutureWork, GradBucket, hook_name
-from .errors import (
-    REDUCER_WORDING,
-    InvalidArgument,
-    ReductionError,
-    Wording,
-    closed_error,
-    comm_hook_not_future_error,
-    comm_hook_raised_error,
-    failed_error,
-    joined_mid_iteration_error,
-    layout_error,
-    marked_twice_error,
-    not_static_error,
-    static_graph_too_late_error,
-    unfinished_error,
-)
+from .errors import REDUCER_WORDING, InvalidArgument, ReductionError, Wording
 from .graph import (
     at_backward_end,
     attach_ready_hooks,
@@ -216,8 +204,7 @@ class Reducer:
 
         self._views = BucketViews(self._names)
         self._buckets: list[Bucket] = []
-        # Per replica and parameter: its bucket, bucket replica and position there.
-        self._slots: list[list[tuple[Bucket, BucketReplica, int]]] = []
+        self._slots: list[list[Slot]] = []  # See buckets.slots
         self.initialize_buckets(bucket_indices)
         self._accumulators, self._hook_handles = attach_ready_hooks(self, self._replicas)
 
@@ -234,7 +221,9 @@ class Reducer:
         with self._lock:
             self._check_usable("prepare_for_backward")
             if self._require_finalize:
-                error = unfinished_error(self._wording, self._rank(), self._ready, self._names)
+                error = errors.unfinished_error(
+                    self._wording, self._rank(), self._ready, self._names
+                )
                 raise self._fail(error)
             outputs = check_outputs(outputs)
             if self._as_view:
@@ -350,7 +339,7 @@ class Reducer:
                 if left < 0:
                     assert static.hook_counts is not None  # recorded with remaining
                     recorded = static.hook_counts[replica_index][index]
-                    error = not_static_error(
+                    error = errors.not_static_error(
                         self._wording, self._rank(), self._names, index, recorded
                     )
                     raise self._fail(error)
@@ -506,12 +495,14 @@ class Reducer:
             future = hook(state, grad_bucket)
         except Exception as exc:
             # The other ranks wait for this bucket: fail here, loudly, and for good.
-            error = comm_hook_raised_error(
+            error = errors.comm_hook_raised_error(
                 self._wording, self._rank(), hook_name(hook), bucket.index, exc
             )
             raise self._fail(error) from exc
         if not is_future(future):
-            raise self._fail(comm_hook_not_future_error(hook_name(hook), bucket.index, future))
+            raise self._fail(
+                errors.comm_hook_not_future_error(hook_name(hook), bucket.index, future)
+            )
         bucket.work = FutureWork(future, bucket.index, self._timeout, hook_name(hook))
 
     def _launch_used_map(self) -> None:
@@ -634,17 +625,7 @@ class Reducer:
                 fuse_division=not self._as_view,
             )
             self._buckets = buckets
-            self._slots = [
-                [
-                    (
-                        buckets[loc.bucket_index],
-                        buckets[loc.bucket_index].replicas[r],
-                        loc.intra_bucket_index,
-                    )
-                    for loc in locators
-                ]
-                for r in range(len(self._replicas))
-            ]
+            self._slots = slots(buckets, locators, len(self._replicas))
             if self._as_view:
                 self._views.attach(buckets)
 
@@ -683,7 +664,7 @@ class Reducer:
         with self._lock:
             self._check_usable("_set_static_graph")
             if self._iterations > 0 or self._expect_autograd_hooks:
-                raise static_graph_too_late_error(self._wording, self._iterations)
+                raise errors.static_graph_too_late_error(self._wording, self._iterations)
             self._static.enabled = True
 
     def _set_divisor(self, divisor: int) -> None:
@@ -718,7 +699,7 @@ class Reducer:
         with self._lock:
             self._check_usable("join")
             if self._expect_autograd_hooks:
-                raise joined_mid_iteration_error(self._wording, self._rank())
+                raise errors.joined_mid_iteration_error(self._wording, self._rank())
             launch_ns = self._bucket_launch_ns  # the last real iteration's, kept for stats
             self._bucket_launch_ns = [0] * len(self._buckets)
             try:
@@ -810,9 +791,9 @@ class Reducer:
         if what == "prepare_for_backward":
             what = words.starts_iteration
         if self._closed:
-            raise closed_error(what, words)
+            raise errors.closed_error(what, words)
         if self._failure is not None:
-            raise failed_error(what, words, self._failure) from self._failure
+            raise errors.failed_error(what, words, self._failure) from self._failure
 
     def _fail(self, error: BaseException) -> BaseException:
         """Fail for good (see ``_failure``): stop expecting hooks; returns ``error``."""
@@ -826,7 +807,7 @@ class Reducer:
 
     def _marked_twice_error(self, replica_index: int, index: int) -> ReductionError:
         found_unused = (replica_index, index) in self._unused_set
-        return marked_twice_error(
+        return errors.marked_twice_error(
             self._wording,
             self._rank(),
             self._names,
@@ -837,6 +818,6 @@ class Reducer:
         )
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
-        return layout_error(
+        return errors.layout_error(
             self._wording, self._rank(), self._names, replica_index, index, expected=expected
         )
