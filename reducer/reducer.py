@@ -337,12 +337,7 @@ class Reducer:
                 if left > 0:
                     return
                 if left < 0:
-                    assert static.hook_counts is not None  # recorded with remaining
-                    recorded = static.hook_counts[replica_index][index]
-                    error = errors.not_static_error(
-                        self._wording, self._rank(), self._names, index, recorded
-                    )
-                    raise self._fail(error)
+                    raise self._fail(self._not_static_error(replica_index, index))
             if self._unused and (replica_index, index) in self._unused_set:
                 # Found unused, yet here is its gradient: the search could not see its use.
                 raise self._fail(self._marked_twice_error(replica_index, index))
@@ -816,6 +811,11 @@ class Reducer:
             replicas=len(self._replicas),
             found_unused=found_unused,
         )
+
+    def _not_static_error(self, replica_index: int, index: int) -> ReductionError:
+        assert self._static.hook_counts is not None  # recorded before calls are expected
+        recorded = self._static.hook_counts[replica_index][index]
+        return errors.not_static_error(self._wording, self._rank(), self._names, index, recorded)
 
     def _layout_error(self, replica_index: int, index: int, *, expected: str) -> ReductionError:
         return errors.layout_error(
