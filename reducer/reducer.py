@@ -16,9 +16,9 @@ The happy path, one iteration, in the order of this module's ``Reducer``:
 
 Communication of early buckets thus overlaps with the computation of later gradients. The
 special cases live next to what they serve: the graph search, the hooks and the end of
-backward in reducer.graph; bucket layout in reducer.buckets; moving gradients into and out of
-buckets (and gradient_as_bucket_view) in reducer.bucket_views; the static graph's record in
-reducer.static_graph; the error messages in reducer.errors.
+backward in reducer.graph; bucket layout in reducer.buckets; the batched copies, the
+write-back into ``.grad`` and gradient_as_bucket_view in reducer.bucket_views; the static
+graph's record in reducer.static_graph; the error messages in reducer.errors.
 
 # Guarantees: hooks run on autograd threads (one per device); every state transition happens
 # under ``_lock``, so hooks of replicas on different devices may run concurrently. Public
@@ -246,7 +246,7 @@ class Reducer:
             static = self._static
             static.start_iteration(len(self._replicas), count)
             if static.remaining is not None:
-                # See Note [Static graph]: no search, the first iteration's record applies.
+                # No search: the first iteration's record applies (see Note [Static graph]).
                 self._find_unused = False
                 self._unused_set = static.recorded_unused()
             elif static.recording:
