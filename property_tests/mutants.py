@@ -1,13 +1,14 @@
 """Deliberately broken reducers ("bad machines") that the properties must catch.
 
 Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
-:class:`reducer.Reducer` or :class:`reducer.DistributedDataParallel` overriding one method, a
-replacement for one private function of ``reducer.reducer`` or ``reducer.ddp``, or a broken
-``compute_bucket_assignment_by_size``. :func:`applied` puts one in place of the real code for
-everything that looks it up at call time (the properties do), so a property that lets any of
-them pass is too weak. :data:`CATALOGUE` holds them all, by short name, grouped by what they
-break: averaging, unused parameters, accumulation, comm hooks, checkpointing and higher-order
-backward, the DDP wrapper's outputs and buckets, teardown, bucket assignment and errors.
+:class:`reducer.Reducer`, :class:`reducer.DistributedDataParallel` or the reducer's
+``BucketViews`` overriding one method, a replacement for one function that ``reducer.reducer``,
+``reducer.graph`` or ``reducer.ddp`` calls, or a broken ``compute_bucket_assignment_by_size``.
+:func:`applied` puts one in place of the real code for everything that looks it up at call
+time (the properties do), so a property that lets any of them pass is too weak.
+:data:`CATALOGUE` holds them all, by short name, grouped by what they break: averaging, unused
+parameters, accumulation, comm hooks, checkpointing and higher-order backward, the DDP
+wrapper's outputs and buckets, teardown, bucket assignment and errors.
 
 ``property_tests/test_mutants.py`` checks, within CI's time, that each is caught and shrunk
 by the property meant for it, on a narrowed search; ``benchmarks/harness_power.py`` runs the
@@ -31,15 +32,18 @@ import torch
 from torch import Tensor
 
 import reducer
+import reducer.bucket_views
 import reducer.ddp
+import reducer.graph
 import reducer.reducer
+from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
 # The real code, captured at import: the mutants subclass and call these, whatever is applied.
 _Reducer = reducer.Reducer
 _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
-_copy_all = reducer.reducer._copy_all
+_copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
 
 
@@ -298,34 +302,32 @@ class KeepLocallyUsed(_Reducer):
 # Gradients as bucket views.
 
 
-class ViewKeepsStale(_Reducer):
+class ViewKeepsStale(BucketViews):
     """Bucket views: a parameter unused on this rank whose .grad is its view contributes
     what the view holds (an older gradient), not zeros."""
 
-    def _settle_view(
-        self, replica_index: int, index: int, replica: reducer.buckets.BucketReplica, intra: int
-    ) -> None:
-        if replica.variables[intra].grad is replica.views[intra]:
+    def set_aside(self, key: tuple[int, int], param: Tensor, view: Tensor) -> None:
+        if param.grad is view:
             return
-        super()._settle_view(replica_index, index, replica, intra)
+        super().set_aside(key, param, view)
 
 
-class ViewsIgnoreUsedMap(_Reducer):
+class ViewsIgnoreUsedMap(BucketViews):
     """Bucket views: points every .grad at its view after the reduction, also that of a
     parameter no rank used (whose .grad must stay as it was)."""
 
-    def _point_grads_at_views(self, bucket: Bucket, globally_used: list[int] | None) -> None:
-        super()._point_grads_at_views(bucket, None)
+    def write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
+        super().write_back(bucket, None)
 
 
-class KeepOldViews(_Reducer):
+class KeepOldViews(BucketViews):
     """Bucket views: moves the gradients into views once, at construction; rebuilt buckets
     leave each .grad in the old bucket."""
 
-    def _attach_views(self) -> None:
+    def attach(self, buckets: list[Bucket]) -> None:
         if not getattr(self, "_views_attached", False):
             self._views_attached = True
-            super()._attach_views()
+            super().attach(buckets)
 
 
 # -------------------------------------------------------------------------------------------
@@ -408,7 +410,7 @@ class StaticForgetsUnused(_Reducer):
 
     def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
         super().prepare_for_backward(outputs)
-        if self._remaining is not None:
+        if self._static.remaining is not None:
             self._unused, self._unused_set = [], set()
 
 
@@ -418,8 +420,9 @@ class StaticReadyAtFirstCall(_Reducer):
 
     def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
         super().prepare_for_backward(outputs)
-        if self._remaining is not None:
-            self._remaining = [[min(c, 1) for c in counts] for counts in self._remaining]
+        remaining = self._static.remaining
+        if remaining is not None:
+            self._static.remaining = [[min(c, 1) for c in counts] for counts in remaining]
 
 
 # -------------------------------------------------------------------------------------------
@@ -620,7 +623,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "write back replica 0 only",
         "replicas",
-        _in("reducer.reducer", "_write_dense", _write_dense_replica_zero),
+        _in("reducer.reducer", "write_dense", _write_dense_replica_zero),
     ),
     # Unused parameters and accumulation.
     ("globally unused as zero", "unused", _reducer_class(GloballyUnusedAsZero)),
@@ -630,33 +633,45 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ("lose accumulated gradients", "accumulation", _reducer_class(LoseAccumulated)),
     ("stale locally-used map", "accumulation", _reducer_class(KeepLocallyUsed)),
     # Bucket views.
-    ("bucket view contributes stale grad", "views", _reducer_class(ViewKeepsStale)),
-    ("views ignore the used map", "views", _reducer_class(ViewsIgnoreUsedMap)),
-    ("rebuilt buckets keep old views", "views", _reducer_class(KeepOldViews)),
+    (
+        "bucket view contributes stale grad",
+        "views",
+        _in("reducer.reducer", "BucketViews", ViewKeepsStale),
+    ),
+    (
+        "views ignore the used map",
+        "views",
+        _in("reducer.reducer", "BucketViews", ViewsIgnoreUsedMap),
+    ),
+    (
+        "rebuilt buckets keep old views",
+        "views",
+        _in("reducer.reducer", "BucketViews", KeepOldViews),
+    ),
     # Sparse gradients.
     ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),
     (
         "sparse unused grad overwritten",
         "sparse",
-        _in("reducer.reducer", "_write_sparse", _write_sparse_always),
+        _in("reducer.reducer", "write_sparse", _write_sparse_always),
     ),
     # Comm hooks.
     ("prescale with a comm hook too", "comm hooks", _reducer_class(PrescaleWithHook)),
     (
         "hook's new tensor ignored",
         "comm hooks",
-        _in("reducer.reducer", "_adopt_hook_result", _ignore_hook_result),
+        _in("reducer.reducer", "adopt_hook_result", _ignore_hook_result),
     ),
     # Checkpointing, higher-order and repeated backward.
     (
         "finalize at a checkpoint's inner end",
         "backward",
-        _in("reducer.reducer", "_at_backward_end", _finalize_on_current_task),
+        _in("reducer.reducer", "at_backward_end", _finalize_on_current_task),
     ),
     (
         "hooks recorded under grad mode",
         "backward",
-        _in("reducer.reducer", "_grad_ready_hook", _hook_in_grad_mode),
+        _in("reducer.graph", "grad_ready_hook", _hook_in_grad_mode),
     ),
     ("second backward accepted silently", "backward", _reducer_class(MarkReadyTwiceSilently)),
     ("static graph forgets unused", "static graph", _reducer_class(StaticForgetsUnused)),

@@ -67,7 +67,7 @@ class OutputSink(torch.autograd.Function):
 
     It tells the reducer which outputs got no gradient (see Note [Outputs not used in the
     loss]) and, in the first static-graph iteration (``recording``), queues the reduction on
-    the outermost backward (see Note [Static graph] in reducer.reducer).
+    the outermost backward (see Note [Static graph] in reducer.static_graph).
     """
 
     @staticmethod

@@ -283,6 +283,25 @@ def build_buckets(
     return buckets, [loc for loc in locators if loc is not None]
 
 
+Slot = tuple[Bucket, BucketReplica, int]
+
+
+def slots(buckets: list[Bucket], locators: list[Locator], replicas: int) -> list[list[Slot]]:
+    """Per replica and parameter: its bucket, bucket replica and position there (the
+    reducer's lookup at every hook)."""
+    return [
+        [
+            (
+                buckets[loc.bucket_index],
+                buckets[loc.bucket_index].replicas[r],
+                loc.intra_bucket_index,
+            )
+            for loc in locators
+        ]
+        for r in range(replicas)
+    ]
+
+
 def _check_same_layout(
     replicas: list[list[Tensor]], indices: list[int], names: Sequence[str] | None
 ) -> None:

@@ -37,7 +37,7 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # its sink in the first static-graph iteration only; later ones would contribute that stale
 # .grad, so this wrapper keeps it. The sink's backward runs when the outermost backward
 # starts, which is also where the first static-graph iteration queues its reduction (see Note
-# [Static graph] in reducer.reducer).
+# [Static graph] in reducer.static_graph).
 
 # Note [Rebuilding buckets]
 # The initial buckets (torch's rule: see ddp_bucket_assignment) guess that gradients become

@@ -4,7 +4,8 @@ Invalid arguments at construction are ``ValueError`` subclasses (an argument of 
 kind, such as a hook that is not callable, is also a ``TypeError``, as torch raises); misuse
 during training (detected by the call that sees it) are ``RuntimeError`` subclasses. Every
 message says what happened, which parameter (index and, where known, name), replica, bucket or
-rank, the likely cause and the fix.
+rank, the likely cause and the fix. The messages of errors during training are built here
+too, from the facts the reducer has and the remedies of the caller's :class:`Wording`.
 """
 
 from __future__ import annotations
@@ -124,3 +125,209 @@ DDP_WORDING = Wording(
     ),
     sparse_flags_from_modules=True,
 )
+
+
+# -------------------------------------------------------------------------------------------
+# What the reducer raises during training. Each builds the message from the facts the
+# reducer has at the point of failure; the remedies come from the caller's Wording.
+
+
+def closed_error(what: str, words: Wording) -> ReductionError:
+    """``what`` was called on a closed reducer (or wrapper)."""
+    return ReductionError(f"{what} on a closed {words.owner}; build a new {words.owner}")
+
+
+def failed_error(what: str, words: Wording, failure: BaseException) -> ReductionError:
+    """``what`` was called after an earlier iteration failed (``failure``)."""
+    return ReductionError(
+        f"{what}: this {words.owner} failed in an earlier iteration "
+        f"({type(failure).__name__}: {failure}); the ranks are out of "
+        f"step: {words.recover}"
+    )
+
+
+def unfinished_error(
+    words: Wording, rank: int, ready: Sequence[Sequence[bool]], names: Sequence[str] | None
+) -> ReductionError:
+    """A new iteration started before the last one's reduction finished; ``ready`` (per
+    replica and parameter) says which parameters got their gradient."""
+    what = (
+        f"{words.starts_iteration} started a new iteration before the previous one "
+        "finished its reduction (Expected to have finished reduction in the prior "
+        "iteration before starting a new one)"
+    )
+    per_replica = []
+    for r, replica_ready in enumerate(ready):
+        missing = [i for i, is_ready in enumerate(replica_ready) if not is_ready]
+        if missing:
+            prefix = f"replica {r}: " if len(ready) > 1 else ""
+            per_replica.append(prefix + describe_params(missing, names))
+    if not per_replica:
+        return ReductionError(
+            f"{what}: on rank {rank}, every parameter got its gradient, but the "
+            "backward pass did not reach its end (it raised after the last gradient, or "
+            "was interrupted), so the end-of-backward step that waits for the buckets and "
+            f"writes .grad never ran. The ranks are out of step now: {words.recover}."
+        )
+    return ReductionError(
+        f"{what}: on rank {rank}, these parameters never got a gradient: "
+        f"{'; '.join(per_replica)}. They were not used to compute the loss, so their "
+        f"buckets never launched. {words.search_for_unused}"
+    )
+
+
+def marked_twice_error(
+    words: Wording,
+    rank: int,
+    names: Sequence[str] | None,
+    replica_index: int,
+    index: int,
+    *,
+    replicas: int,
+    found_unused: bool,
+) -> ReductionError:
+    """A parameter got a second gradient in one iteration (or one after it was found
+    unused): why that happens, and what to do, differ."""
+    what = describe_param(index, names)
+    where = f" of replica {replica_index}" if replicas > 1 else ""
+    if found_unused:
+        cause = (
+            f"It was found unused ({words.found_unused_because}) and marked "
+            "ready, then got a gradient anyway: it was used outside the forward pass, in "
+            "a tensor not among the outputs, or inside reentrant activation checkpointing "
+            "(which hides it from the search; use torch.utils.checkpoint with "
+            "use_reentrant=False). Use it inside forward and return what depends on it, "
+            f"or {words.no_search}."
+        )
+    else:
+        cause = (
+            "Its gradient hook fired twice in one backward pass. Either it is used in two "
+            "reentrant activation checkpoints (or in one and outside it): each runs a "
+            "backward of its own, so the parameter gets two gradients; use "
+            "torch.utils.checkpoint(..., use_reentrant=False), or static_graph=True if "
+            "the graph is the same every iteration. Or a second backward went through "
+            "the same graph (retain_graph=True) before the reduction finished; call "
+            "backward once per iteration (sum the losses first)."
+        )
+    return ReductionError(
+        f"Expected to mark a variable ready only once: {what}{where} was marked ready "
+        f"twice in one iteration on rank {rank}. {cause}"
+    )
+
+
+def not_static_error(
+    words: Wording, rank: int, names: Sequence[str] | None, index: int, recorded: int
+) -> ReductionError:
+    """Static graph: a parameter got more hook calls than the ``recorded`` first iteration."""
+    return ReductionError(
+        f"{describe_param(index, names)} got more gradient hook calls in this "
+        f"iteration than the {recorded} recorded in the first one, on rank {rank}; "
+        "static_graph=True needs the same graph every iteration (the same parameters used "
+        f"the same number of times). {words.no_static_graph}"
+    )
+
+
+def static_graph_too_late_error(words: Wording, iterations: int) -> ReductionError:
+    """``_set_static_graph`` after the first iteration started: nothing left to record."""
+    return ReductionError(
+        f"_set_static_graph() was called after the first iteration started (this "
+        f"{words.owner} has run {iterations} synced iteration(s)); "
+        "the first iteration records the graph, so call it right after "
+        f"construction, before the first {words.starts_iteration}, or "
+        f"build the {words.owner} with static_graph=True"
+    )
+
+
+def layout_error(
+    words: Wording,
+    rank: int,
+    names: Sequence[str] | None,
+    replica_index: int,
+    index: int,
+    *,
+    expected: str,
+) -> ReductionError:
+    """A gradient whose layout (sparse or dense) is not the one its bucket was built for."""
+    got = "dense" if expected == "sparse" else "sparse"
+    what = (
+        f"{describe_param(index, names)} got a {got} gradient but its bucket expects "
+        f"a {expected} one, on rank {rank}"
+    )
+    if words.sparse_flags_from_modules:
+        # The wrapper derives the flags from nn.Embedding / nn.EmbeddingBag(sparse=True).
+        if got == "sparse":
+            fix = (
+                "Only the weights of nn.Embedding(sparse=True) and nn.EmbeddingBag("
+                "sparse=True) are bucketed for sparse gradients, and this parameter is not "
+                "one: compute its sparse gradient through such a module, or make it dense "
+                "(sparse=False, e.g. in F.embedding)"
+            )
+        else:
+            fix = (
+                "It belongs to an nn.Embedding or nn.EmbeddingBag with sparse=True, but got "
+                "a dense gradient: it is also used outside the module's lookup (weight "
+                "tying, say). Build that module with sparse=False, or use its weight only "
+                "through the lookup"
+            )
+    else:
+        # A sparse gradient needs the flag set (a bucket of its own); a dense one, cleared.
+        flag = "True" if got == "sparse" else "False"
+        fix = (
+            f"Pass expect_sparse_gradients[{replica_index}][{index}]={flag} (and bucket "
+            "assignments computed with the same flags: a sparse gradient needs a bucket of "
+            "its own). nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) give "
+            "sparse gradients"
+        )
+    return ReductionError(f"{what}. {fix}.")
+
+
+def view_replaced_error(index: int, names: Sequence[str] | None) -> ReductionError:
+    """Bucket views: user code replaced a .grad, which would silently stop being reduced."""
+    return ReductionError(
+        f"{describe_param(index, names)}: its .grad was replaced by a "
+        "tensor that is not its bucket view, but gradient_as_bucket_view=True "
+        "reduces the bucket in place. Change .grad in place (zero_(), mul_(), "
+        "copy_()) or set it to None (zero_grad(set_to_none=True)) instead."
+    )
+
+
+def comm_hook_raised_error(
+    words: Wording, rank: int, hook: str, bucket_index: int, exc: BaseException
+) -> ReductionError:
+    """The comm hook ``hook`` (its name) raised for a bucket the other ranks wait for."""
+    return ReductionError(
+        f"the comm hook {hook!r} raised for bucket "
+        f"{bucket_index} on rank {rank}: {type(exc).__name__}: {exc}. "
+        "The ranks are out of step now; fix the hook, then "
+        f"{words.recover}"
+    )
+
+
+def comm_hook_not_future_error(hook: str, bucket_index: int, returned: object) -> ReductionError:
+    """The comm hook ``hook`` (its name) returned something other than a future."""
+    return ReductionError(
+        f"the comm hook {hook!r} returned a "
+        f"{type(returned).__name__} for bucket {bucket_index}, not a "
+        "torch.futures.Future; return the future of the reduction, e.g. "
+        "work.get_future().then(lambda f: f.value()[0])"
+    )
+
+
+def hook_result_shape_error(
+    bucket_index: int, result: tuple[int, ...], contents: tuple[int, ...]
+) -> ReductionError:
+    """The comm hook's future gave a tensor that does not fit the bucket's buffer."""
+    return ReductionError(
+        f"the comm hook returned a tensor of shape {result} for bucket "
+        f"{bucket_index}, whose buffer has shape {contents}; return the "
+        "reduced buffer (same shape), e.g. bucket.buffer() after copying into it"
+    )
+
+
+def joined_mid_iteration_error(words: Wording, rank: int) -> ReductionError:
+    """A rank ran out of inputs between forward and backward."""
+    return ReductionError(
+        f"rank {rank} joined (ran out of inputs) in the middle of an "
+        f"iteration: {words.starts_iteration} ran, but its backward did not; "
+        "leave the join context only after a complete iteration"
+    )
