@@ -357,8 +357,9 @@ def play(
     def rank_fn(pg: fakepg.FakeProcessGroup) -> RankRun:
         sync_intra_op_threads()
         rank = pg.rank()
+        # Models handed in are moved too (in place: the parameters stay the same objects).
         replicas = (
-            list(models[rank])
+            [m.to(device) for m in models[rank]]
             if models is not None
             else [build_model(s.model).to(device) for _ in range(s.replicas)]
         )
@@ -508,7 +509,10 @@ def check_against_reference(
     """
     s = scenario
     models = (
-        [[build_model(s.model) for _ in range(s.replicas)] for _ in range(s.world_size)]
+        [
+            [build_model(s.model).to(harness_device()) for _ in range(s.replicas)]
+            for _ in range(s.world_size)
+        ]
         if s.rebuild
         else None
     )
