@@ -1,0 +1,29 @@
+"""The benchmark scripts that need neither gloo nor a GPU run end to end on a tiny budget.
+
+Their numbers are the record in BENCHMARKS.md; these runs only check that a script still
+works against the code it measures (an API it calls, a scenario it cannot take).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, f"{args} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def test_property_throughput_runs_every_configuration() -> None:
+    out = _run("benchmarks/property_throughput.py", "--examples", "3")
+    rows = [line for line in out.splitlines() if line.startswith("|") and "ranks" in line]
+    # The three configurations, each with its three examples counted.
+    assert len(rows) == 3, out
+    assert all(line.split("|")[2].strip() == "3" for line in rows), out
