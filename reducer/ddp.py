@@ -73,15 +73,16 @@ from ._ddp_outputs import OutputSink, find_tensors, replace_tensors
 from ._ddp_setup import (
     broadcast_from,
     bucket_limits,
+    buffer_slots,
     check_initialized,
     common_rank,
     ignored_names,
     move_inputs,
     names_devices,
+    read_buffers,
     refuse_unsupported,
     resolve_devices,
     resolve_process_group,
-    synced_buffers,
     synced_parameters,
     verify_same_parameters,
 )
@@ -207,8 +208,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "gradient). Wrap the part of the model that trains"
             )
         self.device = synced[0][1].device  # where join's and the rebuild's tensors live
+        # See buffer_slots: found once, read by name at each broadcast.
+        self._buffer_slots = buffer_slots(module, self.parameters_to_ignore)
         if init_sync:
-            buffers = synced_buffers(module, self.parameters_to_ignore) if init_buffers else []
+            buffers = read_buffers(self._buffer_slots) if init_buffers else []
             broadcast_from([*(p for _, p in synced), *buffers], group, 0)
         self._sparse = sparse_gradient_flags(module, self._params)
         buckets = compute_bucket_assignment_by_size(self._params, initial_limits, self._sparse)
@@ -404,7 +407,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         (``candidate``: this rank is one)."""
         if not self.forward_sync_buffers:
             return
-        buffers = synced_buffers(self.module, self.parameters_to_ignore)
+        if not self._buffer_slots:
+            return
+        buffers = read_buffers(self._buffer_slots)
         if not buffers:
             return
         root = 0
@@ -419,7 +424,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             p for _, p in synced_parameters(self.module, self.parameters_to_ignore)
         ]
         if self.forward_sync_buffers:
-            tensors += synced_buffers(self.module, self.parameters_to_ignore)
+            tensors += read_buffers(self._buffer_slots)
         broadcast_from(tensors, self.process_group, root)
 
     # ---------------------------------------------------------------------------------------

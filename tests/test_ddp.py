@@ -374,6 +374,49 @@ def test_buffers_are_broadcast_from_rank_0_before_each_forward(broadcast_buffers
             assert torch.equal(seen[rank][step], want), (rank, step)
 
 
+class Reassigning(nn.Module):
+    """Buffers that forward replaces with new tensors (not in place), one shared by two
+    submodules, one ignored, one set to None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1)
+        self.inner = nn.Module()
+        self.register_buffer("count", torch.zeros(3))
+        self.register_buffer("local", torch.zeros(1))
+        self.register_buffer("gone", torch.zeros(1))
+        self.inner.register_buffer("count", self.count)  # the same tensor under two names
+        self.seen: list[Tensor] = []
+
+    def forward(self, x: Tensor, rank: int) -> Tensor:
+        self.seen.append(torch.cat([self.count, self.local]))
+        self.count = self.count + (rank + 1)  # a new tensor under the same name
+        self.local = self.local + (rank + 1)
+        self.gone = None
+        return self.lin(x) * self.count.sum()
+
+
+def test_buffers_that_forward_reassigns_are_still_broadcast() -> None:
+    """The buffers are found once (as torch does), but read by name at each forward, so a
+    module that assigns a new tensor to a buffer still starts every forward from rank 0's;
+    an ignored buffer stays each rank's own; a buffer set to None is skipped."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+        model = seeded(Reassigning)
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["local"])
+        ddp = DDP(model, pg)
+        for _ in range(3):
+            ddp(torch.ones(1, 2), pg.rank()).sum().backward()
+        return model.seen
+
+    seen = run_ranks(fn, 3)
+    for rank in range(3):
+        for step in range(3):
+            # count: rank 0's, which adds 1 per forward; local: the rank's own, rank + 1.
+            want = torch.tensor([float(step)] * 3 + [float(step * (rank + 1))])
+            assert torch.equal(seen[rank][step], want), (rank, step, seen[rank][step])
+
+
 # -------------------------------------------------------------------------------------------
 # Gradient accumulation: no_sync and the attribute nanoGPT toggles.
 
