@@ -94,6 +94,11 @@ _LATENCIES = st.sampled_from([0.0] * 7 + [_LATENCY_S])
 # Dicts twice as often as each other container: most models that nest return them.
 _CONTAINER_CHOICES = (*CONTAINERS, "dict")
 _CONTAINERS = st.sampled_from(_CONTAINER_CHOICES)
+# At the top, a dict three times in seven: models that nest their outputs mostly return a
+# dict-like object (transformers' ModelOutput) at the top. Shrinks to a list.
+_TOP_CONTAINERS = st.sampled_from(
+    ("list", "dict", "tuple", "dict", "namedtuple", "dataclass", "dict")
+)
 
 
 @st.composite
@@ -170,6 +175,7 @@ def model_specs(
     allow_head: bool = True,
     allow_wide: bool = False,
     allow_checkpoint: bool = False,
+    sparse_optional: bool = False,
 ) -> ModelSpec:
     """A model of 1 to ``max_branches`` branches with at most ``max_params`` parameters.
 
@@ -179,7 +185,10 @@ def model_specs(
     least one branch can be switched off (one more branch is added if needed, even beyond
     ``max_params``). ``allow_head``, ``allow_wide`` and ``allow_checkpoint``: see
     :func:`branch_specs`; the branches that run a reentrant-checkpointed branch's layers are
-    all non-optional.
+    all non-optional. With ``sparse_optional`` (and ``allow_sparse``), some optional branch is
+    a sparse embedding of its own (one is added if needed): a model whose sparse tables go
+    unused in some batches, where a sparse bucket meets the used map. Drawn freely, that
+    takes an embedding, sparse, optional and unshared at once, about one model in fifty.
     """
 
     def branch(optional: bool) -> st.SearchStrategy[BranchSpec]:
@@ -207,6 +216,17 @@ def model_specs(
     branches = _reentrant_groups_always_run(branches)
     if require_optional and not any(b.optional for b in branches):
         branches.append(draw(_branches(allow_sparse, True, allow_head, allow_wide, False)))
+    shared = {b.shared_with for b in branches}
+    if (
+        sparse_optional
+        and allow_sparse
+        and not any(
+            b.sparse and b.optional and b.shared_with is None and i not in shared
+            for i, b in enumerate(branches)
+        )
+    ):
+        table = draw(branch_specs(kinds=("embedding",), optional=True, allow_head=allow_head))
+        branches.append(replace(table, sparse=True))
     return ModelSpec(tuple(branches), seed=draw(_SEEDS))
 
 
@@ -235,7 +255,7 @@ def output_layouts(draw: st.DrawFn, branches: int, *, max_depth: int = 2) -> Out
     leaves = list(range(branches))
     if draw(_BOOLEANS):
         leaves = draw(st.permutations(leaves))
-    return _layout(draw, tuple(leaves), max_depth, draw(_CONTAINERS))
+    return _layout(draw, tuple(leaves), max_depth, draw(_TOP_CONTAINERS))
 
 
 def _layout(draw: st.DrawFn, leaves: tuple[int, ...], depth: int, kind: str) -> OutputLayout:

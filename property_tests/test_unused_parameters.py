@@ -9,6 +9,7 @@ unless a shared branch still uses them). Existing gradients (dense and sparse) m
 from __future__ import annotations
 
 from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
 
 from .harness import Scenario, check_against_reference, note_coverage, reference, refusal
 from .model import BranchSpec, ModelSpec
@@ -29,7 +30,13 @@ _OPTIONAL = ModelSpec(
 @given(
     scenarios(
         find_unused=True,
-        model=model_specs(require_optional=True, allow_wide=True, allow_checkpoint=True),
+        # Half the models have an optional sparse table: rare when drawn freely.
+        model=st.one_of(
+            model_specs(require_optional=True, allow_wide=True, allow_checkpoint=True),
+            model_specs(
+                require_optional=True, allow_wide=True, allow_checkpoint=True, sparse_optional=True
+            ),
+        ),
     )
 )
 @example(  # the embedding unused on both ranks keeps its sparse .grad; conv1d used on rank 1 only
