@@ -3,9 +3,9 @@
 For each mutant of ``property_tests/mutants.py`` (``CATALOGUE``), a subprocess runs the
 property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTANT``, see
 ``property_tests/conftest.py``): the seven property files, under the ``ci`` profile's example
-counts (derandomized; the core properties get four times the profile's examples), generate
-and shrink phases only (a failing explicit example would be reported unshrunk). The unit tests
-(``tests/``) and the files that test the harness itself (``test_mutants.py``,
+counts (derandomized; the core properties get four times the profile's examples, the
+unused-parameter and DDP ones eight), generate and shrink phases only (a failing explicit
+example would be reported unshrunk). The unit tests (``tests/``) and the files that test the harness itself (``test_mutants.py``,
 ``test_profiles.py``, ``test_harness.py``) are left out: the properties alone must kill.
 
 One row per mutant: killed (some property failed), the property that killed it fastest, its
