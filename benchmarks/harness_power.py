@@ -5,8 +5,9 @@ property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTAN
 ``property_tests/conftest.py``): the seven property files, under the ``ci`` profile's example
 counts (derandomized; the core properties get four times the profile's examples, the
 unused-parameter and DDP ones eight), generate and shrink phases only (a failing explicit
-example would be reported unshrunk). The unit tests (``tests/``) and the files that test the harness itself (``test_mutants.py``,
-``test_profiles.py``, ``test_harness.py``) are left out: the properties alone must kill.
+example would be reported unshrunk). The unit tests (``tests/``) and the files that test the
+harness itself (``test_mutants.py``, ``test_profiles.py``, ``test_harness.py``) are left out:
+the properties alone must kill.
 
 One row per mutant: killed (some property failed), the property that killed it fastest, its
 time to kill (that property's run: search plus shrinking, as pytest timed it), and the size of
