@@ -86,3 +86,25 @@ def expected_average(
         rank_order_average([per_rank[r][i] for r in range(world_size)], world_size)
         for i in range(len(per_rank[0]))
     ]
+
+
+# PowerSGD settings that the differential tests against torch's hook run, one per code path
+# (error feedback, QR for rank > 1, batching, no error feedback).
+POWERSGD_CONFIGS: dict[str, dict[str, object]] = {
+    "rank 1, error feedback, warm start": {"matrix_approximation_rank": 1},
+    "rank 3 (QR), no warm start": {
+        "matrix_approximation_rank": 3,
+        "warm_start": False,
+        "min_compression_rate": 0.5,
+    },
+    "rank 2, batched same shapes": {
+        "matrix_approximation_rank": 2,
+        "batch_tensors_with_same_shape": True,
+        "min_compression_rate": 0.5,
+    },
+    "rank 1, no error feedback, epsilon": {
+        "matrix_approximation_rank": 1,
+        "use_error_feedback": False,
+        "orthogonalization_epsilon": 1e-8,
+    },
+}

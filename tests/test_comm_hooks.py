@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rank_input, run_ranks, seeded
+from helpers import POWERSGD_CONFIGS, rank_input, run_ranks, seeded
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -775,26 +775,6 @@ def torch_powersgd_state(**kwargs: Any) -> Any:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
     return torch_powersgd.PowerSGDState(None, **kwargs)
-
-
-POWERSGD_CONFIGS = {
-    "rank 1, error feedback, warm start": {"matrix_approximation_rank": 1},
-    "rank 3 (QR), no warm start": {
-        "matrix_approximation_rank": 3,
-        "warm_start": False,
-        "min_compression_rate": 0.5,
-    },
-    "rank 2, batched same shapes": {
-        "matrix_approximation_rank": 2,
-        "batch_tensors_with_same_shape": True,
-        "min_compression_rate": 0.5,
-    },
-    "rank 1, no error feedback, epsilon": {
-        "matrix_approximation_rank": 1,
-        "use_error_feedback": False,
-        "orthogonalization_epsilon": 1e-8,
-    },
-}
 
 
 @pytest.mark.parametrize("config", list(POWERSGD_CONFIGS))

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import rank_input, seeded
+from helpers import POWERSGD_CONFIGS, rank_input, seeded
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
@@ -42,25 +42,6 @@ import reducer
 
 STEPS = 5
 WARM_UP = 2
-
-CONFIGS: dict[str, dict[str, Any]] = {
-    "rank 1, error feedback, warm start": {"matrix_approximation_rank": 1},
-    "rank 3 (QR), no warm start": {
-        "matrix_approximation_rank": 3,
-        "warm_start": False,
-        "min_compression_rate": 0.5,
-    },
-    "rank 2, batched same shapes": {
-        "matrix_approximation_rank": 2,
-        "batch_tensors_with_same_shape": True,
-        "min_compression_rate": 0.5,
-    },
-    "rank 1, no error feedback, epsilon": {
-        "matrix_approximation_rank": 1,
-        "use_error_feedback": False,
-        "orthogonalization_epsilon": 1e-8,
-    },
-}
 
 
 @pytest.fixture(autouse=True)
@@ -144,11 +125,11 @@ def plain_average(world_size: int, step: int) -> list[Tensor]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(POWERSGD_CONFIGS))
 def test_powersgd_matches_torchs_hook_in_torchs_ddp_bit_for_bit(
     world_size: int, config: str
 ) -> None:
-    results = run_both(world_size, CONFIGS[config], wrap=False)
+    results = run_both(world_size, POWERSGD_CONFIGS[config], wrap=False)
     for rank, (ours, theirs) in enumerate(results):
         for step in range(STEPS):
             for i, (got, want) in enumerate(zip(ours[step], theirs[step], strict=True)):
@@ -162,7 +143,9 @@ def test_powersgd_matches_torchs_hook_in_torchs_ddp_bit_for_bit(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_powersgd_in_the_fp16_wrapper_matches_torchs_bit_for_bit(world_size: int) -> None:
-    results = run_both(world_size, CONFIGS["rank 1, error feedback, warm start"], wrap=True)
+    results = run_both(
+        world_size, POWERSGD_CONFIGS["rank 1, error feedback, warm start"], wrap=True
+    )
     for rank, (ours, theirs) in enumerate(results):
         for step in range(STEPS):
             for i, (got, want) in enumerate(zip(ours[step], theirs[step], strict=True)):
