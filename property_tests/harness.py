@@ -509,10 +509,7 @@ def check_against_reference(
     """
     s = scenario
     models = (
-        [
-            [build_model(s.model).to(harness_device()) for _ in range(s.replicas)]
-            for _ in range(s.world_size)
-        ]
+        [[build_model(s.model) for _ in range(s.replicas)] for _ in range(s.world_size)]
         if s.rebuild
         else None
     )
