@@ -407,8 +407,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         (``candidate``: this rank is one)."""
         if not self.forward_sync_buffers:
             return
-        if not self._buffer_slots:
-            return
         buffers = read_buffers(self._buffer_slots)
         if not buffers:
             return
