@@ -17,20 +17,67 @@ contents, and after the reduction copies the averages back into ``.grad``
 # view is zeroed for the reduction, and finalize copies them back if no rank used it. The view
 # follows the parameter's strides: see Note [Bucket views follow the parameter's strides] in
 # reducer.buckets.
+
+# Note [Gradient scaling]
+# Each rank scales its bucket contents by the divisor d (the world size, or under join the
+# ranks still training) before the SUM, so that the sum is the average. Two roundings exist:
+# "divide", ``g / d`` (DESIGN's contract for the bare Reducer), and "reciprocal",
+# ``g * (1.0 / d)`` with ``1.0 / d`` a Python float (a double), which is what torch's reducer
+# computes (``at::mul_out(bucket_view, grad, wrapped_scalar_tensor(1.0 / div_factor))``; the
+# kernel rounds the scalar to the tensor's compute type, float32 for float32, float16 and
+# bfloat16, and multiplies). For d a power of two both are exact and agree; otherwise they
+# can differ in the last bit. Even in "reciprocal" mode torch divides on two paths, and so
+# does this reducer there: a dense gradient that already lives in its bucket view
+# (gradient_as_bucket_view, accumulated in place: ``bucket_view.div_(div_factor)``) and a
+# sparse gradient (``div_``). Comm hooks get undivided buckets and scale as they choose
+# (torch's built-in ones divide). ``create_graph`` changes nothing: torch multiplies into a
+# temporary there and copies it in, the same bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
 
 from .buckets import Bucket, BucketReplica
-from .errors import hook_result_shape_error, view_replaced_error
+from .errors import InvalidArgument, hook_result_shape_error, view_replaced_error
 
 __all__: list[str] = []
+
+GradientScaling = Literal["divide", "reciprocal"]
+GRADIENT_SCALINGS: tuple[GradientScaling, ...] = ("divide", "reciprocal")
+
+
+def check_gradient_scaling(value: object) -> GradientScaling:
+    """``value`` if it names a rounding of Note [Gradient scaling], else a clear error."""
+    for mode in GRADIENT_SCALINGS:
+        if value == mode and isinstance(value, str):
+            return mode
+    raise InvalidArgument(
+        f"gradient_scaling must be 'divide' (g / W, the Reducer's default) or 'reciprocal' "
+        f"(g * (1.0 / W), torch's DDP rounding), got {value!r}"
+    )
+
+
+def scale_(tensor: Tensor, divisor: int, mode: GradientScaling) -> None:
+    """Scale ``tensor`` in place by ``divisor`` with the rounding ``mode``. See Note
+    [Gradient scaling]."""
+    if mode == "reciprocal":
+        tensor.mul_(1.0 / divisor)
+    else:
+        tensor.div_(divisor)
+
+
+def scale_into(grad: Tensor, out: Tensor, divisor: int, mode: GradientScaling) -> None:
+    """``out = grad`` scaled by ``divisor`` with the rounding ``mode``, in one pass (the
+    same bits as a copy and :func:`scale_`). See Note [Gradient scaling]."""
+    if mode == "reciprocal":
+        torch.mul(grad, 1.0 / divisor, out=out)
+    else:
+        torch.div(grad, divisor, out=out)
 
 
 # -------------------------------------------------------------------------------------------
@@ -176,13 +223,20 @@ class BucketViews:
             self.kept[key] = view.clone()
         view.zero_()
 
-    def settle(self, param: Tensor, view: Tensor, grad: Tensor | None) -> None:
+    def settle(
+        self,
+        param: Tensor,
+        view: Tensor,
+        grad: Tensor | None,
+        copy_in: Callable[[Tensor, Tensor], object] = Tensor.copy_,
+    ) -> None:
         """``param`` is used, but its gradient is not in its view (``grad``: what it
-        contributes, None for zeros): copy it in, and make .grad the view."""
+        contributes, None for zeros): copy it in (``copy_in(view, grad)``, which may scale
+        on the way), and make .grad the view."""
         if grad is None:
             view.zero_()
         else:
-            view.copy_(grad)
+            copy_in(view, grad)
             param.grad = view  # a fresh gradient (after set_to_none): the bucket holds it now
 
     @staticmethod

@@ -223,6 +223,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             param_names=self._param_names,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             timeout=comm_hook_timeout,
+            gradient_scaling="reciprocal",  # torch's rounding, at every world size
         )
         self.reducer._wording = DDP_WORDING
         self._world_size = group.size()

@@ -65,8 +65,12 @@ from torch import Tensor
 from . import errors
 from .bucket_views import (
     BucketViews,
+    GradientScaling,
     adopt_hook_result,
+    check_gradient_scaling,
     copy_all,
+    scale_,
+    scale_into,
     try_copy_all,
     write_dense,
     write_sparse,
@@ -122,7 +126,10 @@ class Reducer:
     each dense ``.grad`` is a view into its bucket (see Note [Gradients as bucket views] in
     reducer.bucket_views). ``static_graph`` promises the same graph every iteration (see Note
     [Static graph] in reducer.static_graph). ``timeout`` (seconds, finite) bounds the wait for
-    a comm hook's future (collectives have their own).
+    a comm hook's future (collectives have their own). ``gradient_scaling`` is how bucket
+    contents are scaled before the SUM: ``"divide"`` (``g / W``, the default) or
+    ``"reciprocal"`` (``g * (1.0 / W)``, torch's DDP rounding: the two differ in the last bit
+    where W is not a power of two; see Note [Gradient scaling] in reducer.bucket_views).
 
     The state machine, per iteration: ``prepare_for_backward`` expects hooks; each
     ``_autograd_hook`` marks a parameter ready (``_mark_variable_ready``), which completes
@@ -143,6 +150,7 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         timeout: float = 300.0,
+        gradient_scaling: GradientScaling = "divide",
     ) -> None:
         self._replicas = check_replicas(replicas, names_hint(param_names, replicas))
         self._as_view = bool(gradient_as_bucket_view)
@@ -152,6 +160,7 @@ class Reducer:
         self._process_group = process_group
         self._world_size = check_process_group(process_group)
         self._timeout = check_timeout(timeout, "Reducer")
+        self._scaling = check_gradient_scaling(gradient_scaling)
         self._lock = threading.Lock()
 
         # The state machine. Between prepare_for_backward and finalize: hooks mark parameters
@@ -180,11 +189,12 @@ class Reducer:
         self._hook_order: list[int] = []
         self._last_hook_order: list[int] = []
 
-        # Bucket contents are divided by this before the allreduce: the world size, or the
-        # number of ranks still training under DDP's join (see _set_divisor). A comm hook
-        # replaces the allreduce and divides by itself, so buckets are not prescaled then.
+        # Bucket contents are scaled by this before the allreduce: the world size, or the
+        # number of ranks still training under DDP's join (see _set_divisor), with the
+        # rounding of _scaling (see Note [Gradient scaling] in reducer.bucket_views). A comm
+        # hook replaces the allreduce and divides by itself, so buckets are not prescaled then.
         self._divisor = self._world_size
-        # A division by 1 is the identity bit for bit: skip that pass.
+        # Scaling by 1 is the identity bit for bit, either way: skip that pass.
         self._prescale = self._divisor > 1
         self._comm_hook: tuple[object, CommHook] | None = None
 
@@ -366,10 +376,11 @@ class Reducer:
             if not (bucket.expect_sparse_gradient or self._as_view):
                 self._copy_replica(replica_index, bucket, replica)
             # The replica's last gradient: finish prescaling, so that the sum over ranks is
-            # the average. See Note [Division fused into the copy] in reducer.buckets.
-            if self._prescale:
+            # the average. See Note [Division fused into the copy] in reducer.buckets. (Bucket
+            # views in "reciprocal" mode were scaled at their hooks: see _settle_at_hook.)
+            if self._prescale and not (self._as_view and self._scaling == "reciprocal"):
                 for run in replica.scale_runs:
-                    run.div_(self._divisor)
+                    scale_(run, self._divisor, self._scaling)
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
@@ -385,23 +396,34 @@ class Reducer:
         self, replica_index: int, index: int, bucket: Bucket, replica: BucketReplica, intra: int
     ) -> None:
         """The work a gradient needs at its own hook: a sparse one becomes its bucket's
-        contents; a bucket view is checked; a large one is divided on its way in."""
+        contents; a bucket view is checked; a large one is scaled on its way in."""
         if bucket.expect_sparse_gradient:
             self._set_sparse_contents(replica_index, index, replica)
         elif self._as_view:
             # See Note [Gradients as bucket views] in reducer.bucket_views.
             param, view = replica.variables[intra], replica.views[intra]
+            # In "reciprocal" mode torch scales each gradient at its hook, and by which
+            # rounding depends on whether it was copied in (multiplied on the way) or
+            # accumulated in place (divided). See Note [Gradient scaling] there.
+            per_view = self._prescale and self._scaling == "reciprocal"
             if not self._used[replica_index][index]:
                 self._views.set_aside((replica_index, index), param, view)
-            elif param.grad is not view:  # else autograd accumulated into the view: done
-                self._views.settle(param, view, self._contribution(replica_index, index, param))
+            elif param.grad is not view:
+                grad = self._contribution(replica_index, index, param)
+                self._views.settle(param, view, grad, self._copy_in if per_view else Tensor.copy_)
+            elif per_view:  # autograd accumulated into the view
+                view.div_(self._divisor)
         elif self._prescale:  # replica.fused[intra]
-            # See Note [Division fused into the copy]: a large gradient, divided on the way in.
+            # See Note [Division fused into the copy]: a large gradient, scaled on the way in.
             grad = self._contribution(replica_index, index, replica.variables[intra])
             if grad is None:
                 replica.views[intra].zero_()
             else:
-                torch.div(grad, self._divisor, out=replica.views[intra])
+                self._copy_in(replica.views[intra], grad)
+
+    def _copy_in(self, view: Tensor, grad: Tensor) -> None:
+        """``view = grad``, scaled on the way in. See Note [Gradient scaling]."""
+        scale_into(grad, view, self._divisor, self._scaling)
 
     def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
         """The dense gradient ``param`` contributes, or None where it contributes zeros
@@ -424,6 +446,7 @@ class Reducer:
         else:
             replica.contents = grad.clone()
             if self._prescale:
+                # torch divides sparse gradients in either mode: see Note [Gradient scaling].
                 replica.contents.div_(self._divisor)
 
     # Note [Copies batched per bucket replica]
@@ -663,9 +686,10 @@ class Reducer:
             self._static.enabled = True
 
     def _set_divisor(self, divisor: int) -> None:
-        """Divide bucket contents by ``divisor`` from the next iteration on, not by the world
+        """Scale bucket contents by ``divisor`` from the next iteration on, not by the world
         size: DDP's ``join(divide_by_initial_world_size=False)`` averages over the ranks still
-        training. A comm hook divides by itself and ignores it."""
+        training (with the reducer's rounding: torch multiplies by ``1.0 / divisor``). A comm
+        hook divides by itself and ignores it."""
         with self._lock:
             if self._expect_autograd_hooks:
                 raise ReductionError(
@@ -718,6 +742,12 @@ class Reducer:
     def last_iteration(self) -> IterationStats | None:
         """Timings of the last synced iteration (None before the first finished)."""
         return self._last_iteration
+
+    @property
+    def gradient_scaling(self) -> GradientScaling:
+        """How bucket contents are scaled before the SUM: "divide" or "reciprocal" (see Note
+        [Gradient scaling] in reducer.bucket_views)."""
+        return self._scaling
 
     @property
     def iterations(self) -> int:

@@ -108,3 +108,128 @@ POWERSGD_CONFIGS: dict[str, dict[str, object]] = {
         "orthogonalization_epsilon": 1e-8,
     },
 }
+
+
+# -------------------------------------------------------------------------------------------
+# Real-model shapes, from small configs: what the differential tests against torch's DDP train.
+
+
+class _Block(nn.Module):
+    """GPT-2's transformer block: pre-norm causal self-attention and a GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(width)
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.attn_proj = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.mlp_proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(width, dim=2)
+        q, k, v = (
+            t.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+            for t in (q, k, v)
+        )
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / (width // self.heads) ** 0.5)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(batch, length, width)
+        x = x + self.attn_proj(y)
+        h = nn.functional.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")
+        out: torch.Tensor = x + self.mlp_proj(h)
+        return out
+
+
+class TinyGPT2(nn.Module):
+    """GPT-2's shape from a small config: token and position embeddings, ``layers`` blocks, a
+    final LayerNorm and a language-model head tied to the token embedding (so DDP sees the
+    shared weight once). 2 layers: 28 parameters, as GPT-2's 2-layer config."""
+
+    def __init__(
+        self, vocab: int = 64, context: int = 16, width: int = 32, heads: int = 4, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.context = context
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2's
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.lm_head(self.ln_f(x))
+        return out
+
+
+class TinySwitchMoE(nn.Module):
+    """A Switch Transformer's MoE layer from a small config: a router picks one expert per
+    token (top-1), the expert's output is scaled by the router's probability. With few tokens
+    and ``experts`` experts, some experts get no token on some ranks (idle there) and, with
+    ``idle_expert``, one is never routed to at all (its router logit is pinned to -inf): the
+    model needs ``find_unused_parameters=True``."""
+
+    def __init__(
+        self,
+        vocab: int = 48,
+        width: int = 16,
+        experts: int = 6,
+        hidden: int = 32,
+        layers: int = 2,
+        idle_expert: bool = True,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.routers = nn.ModuleList(nn.Linear(width, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(
+                nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
+                for _ in range(experts)
+            )
+            for _ in range(layers)
+        )
+        self.idle_expert = idle_expert
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).reshape(-1, self.embed.embedding_dim)
+        for norm, router, experts in zip(self.norms, self.routers, self.experts, strict=True):
+            h = norm(x)
+            logits = router(h)
+            if self.idle_expert:
+                logits = torch.cat([logits[:, :-1], torch.full_like(logits[:, -1:], -1e9)], 1)
+            probs = logits.softmax(dim=-1)
+            gate, choice = probs.max(dim=-1)
+            out = torch.zeros_like(h)
+            for e, expert in enumerate(experts):
+                routed = (choice == e).nonzero().squeeze(1)
+                if routed.numel():  # an idle expert is not called: unused this step
+                    out = out.index_add(0, routed, expert(h[routed]) * gate[routed, None])
+            x = x + out
+        logits_out: torch.Tensor = self.head(x)
+        return logits_out.view(*tokens.shape, -1)
+
+
+def tiny_gpt2(seed: int = 0) -> TinyGPT2:
+    return seeded(TinyGPT2, seed)
+
+
+def tiny_switch_moe(seed: int = 0) -> TinySwitchMoE:
+    return seeded(TinySwitchMoE, seed)
+
+
+def token_batch(
+    rank: int, step: int, vocab: int, shape: tuple[int, int] = (2, 9)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per rank and step: input tokens and next-token targets (one token longer, split)."""
+    generator = torch.Generator().manual_seed(7919 * step + rank)
+    tokens = torch.randint(vocab, (shape[0], shape[1] + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
