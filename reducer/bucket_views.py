@@ -29,7 +29,12 @@ contents, and after the reduction copies the averages back into ``.grad``
 # can differ in the last bit. Even in "reciprocal" mode torch divides on two paths, and so
 # does this reducer there: a dense gradient that already lives in its bucket view
 # (gradient_as_bucket_view, accumulated in place: ``bucket_view.div_(div_factor)``) and a
-# sparse gradient (``div_``). Comm hooks get undivided buckets and scale as they choose
+# sparse gradient (``div_``). Which of the two a bucket view's gradient is follows torch's
+# .grad: torch leaves a gradient that autograd created afresh while accumulating locally
+# (no_sync after set_to_none) where it is, and multiplies it into the view at the synced hook;
+# this reducer moves it into the view at once (``BucketViews.move_into``), and remembers it
+# (``BucketViews.fresh``) so that the synced hook multiplies it there, as torch does.
+# Comm hooks get undivided buckets and scale as they choose
 # (torch's built-in ones divide). ``create_graph`` changes nothing: torch multiplies into a
 # temporary there and copies it in, the same bits.
 """
@@ -186,10 +191,15 @@ class BucketViews:
         # The .grad values of locally unused parameters, by (replica, parameter), set aside
         # while their views hold zeros for the reduction.
         self.kept: dict[tuple[int, int], Tensor] = {}
+        # (replica, parameter) whose view holds a gradient that autograd created afresh while
+        # accumulating locally, moved in by move_into: torch would hold it in a tensor of its
+        # own until the synced hook. See Note [Gradient scaling].
+        self.fresh: set[tuple[int, int]] = set()
 
     def attach(self, buckets: list[Bucket]) -> None:
         """Move existing dense gradients into their bucket views and make .grad the view."""
         self.kept = {}
+        self.fresh = set()  # torch's rebuild makes every defined .grad the view, too
         with torch.no_grad():
             for bucket in buckets:
                 if bucket.expect_sparse_gradient:
@@ -239,14 +249,14 @@ class BucketViews:
             copy_in(view, grad)
             param.grad = view  # a fresh gradient (after set_to_none): the bucket holds it now
 
-    @staticmethod
-    def move_into(replica: BucketReplica, intra: int) -> None:
+    def move_into(self, replica: BucketReplica, intra: int, key: tuple[int, int]) -> None:
         """A gradient autograd created afresh (after set_to_none) while accumulating locally
-        moves into its view, so that .grad is the view again."""
+        moves into its view, so that .grad is the view again (remembered in ``fresh``)."""
         param, view = replica.variables[intra], replica.views[intra]
         if param.grad is not None and param.grad is not view:
             view.copy_(param.grad)
             param.grad = view
+            self.fresh.add(key)
 
     def write_back(self, bucket: Bucket, globally_used: list[int] | None) -> None:
         """The average is in the bucket; make every used .grad that view.

@@ -330,7 +330,7 @@ class Reducer:
                 if self._as_view:
                     bucket, replica, intra = self._slots[replica_index][index]
                     if not bucket.expect_sparse_gradient:
-                        self._views.move_into(replica, intra)
+                        self._views.move_into(replica, intra, (replica_index, index))
                 return
             static = self._static  # See Note [Static graph] in reducer.static_graph
             if static.recording:  # the first iteration: count, reduce at the end
@@ -406,12 +406,17 @@ class Reducer:
             # rounding depends on whether it was copied in (multiplied on the way) or
             # accumulated in place (divided). See Note [Gradient scaling] there.
             per_view = self._prescale and self._scaling == "reciprocal"
+            key = (replica_index, index)
+            fresh = key in self._views.fresh  # copied in while accumulating locally
+            self._views.fresh.discard(key)
             if not self._used[replica_index][index]:
-                self._views.set_aside((replica_index, index), param, view)
+                self._views.set_aside(key, param, view)
             elif param.grad is not view:
                 grad = self._contribution(replica_index, index, param)
                 self._views.settle(param, view, grad, self._copy_in if per_view else Tensor.copy_)
-            elif per_view:  # autograd accumulated into the view
+            elif per_view and fresh:  # torch would copy it in now, multiplying
+                view.mul_(1.0 / self._divisor)
+            elif per_view:  # autograd accumulated into the view, as into torch's
                 view.div_(self._divisor)
         elif self._prescale:  # replica.fused[intra]
             # See Note [Division fused into the copy]: a large gradient, scaled on the way in.

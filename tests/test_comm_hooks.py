@@ -23,6 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg
 import reducer
+from property_tests.reference import Scaling, rank_order_average
 
 DDP = reducer.DistributedDataParallel
 TINY_MB = 1e-5  # every parameter in a bucket of its own
@@ -80,13 +81,29 @@ def in_rank_order(terms: list[Tensor]) -> Tensor:
 # The built-in hooks.
 
 
+def exact_average(step: int, scaling: Scaling) -> list[Tensor]:
+    """The rank-order average of every rank's local gradients at ``step``."""
+    per_rank = [local_grads(rank, step) for rank in range(WORLD)]
+    averages = [
+        rank_order_average([g[i] for g in per_rank], WORLD, scaling=scaling)
+        for i in range(len(per_rank[0]))
+    ]
+    return [a for a in averages if a is not None]
+
+
 @pytest.mark.parametrize("as_view", [False, True])
-def test_allreduce_hook_gives_the_same_bits_as_no_hook(as_view: bool) -> None:
+def test_allreduce_hook_divides_and_no_hook_multiplies_as_torch(as_view: bool) -> None:
+    """As torch's: the hook divides the bucket by W (``g / W``), DDP without a hook multiplies
+    by ``1.0 / W``; at W = 3 the two differ in the last bit somewhere."""
     plain = ddp_grads(None, steps=2, gradient_as_bucket_view=as_view)
     hooked = ddp_grads(reducer.allreduce_hook, steps=2, gradient_as_bucket_view=as_view)
-    for rank in range(WORLD):
-        for step in range(2):
-            for got, want in zip(hooked[rank][step], plain[rank][step], strict=True):
+    for step in range(2):
+        divided, multiplied = exact_average(step, "divide"), exact_average(step, "reciprocal")
+        assert any(not torch.equal(a, b) for a, b in zip(divided, multiplied, strict=True))
+        for rank in range(WORLD):
+            for got, want in zip(hooked[rank][step], divided, strict=True):
+                assert torch.equal(got, want)
+            for got, want in zip(plain[rank][step], multiplied, strict=True):
                 assert torch.equal(got, want)
 
 
@@ -102,9 +119,8 @@ def test_allreduce_hook_takes_a_process_group_as_state() -> None:
             return [p.grad for p in model.parameters() if p.grad is not None]
 
         got = run_ranks(fn, WORLD)
-    plain = ddp_grads(None)
     for rank in range(WORLD):
-        for g, w in zip(got[rank], plain[rank][0], strict=True):
+        for g, w in zip(got[rank], exact_average(0, "divide"), strict=True):
             assert torch.equal(g, w)
 
 
@@ -202,7 +218,7 @@ def test_set_buffer_replaces_the_contents() -> None:
             assert torch.equal(g, torch.full_like(g, 6.0))  # 1 + 2 + 3
 
 
-def test_grad_bucket_on_a_sparse_bucket_and_the_hook_matches_no_hook() -> None:
+def test_grad_bucket_on_a_sparse_bucket_and_the_hook_scales_as_torch() -> None:
     class Embed(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -227,9 +243,21 @@ def test_grad_bucket_on_a_sparse_bucket_and_the_hook_matches_no_hook() -> None:
 
         return run_ranks(fn, WORLD)
 
-    for hooked, plain in zip(run(reducer.allreduce_hook), run(None), strict=True):
-        for got, want in zip(hooked, plain, strict=True):
-            assert torch.equal(got, want)
+    # The sparse gradient is divided by W either way (as torch does); the dense head is
+    # divided by the hook and multiplied by 1 / W without it, so it is compared with its
+    # exact average each way.
+    heads: list[list[Tensor]] = []
+    for rank in range(WORLD):
+        model = seeded(Embed)
+        model(torch.tensor([[rank, 2, rank + 3]])).pow(2).sum().backward()
+        heads.append([p.grad for p in model.head.parameters() if p.grad is not None])
+    for scaling, results in (("divide", run(reducer.allreduce_hook)), ("reciprocal", run(None))):
+        for got in results:
+            assert torch.equal(got[0], results[0][0])
+            for i, g in enumerate(got[1:]):
+                want = rank_order_average([h[i] for h in heads], WORLD, scaling=scaling)
+                assert want is not None and torch.equal(g, want), (scaling, i)
+    assert torch.equal(run(reducer.allreduce_hook)[0][0], run(None)[0][0])
 
 
 # -------------------------------------------------------------------------------------------
@@ -669,7 +697,7 @@ def test_powersgd_during_warm_up_is_allreduce_bit_for_bit(hook: reducer.CommHook
     def state() -> reducer.PowerSGDState:
         return reducer.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=3)
 
-    plain = powersgd_grads(WORLD, 4, None)
+    plain = powersgd_grads(WORLD, 4, reducer.allreduce_hook)  # divides, as torch's warm-up
     got = powersgd_grads(WORLD, 4, hook, state)
     for rank in range(WORLD):
         for step in range(3):

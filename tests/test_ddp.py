@@ -36,14 +36,16 @@ def reference(
     world_size: int,
 ) -> list[Tensor | None]:
     """Per parameter, the rank-order average of what ``backward(model, rank)`` leaves in
-    ``.grad`` of a fresh local model (None where no rank got a gradient)."""
+    ``.grad`` of a fresh local model (None where no rank got a gradient), each term
+    ``g * (1.0 / W)``: DDP scales as torch's does."""
     per_rank = []
     for rank in range(world_size):
         model = build()
         backward(model, rank)
         per_rank.append(grads_of(model))
     return [
-        rank_order_average([g[i] for g in per_rank], world_size) for i in range(len(per_rank[0]))
+        rank_order_average([g[i] for g in per_rank], world_size, scaling="reciprocal")
+        for i in range(len(per_rank[0]))
     ]
 
 

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.join import Join
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average
+from property_tests.reference import Scaling, rank_order_average
 
 DDP = reducer.DistributedDataParallel
 TINY_MB = 1e-5  # every parameter in a bucket of its own
@@ -115,7 +115,12 @@ def train(
 
 
 def expected(
-    world_size: int, batches: Sequence[int], *, divide: bool, search: bool
+    world_size: int,
+    batches: Sequence[int],
+    *,
+    divide: bool,
+    search: bool,
+    scaling: Scaling = "reciprocal",
 ) -> tuple[list[list[Tensor | None]], list[Tensor]]:
     """Per step, the gradients the ranks still training hold; and everyone's final
     parameters (those of the last rank to run out)."""
@@ -135,7 +140,7 @@ def expected(
             loss_of(local, r, step, search).backward()
             contributions.append(grads_of(local))
         want = [
-            rank_order_average([c[i] for c in contributions], divisor)
+            rank_order_average([c[i] for c in contributions], divisor, scaling=scaling)
             for i in range(len(contributions[0]))
         ]
         per_step.append(want)
@@ -146,9 +151,18 @@ def expected(
     return per_step, [p.detach().clone() for p in reference.parameters()]
 
 
-def check(records: list[Record], batches: Sequence[int], *, divide: bool, search: bool) -> None:
+def check(
+    records: list[Record],
+    batches: Sequence[int],
+    *,
+    divide: bool,
+    search: bool,
+    scaling: Scaling = "reciprocal",
+) -> None:
+    """``scaling``: DDP multiplies by the reciprocal of the divisor, as torch's; the built-in
+    comm hooks divide."""
     world_size = len(batches)
-    per_step, final = expected(world_size, batches, divide=divide, search=search)
+    per_step, final = expected(world_size, batches, divide=divide, search=search, scaling=scaling)
     for rank, record in enumerate(records):
         assert len(record["grads"]) == batches[rank]
         for step, got in enumerate(record["grads"]):
@@ -208,7 +222,7 @@ def test_with_a_comm_hook_the_joined_ranks_run_it_on_zeros() -> None:
         return reducer.allreduce_hook(state, bucket)
 
     records = run_ranks(lambda pg: train(pg, batches, hook=hook), 3)
-    check(records, batches, divide=True, search=False)
+    check(records, batches, divide=True, search=False, scaling="divide")
     for rank in range(3):
         iterations = seen[rank][:-1]
         # The hook ran for every iteration, on the bucket's zeros once the rank ran out.
@@ -247,7 +261,10 @@ def local_grads(rank: int, step: int) -> list[Tensor | None]:
 def average(world_size: int, step: int) -> list[Tensor | None]:
     """Every rank trains ``step`` from the initial parameters: the plain DDP average."""
     per_rank = [local_grads(r, step) for r in range(world_size)]
-    return [rank_order_average([g[i] for g in per_rank], world_size) for i in range(6)]
+    return [
+        rank_order_average([g[i] for g in per_rank], world_size, scaling="reciprocal")
+        for i in range(6)
+    ]
 
 
 def check_exact(got: Sequence[Tensor | None], want: Sequence[Tensor | None], what: str) -> None:
@@ -327,7 +344,7 @@ def test_no_sync_inside_join_is_not_shadowed() -> None:
     local = net()
     loss_of(local, 0, 0, False).backward()
     loss_of(local, 0, 1, False).backward()
-    want = [rank_order_average([g, None], 2) for g in grads_of(local)]
+    want = [rank_order_average([g, None], 2, scaling="reciprocal") for g in grads_of(local)]
     check_exact(run_ranks(fn, 2)[0], want, "rank 0")
 
 

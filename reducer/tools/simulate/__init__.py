@@ -366,7 +366,12 @@ def _verify(
         if sparse[index]:
             found = verify.check_sparse(step, index, name, reduced, per_rank, wire)
         else:
-            expected = verify.reference_average(per_rank, wire)
+            # Without a hook DDP multiplies by 1 / W, as torch's; the built-in hooks divide.
+            expected = verify.reference_average(
+                per_rank,
+                wire,
+                scaling="reciprocal" if ranks[0].config.comm_hook == "none" else "divide",
+            )
             found = verify.check_dense(step, index, name, reduced, expected)
         if found is not None:
             return found

@@ -1,12 +1,17 @@
 """The exact check ``python -m reducer simulate`` makes after every step.
 
 The reference is DESIGN.md's rank-order average: for each dense parameter, the sum over ranks
-r in ascending order of ``local_grad[r] / W``, added left to right, where ``local_grad[r]`` is
+r in ascending order of ``local_grad[r]`` scaled by ``W``, added left to right, where
+``local_grad[r]`` is
 what plain autograd computed on an independent copy of rank r's model (zeros where the
 parameter got no gradient on that rank; no gradient at all where it got none on any rank).
-On the fake world the reducer's result must equal it bit for bit (``torch.equal``). A comm
-hook that reduces in another dtype (fp16, bf16) is checked against the same sum taken in
-that dtype, the division too, then cast back, again bit for bit. Sparse gradients are
+Each term is scaled as the reduction scales it (see Note [Gradient scaling] in
+reducer.bucket_views): ``g * (1.0 / W)`` without a comm hook (the simulation runs
+reducer.DistributedDataParallel, which rounds as torch's DDP does), ``g / W`` through a comm
+hook (the built-in hooks divide, as torch's do). On the fake world the reducer's result must
+equal it bit for bit (``torch.equal``). A comm hook that reduces in another dtype (fp16, bf16)
+is checked against the same sum taken in that dtype, the division too, then cast back, again
+bit for bit. Sparse gradients are
 coalesced in an order no one fixes, so they are compared within a bound on reordering (see
 :func:`_sparse_bound`).
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -41,11 +47,16 @@ class Mismatch:
 
 
 def reference_average(
-    local_grads: Sequence[Tensor | None], wire_dtype: torch.dtype | None
+    local_grads: Sequence[Tensor | None],
+    wire_dtype: torch.dtype | None,
+    *,
+    scaling: Literal["divide", "reciprocal"] = "divide",
 ) -> Tensor | None:
-    """Sum over ranks, ascending, of ``local_grad / W`` (dense), or None if no rank has one.
+    """Sum over ranks, ascending, of ``local_grad`` scaled by W (dense), or None if no rank
+    has one. ``scaling``: each term is ``g / W`` ("divide") or ``g * (1.0 / W)``
+    ("reciprocal", torch's DDP rounding).
 
-    With ``wire_dtype`` (a compressing comm hook) each term is cast to it before the division
+    With ``wire_dtype`` (a compressing comm hook) each term is cast to it before the scaling
     and the sum is taken in it, as the hook does; the result has the gradient's dtype.
     """
     present = [g for g in local_grads if g is not None]
@@ -57,7 +68,7 @@ def reference_average(
     total: Tensor | None = None
     for grad in local_grads:
         term = torch.zeros_like(like, dtype=dtype) if grad is None else grad.to(dtype)
-        term = term / world
+        term = term * (1.0 / world) if scaling == "reciprocal" else term / world
         total = term if total is None else total + term  # left to right: ((t0 + t1) + t2) ...
     assert total is not None
     return total.to(like.dtype)
@@ -113,7 +124,7 @@ def check_dense(
                 name,
                 f"max |reduced - reference| = {worst:.6g} ({int(differ.sum())} of "
                 f"{got.numel()} elements differ); the reference is the sum over ranks, in rank "
-                "order, of each rank's local gradient / world size",
+                "order, of each rank's local gradient scaled by the world size",
                 worst,
             )
     return None
