@@ -355,6 +355,33 @@ def _write_sparse_always(
         replica.variables[0].grad = result
 
 
+class DivideInDDP(_Reducer):
+    """Divides by the world size where torch's DDP multiplies by its reciprocal (every
+    reducer divides, DDP's too): the last bit differs at 3 ranks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scaling = "divide"
+
+
+class _Everything(set[tuple[int, int]]):
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+class ViewsAlwaysMultiply(BucketViews):
+    """Bucket views multiply by 1 / W even where autograd accumulated into the view in
+    place (torch divides those)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fresh = _Everything()
+
+    def attach(self, buckets: list[Bucket]) -> None:
+        super().attach(buckets)
+        self.fresh = _Everything()
+
+
 # -------------------------------------------------------------------------------------------
 # Comm hooks.
 
@@ -617,6 +644,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ("launch pointer not reset", "averaging", _reducer_class(KeepLaunchPointer)),
     ("forget to wait", "averaging", _reducer_class(ForgetToWait)),
     ("drop the last bucket", "averaging", _reducer_class(DropLastBucket)),
+    ("DDP divides instead of multiplying", "averaging", _reducer_class(DivideInDDP)),
     # Replicas.
     ("reduce only replica 0", "replicas", _reducer_class(ReduceOnlyReplicaZero)),
     ("replicas read replica 0", "replicas", _reducer_class(ReplicasReadReplicaZero)),
@@ -647,6 +675,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuilt buckets keep old views",
         "views",
         _in("reducer.reducer", "BucketViews", KeepOldViews),
+    ),
+    (
+        "views always multiply",
+        "views",
+        _in("reducer.reducer", "BucketViews", ViewsAlwaysMultiply),
     ),
     # Sparse gradients.
     ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),

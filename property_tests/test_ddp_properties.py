@@ -10,7 +10,8 @@ iterations, each a window of ``no_sync`` backward passes (or the ``require_backw
 toggle) and one synced one, with per-rank unused branches, and heads whose output is returned
 but left out of the loss (their parameters count as unused, not as used with zeros). Beside
 the ranks, one plain *mirror* model per rank runs the same passes; at each synced step its
-gradients become the exact average of the mirrors' own gradients (the rank-order average, or
+gradients become the exact average of the mirrors' own gradients (the rank-order average with
+torch's rounding, ``g * (1.0 / W)``, or ``g / W`` where torch divides: see ``_scalings``; or
 what the comm hook computes). The ranks must hold exactly the mirrors' gradients, bit for bit,
 after every pass: local ones inside a window, averaged ones after the synced pass, and
 ``.grad`` untouched for a parameter no rank used since the last synced pass.
@@ -67,7 +68,7 @@ from .model import (
     loss_of,
     unpack,
 )
-from .reference import rank_order_average
+from .reference import Scaling, rank_order_average
 from .strategies import model_specs, output_layouts, unused_patterns, world_sizes
 
 Pattern = tuple[frozenset[int], ...]  # per rank: the optional branches that run
@@ -341,9 +342,14 @@ def run_mirrors(s: DDPScenario) -> list[list[Grads]]:
                 lambda q, r=r, i=i: used[r].__setitem__(i, used[r][i] or q.grad is not None)
             )
     after: list[list[Grads]] = [[] for _ in mirrors]
+    # Per parameter: is its .grad the bucket view (gradient_as_bucket_view) as the window
+    # starts, so that autograd accumulates into it in place? See _scalings.
+    in_view = [False] * count
     for k, window in enumerate(s.windows):
         for mirror in mirrors:
             _zero(mirror, s.zero_grad[k])
+        if s.zero_grad[k] == "none":
+            in_view = [False] * count
         for micro, pattern in enumerate(window):
             for r, mirror in enumerate(mirrors):
                 active = active_branches(s.model, pattern[r])
@@ -351,25 +357,46 @@ def run_mirrors(s: DDPScenario) -> list[list[Grads]]:
                 packed = mirror(s.inputs(r, k, micro), active, s.layout)
                 backward(s.backward, s.kept(packed, active, dropped), list(mirror.parameters()))
             if micro == len(window) - 1:
-                _average(mirrors, used, s.world_size, s.hook)
+                averaged = _average(mirrors, used, s.world_size, s.hook, _scalings(s, in_view))
+                in_view = [was or now for was, now in zip(in_view, averaged, strict=True)]
                 used = [[False] * count for _ in mirrors]
             for r, mirror in enumerate(mirrors):
                 after[r].append([snapshot(p.grad) for p in mirror.parameters()])
     return after
 
 
+def _scalings(s: DDPScenario, in_view: list[bool]) -> list[Scaling]:
+    """Per parameter, how DDP scales its gradient without a comm hook: as torch's, by
+    ``1.0 / W``, except a gradient that autograd accumulated into its bucket view in place
+    (gradient_as_bucket_view, .grad already the view, not set to None since), which torch
+    divides by W. ``create_graph`` accumulates out of place: never in the view. See Note
+    [Gradient scaling] in reducer.bucket_views."""
+    in_place = s.as_view and s.backward != "create_graph"
+    return ["divide" if in_place and v else "reciprocal" for v in in_view]
+
+
 def _average(
-    mirrors: list[GeneratedModel], used: list[list[bool]], world_size: int, hook: str
-) -> None:
+    mirrors: list[GeneratedModel],
+    used: list[list[bool]],
+    world_size: int,
+    hook: str,
+    scalings: list[Scaling],
+) -> list[bool]:
+    """Set every used parameter's .grad to its exact average; which were averaged."""
     params = [list(m.parameters()) for m in mirrors]
-    average_of = AVERAGES[hook] if hook != "none" else rank_order_average
+    averaged = []
     for i in range(len(params[0])):
         column = [snapshot(params[r][i].grad) if used[r][i] else None for r in range(world_size)]
-        average = average_of(column, world_size)
+        if hook != "none":
+            average = AVERAGES[hook](column, world_size)
+        else:
+            average = rank_order_average(column, world_size, scaling=scalings[i])
+        averaged.append(average is not None)
         if average is None:
             continue  # no rank used it since the last synced pass: .grad stays as it is
         for r in range(world_size):
             params[r][i].grad = average.clone()
+    return averaged
 
 
 # Static graph, a head whose output rank 0 leaves out of the loss while rank 1 uses it, and
