@@ -377,10 +377,6 @@ class ViewsAlwaysMultiply(BucketViews):
         super().__init__(*args, **kwargs)
         self.fresh = _Everything()
 
-    def attach(self, buckets: list[Bucket]) -> None:
-        super().attach(buckets)
-        self.fresh = _Everything()
-
 
 # -------------------------------------------------------------------------------------------
 # Comm hooks.

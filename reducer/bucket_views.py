@@ -199,7 +199,9 @@ class BucketViews:
     def attach(self, buckets: list[Bucket]) -> None:
         """Move existing dense gradients into their bucket views and make .grad the view."""
         self.kept = {}
-        self.fresh = set()  # torch's rebuild makes every defined .grad the view, too
+        # ``fresh`` stays: torch rebuilds its buckets at the first forward after the first
+        # iteration, no_sync or not, before any gradient of it exists, so a gradient moved
+        # into a view while accumulating before this rebuild is still torch's own tensor.
         with torch.no_grad():
             for bucket in buckets:
                 if bucket.expect_sparse_gradient:
