@@ -4,13 +4,11 @@ Both wrappers run in the same rank threads on one fake world (registered as the 
 torch.distributed backend), on copies of the same model, fed the same data, each with its own
 SGD optimizer, over several iterations, with and without unused parameters.
 
-What is bitwise and what is not: both sum the per-rank contributions in rank order (the fake
-world's SUM), but torch scales each gradient by multiplying with the reciprocal ``1 / W``
-while this reducer divides by ``W``. For W a power of two the two are the same operation,
-exact, so gradients and parameters must be bit-identical at every step. For W = 3, ``x * (1/3)``
-and ``x / 3`` can differ in the last bit; the optimizer steps carry such differences into the
-parameters, and the next forward and backward amplify them a little (tens of float32 ulps
-after three steps were seen). There the comparison uses rtol 1e-5, atol 1e-6.
+Everything is bitwise: both sum the per-rank contributions in rank order (the fake world's
+SUM), and both scale each gradient as torch does, multiplying by ``1.0 / W`` (see Note
+[Gradient scaling] in reducer.bucket_views), so gradients and parameters must be
+bit-identical at every step, at W = 3 too. (tests/test_ddp_bitwise_any_world.py covers the
+other world sizes and every scaling path.)
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import fakepg
 import reducer
 
 STEPS = 3
-RTOL, ATOL = 1e-5, 1e-6  # W not a power of two only: see the module docstring
 
 
 @pytest.fixture(autouse=True)
@@ -135,23 +132,17 @@ def run_both(
     return fakepg.run_torch(fn, world_size, timeout=30.0)
 
 
-def compare(ours: Tensor | None, theirs: Tensor | None, exact: bool, where: str) -> None:
+def compare(ours: Tensor | None, theirs: Tensor | None, where: str) -> None:
     if theirs is None:
         assert ours is None, f"{where}: torch left no gradient, this wrapper set one"
         return
     assert ours is not None, f"{where}: torch set a gradient, this wrapper did not"
-    if exact:
-        assert torch.equal(ours, theirs), f"{where}: not bit-identical"
-    else:
-        torch.testing.assert_close(
-            ours, theirs, rtol=RTOL, atol=ATOL, msg=lambda m: f"{where}: {m}"
-        )
+    assert torch.equal(ours, theirs), f"{where}: not bit-identical"
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("unused", [False, True], ids=["all-used", "unused"])
 def test_same_gradients_and_parameters_as_torch_ddp(world_size: int, unused: bool) -> None:
-    exact = world_size & (world_size - 1) == 0  # a power of two: 1/W is exact
     results = run_both(world_size, unused=unused, as_view=False)
     names = [n for n, _ in build(unused).named_parameters()]
     for rank, (ours, theirs) in enumerate(results):
@@ -161,7 +152,7 @@ def test_same_gradients_and_parameters_as_torch_ddp(world_size: int, unused: boo
                 ("param", ours[step][1], theirs[step][1]),
             ):
                 for name, a, b in zip(names, mine, torchs, strict=True):
-                    compare(a, b, exact, f"{kind} of {name}, rank {rank}, step {step}")
+                    compare(a, b, f"{kind} of {name}, rank {rank}, step {step}")
         if unused:
             # head 1 is used somewhere at every step; `dead` never: .grad stays None in both.
             assert ours[0][0][names.index("dead.weight")] is None
@@ -198,9 +189,9 @@ def test_same_as_torch_ddp_with_other_options(options: dict[str, Any]) -> None:
     for rank, (ours, theirs) in enumerate(results):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(ours[step][0], theirs[step][0], strict=True)):
-                compare(a, b, True, f"grad {i}, rank {rank}, step {step}")
+                compare(a, b, f"grad {i}, rank {rank}, step {step}")
             for i, (a, b) in enumerate(zip(ours[step][1], theirs[step][1], strict=True)):
-                compare(a, b, True, f"param {i}, rank {rank}, step {step}")
+                compare(a, b, f"param {i}, rank {rank}, step {step}")
 
 
 # -------------------------------------------------------------------------------------------
@@ -289,7 +280,7 @@ def test_reentrant_checkpointing_matches_torch_ddp(static_graph: bool) -> None:
         for step in range(STEPS):
             for kind, what in enumerate(("grad", "param")):
                 for i, (a, b) in enumerate(zip(ours[step][kind], theirs[step][kind], strict=True)):
-                    compare(a, b, True, f"{what} {i}, rank {rank}, step {step}")
+                    compare(a, b, f"{what} {i}, rank {rank}, step {step}")
 
 
 # -------------------------------------------------------------------------------------------
@@ -324,8 +315,8 @@ def run_join_both(batches: list[int]) -> list[tuple[Trace, Trace]]:
 
 @pytest.mark.parametrize("batches", [[1, 2, 3, 4], [3, 1, 4, 2]])
 def test_join_matches_torchs_join(batches: list[int]) -> None:
-    """Bit-identical on four ranks, where the divisor is a power of two: torch multiplies by
-    the reciprocal, this reducer divides, which agree exactly then. (test_ddp_join checks
+    """Bit-identical on four ranks (test_ddp_bitwise_any_world covers three, five and six,
+    and the divisor of divide_by_initial_world_size=False). (test_ddp_join checks
     torch's own join with find_unused_parameters and with divide_by_initial_world_size=False
     against the exact reference.)"""
     for rank, (ours, theirs) in enumerate(run_join_both(batches)):
@@ -336,7 +327,7 @@ def test_join_matches_torchs_join(batches: list[int]) -> None:
                 ("param", mine[1], torchs[1]),
             ):
                 for i, (a, b) in enumerate(zip(a_list, b_list, strict=True)):
-                    compare(a, b, True, f"{kind} {i}, rank {rank}, step {step}")
+                    compare(a, b, f"{kind} {i}, rank {rank}, step {step}")
 
 
 # -------------------------------------------------------------------------------------------
@@ -394,7 +385,7 @@ def test_ignored_parameters_and_buffers_match_torch() -> None:
     for rank, (ours, theirs) in enumerate(results):
         assert ours.keys() == theirs.keys()
         for key in ours:
-            compare(ours[key], theirs[key], True, f"{key}, rank {rank}")
+            compare(ours[key], theirs[key], f"{key}, rank {rank}")
         stat = ours["stat"]
         assert stat is not None and torch.equal(stat, torch.full((3,), float(rank)))
         moving = ours["moving"]
@@ -456,7 +447,7 @@ def test_channels_last_bucket_views_match_torch() -> None:
         assert our_strides == their_strides
         assert our_strides[0] == weight.stride()
         for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            compare(a, b, True, f"grad {i}, rank {rank}")
+            compare(a, b, f"grad {i}, rank {rank}")
 
 
 def test_parameters_whose_strides_differ_across_ranks_are_refused_as_by_torch() -> None:
@@ -539,4 +530,4 @@ def test_set_static_graph_after_construction_matches_torch(late: bool) -> None:
     for rank, (ours, theirs) in enumerate(fakepg.run_torch(fn, 2, timeout=30.0)):
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(ours[step][0], theirs[step][0], strict=True)):
-                compare(a, b, True, f"grad {i}, rank {rank}, step {step}")
+                compare(a, b, f"grad {i}, rank {rank}, step {step}")
