@@ -39,6 +39,7 @@ from .errors import (
     InvalidArgument,
     InvalidArgumentType,
     InvalidModel,
+    MixedBucketError,
     ReducerError,
     ReductionError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "InvalidArgumentType",
     "InvalidModel",
     "IterationStats",
+    "MixedBucketError",
     "PostLocalSGDState",
     "PowerSGDState",
     "ProcessGroup",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .errors import BucketAssignmentError, InvalidArgument, describe_param
+from .errors import BucketAssignmentError, InvalidArgument, MixedBucketError, describe_param
 from .process_group import Work
 
 __all__ = [
@@ -333,7 +333,7 @@ def _dense_replica(
             ("device", param.device, first.device),
         ):
             if mine != theirs:
-                raise BucketAssignmentError(
+                raise MixedBucketError(
                     f"bucket {bucket} mixes {what}s: {describe_param(indices[0], names)} is "
                     f"{theirs} but {describe_param(i, names)} is {mine}; a bucket holds one "
                     "dtype on one device (compute_bucket_assignment_by_size keys buckets so)"

@@ -18,6 +18,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidArgumentType",
     "InvalidModel",
+    "MixedBucketError",
     "ReducerError",
     "ReductionError",
 ]
@@ -38,6 +39,12 @@ class InvalidArgumentType(InvalidArgument, TypeError):
 
 class BucketAssignmentError(InvalidArgument):
     """``bucket_indices`` is not a valid partition of the parameters."""
+
+
+class MixedBucketError(BucketAssignmentError, RuntimeError):
+    """A bucket would hold parameters of different dtypes or devices. torch's reducer raises
+    ``RuntimeError`` for it ("All parameters in a bucket must have the same dtype"), so this
+    is one too; and a :class:`BucketAssignmentError`, as every invalid assignment here is."""
 
 
 class InvalidModel(InvalidArgument, RuntimeError):

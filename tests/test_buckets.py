@@ -112,9 +112,13 @@ def test_bucket_indices_are_validated(indices: object, match: str) -> None:
 
 
 def test_a_bucket_holds_one_dtype_and_device() -> None:
+    """A RuntimeError, as torch's reducer raises, and a BucketAssignmentError."""
     params = [torch.zeros(2), torch.zeros(2, dtype=torch.float64)]
-    with pytest.raises(reducer.BucketAssignmentError, match=r"bucket 0 mixes dtypes"):
+    with pytest.raises(reducer.MixedBucketError, match=r"bucket 0 mixes dtypes") as info:
         build_buckets([params], [[0, 1]], [False, False], ["x", "y"])
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value, reducer.BucketAssignmentError)
+    assert isinstance(info.value, reducer.ReducerError)
 
 
 def test_a_sparse_parameter_needs_its_own_bucket() -> None:
