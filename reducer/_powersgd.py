@@ -294,14 +294,20 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     tensors = bucket.gradients()
     to_compress: list[Tensor] = []
     uncompressed: list[Tensor] = []
+    # A gradient laid out otherwise than row-major (channels_last: GradBucket.gradients
+    # follows the parameter's strides) is no matrix view of the buffer: its matrix is a
+    # row-major copy, written back after decompression.
+    copied: list[tuple[Tensor, Tensor]] = []
     total_ps_size = total_qs_size = 0
     for tensor in tensors:
-        matrix = tensor.view(tensor.shape[0], -1)
+        matrix = tensor.reshape(tensor.shape[0], -1)
         n, m = matrix.shape
         rank = min(n, m, state.matrix_approximation_rank)
         worth, before, after = _should_compress(n, m, rank, state.min_compression_rate)
         state.total_numel_before_compression += before
         if worth:
+            if not tensor.is_contiguous():
+                copied.append((tensor, matrix))
             to_compress.append(matrix)
             total_ps_size += n * rank
             total_qs_size += m * rank
@@ -313,7 +319,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
 
     # Step II: the uncompressed gradients, in one contiguous tensor.
     uncompressed_memory = (
-        torch.cat([t.view(-1) for t in uncompressed])
+        torch.cat([t.reshape(-1) for t in uncompressed])
         if uncompressed
         else torch.tensor([], device=device, dtype=dtype)
     )
@@ -403,6 +409,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
                     continue  # a view of the buffer already
                 for i, original in enumerate(shape_to_tensors[batch.shape[1:]]):
                     original.copy_(batch[i])
+        for tensor, matrix in copied:
+            tensor.copy_(matrix.view(tensor.shape))
         _synchronize(device)
         if input_tensor_cp is not None:
             state.error_dict[bucket_index] = input_tensor_cp - input_tensor

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .buckets import bucket_view
 from .errors import InvalidArgumentType, ReductionError
 from .process_group import ProcessGroup, ReduceOp, Work
 from .torch_backend import TorchProcessGroup
@@ -107,17 +108,26 @@ class GradBucket:
         return list(self._replica.variables)
 
     def gradients(self) -> list[Tensor]:
-        """Each parameter's gradient as a view into the buffer, shaped like the parameter."""
+        """Each parameter's gradient as a view into the buffer, shaped like the parameter.
+
+        The view has the parameter's strides where the parameter is dense (a channels_last
+        conv weight, a transposed weight), as the bucket lays the gradient out (see Note
+        [Bucket views follow the parameter's strides] in reducer.buckets), whether the buffer
+        is the bucket's own or one :meth:`set_buffer` put in its place (the fp16 and bf16
+        wrappers do): every element is where the parameter's layout says. torch differs:
+        its ``GradBucket.gradients()`` always views row-major (``buffer.narrow(...).view(
+        sizes)``), so there a hook sees a channels_last gradient's elements in another order,
+        and a hook that looks at gradients as matrices (PowerSGD) computes something else for
+        such a parameter than here.
+        """
         replica = self._replica
         if not replica.views:  # a sparse bucket: its one gradient is the buffer
             return [self._buffer]
         if self._buffer is replica.contents:
             return list(replica.views)
         return [
-            self._buffer[offset : offset + length].view(param.shape)
-            for offset, length, param in zip(
-                replica.offsets, replica.lengths, replica.variables, strict=True
-            )
+            bucket_view(self._buffer, offset, param)
+            for offset, param in zip(replica.offsets, replica.variables, strict=True)
         ]
 
     def __repr__(self) -> str:
