@@ -24,7 +24,11 @@ The checks build small models whose weights and inputs are integers times powers
 scale each rank's loss by the world size W, so every gradient g is W times a dyadic number
 with few significant bits (see Note [Dyadic data]). Then g / W and every sum of such terms are
 exact in float32, whatever order a backend adds in, and the reducer's gradients must equal
-the expectation computed in float64, bit for bit (torch.equal).
+the expectation computed in float64, bit for bit (torch.equal). Exact data make both
+roundings of the scaling give the same bits (``g / W`` and ``g * (1.0 / W)``: see Note
+[Gradient scaling] in reducer.bucket_views); each expectation still scales as the reducer
+under check does, the bare Reducer by dividing, the comparison with torch's DDP by torch's
+reciprocal.
 """
 
 # Note [Dyadic data]
@@ -50,6 +54,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -560,8 +565,11 @@ def _expected(
     forward: Callable[[nn.Module, int], Tensor],
     world_size: int,
     backwards_per_rank: int = 1,
+    *,
+    scaling: Literal["divide", "reciprocal"] = "divide",
 ) -> list[Tensor | None]:
-    """Per parameter, sum over ranks of the local gradient / W, in float64 on the CPU.
+    """Per parameter, sum over ranks of the local gradient scaled by W, in float64 on the CPU:
+    ``g / W`` ("divide", the bare Reducer's default) or ``g * (1.0 / W)`` ("reciprocal").
 
     ``forward(model, rank)`` gives rank's output; ``backwards_per_rank`` backward passes are
     accumulated per rank (gradient accumulation). None where no rank got a gradient.
@@ -572,7 +580,13 @@ def _expected(
         for _ in range(backwards_per_rank):
             _backward(forward(model, rank), world_size)
         for i, p in enumerate(model.parameters()):
-            g = None if p.grad is None else p.grad.to_dense() / world_size
+            dense = None if p.grad is None else p.grad.to_dense()
+            if dense is None:
+                g = None
+            elif scaling == "reciprocal":
+                g = dense * (1.0 / world_size)
+            else:
+                g = dense / world_size
             if i == len(total):
                 total.append(g)
             elif g is not None:
@@ -730,7 +744,11 @@ def _check_vs_torch_ddp(ctx: _Context) -> tuple[str, str]:
         )
         params: list[Tensor] = list(ours.parameters())
         red = Reducer(
-            [params], ddp_bucket_assignment(params), ctx.pg, gradient_as_bucket_view=as_view
+            [params],
+            ddp_bucket_assignment(params),
+            ctx.pg,
+            gradient_as_bucket_view=as_view,
+            gradient_scaling="reciprocal",  # torch's DDP rounding
         )
         extra = (ctx.rank,) if find_unused else ()
         with red:
