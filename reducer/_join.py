@@ -24,8 +24,10 @@ fake world, on gloo or NCCL through TorchProcessGroup, and on fakepg's torch bac
 # torch's ``Join`` context manager, which issues its side through torch.distributed, matches
 # them over the same torch group. When every rank has run out, each finds the highest rank
 # that ran out last, and every rank takes that rank's parameters (and buffers) by broadcast.
-# With divide_by_initial_world_size=False the ranks still training divide their buckets by
-# the notify sum (how many train) instead of the world size; a comm hook divides as it does.
+# With divide_by_initial_world_size=False the ranks still training scale their buckets by
+# the notify sum (how many train) instead of the world size, multiplying by its reciprocal as
+# torch's reducer does (see Note [Gradient scaling] in reducer.bucket_views); a comm hook
+# divides as it does.
 """
 
 from __future__ import annotations
