@@ -148,7 +148,8 @@ class Locator:
 
 
 # Note [Division fused into the copy]
-# A bucket replica's contents are divided by the world size once complete. For a large
+# A bucket replica's contents are divided by the world size once complete (or multiplied by
+# its reciprocal: see Note [Gradient scaling] in reducer.bucket_views). For a large
 # parameter that is a second pass over its bytes, so its gradient is instead divided while it
 # is copied in (``torch.div(grad, W, out=view)``: the same bits as a copy then ``div_``). Runs of
 # small parameters are copied as they are and divided together when the replica completes:

@@ -7,9 +7,10 @@ The happy path, one iteration, in the order of this module's ``Reducer``:
 2. During backward, autograd calls a hook after each parameter's gradient is accumulated
    (``_autograd_hook``). The parameter is marked ready (``_mark_variable_ready``); when the
    last parameter of a bucket replica is ready, its gradients are copied into the bucket's
-   flat tensor and divided by the world size; when every replica of the bucket is ready, and
-   every earlier bucket has launched, one asynchronous ``allreduce`` of the bucket starts
-   (``_mark_bucket_ready``, ``_launch``).
+   flat tensor and divided by the world size (or multiplied by its reciprocal, as torch's DDP
+   does: see Note [Gradient scaling] in reducer.bucket_views); when every replica of the
+   bucket is ready, and every earlier bucket has launched, one asynchronous ``allreduce`` of
+   the bucket starts (``_mark_bucket_ready``, ``_launch``).
 3. Once the last bucket has launched, a finalize step is queued on the autograd engine. It runs
    when backward ends, waits for every allreduce and writes the averages into ``.grad``
    (``_finalize_backward``).
