@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import reducer
+from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
+from reducer.testing.model import BranchSpec, ModelSpec, wide_width
+from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
-from .harness import Scenario, check_against_reference, reference, refusal
-from .model import BranchSpec, ModelSpec, wide_width
 from .mutants import CATALOGUE, Mutant, applied
-from .strategies import bucketing_inputs, model_specs, scenarios
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,

@@ -19,7 +19,7 @@ bucket, everything used), so a failing property reports a minimal counterexample
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
   step (none, some ranks, every rank). :func:`scenarios` draws the ranks as a list instead,
   so that shrinking can drop a rank with everything it ran.
-- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
+- :func:`scenarios`: all of it together, as a :class:`~reducer.testing.harness.Scenario`: also
   replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
   steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
   gradients, gradients as bucket views, and what training loops do: a static graph, a comm
@@ -28,7 +28,7 @@ bucket, everything used), so a failing property reports a minimal counterexample
   graph, a new reducer on the same models after ``close()``, a slow network.
 
 The number of synced iterations is drawn by the multi-iteration state machine
-(``property_tests/test_multi_iteration.py``), whose rules are the iterations.
+(the project's ``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
 
 from __future__ import annotations
