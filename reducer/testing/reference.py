@@ -46,6 +46,20 @@ def rank_order_average(
     return acc
 
 
+def sum_then_divide(contributions: Sequence[Tensor | None], world_size: int) -> Tensor | None:
+    """``(((g0 + g1) + g2) + ...) / W``: the sum in the given order, then one division, as a
+    reduction with ``ReduceOp.AVG`` gives on the fake world (FSDP2's fp32 reduce-scatter)."""
+    if all(g is None for g in contributions):
+        return None
+    like = next(g for g in contributions if g is not None)
+    acc: Tensor | None = None
+    for g in contributions:
+        term = torch.zeros_like(like) if g is None else g
+        acc = term if acc is None else acc + term
+    assert acc is not None
+    return acc / world_size
+
+
 def sparse_average(contributions: Sequence[Tensor | None], world_size: int) -> Tensor:
     """The dense value of the coalesced sum of sparse ``g / W`` (order not fixed: compare
     with a tolerance)."""

@@ -34,17 +34,18 @@ The number of synced iterations is drawn by the multi-iteration state machine
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from torch import Tensor
+from torch import Tensor, nn
 
 import reducer
 
-from .harness import BACKWARDS, Scenario, twice_refused_everywhere
+from .checks import TrainingScenario, sum_of_squares
+from .harness import BACKWARDS, Scenario, active_branches, twice_refused_everywhere
 from .hooks import HOOK_NAMES
 from .model import (
     CONTAINERS,
@@ -53,19 +54,25 @@ from .model import (
     BranchSpec,
     ModelSpec,
     OutputLayout,
+    branch_inputs,
     build_model,
+    loss_of,
     sparse_flags,
     wide_width,
 )
 
 __all__ = [
+    "GeneratedTraining",
     "branch_specs",
+    "bucket_caps_mb",
     "bucket_assignments",
     "bucketing_inputs",
+    "generated_training_scenarios",
     "model_specs",
     "output_layouts",
     "scenarios",
     "size_limits",
+    "training_scenarios",
     "unused_patterns",
     "world_sizes",
 ]
@@ -566,3 +573,112 @@ def _parameters_of(spec: ModelSpec) -> tuple[list[Tensor], list[bool]]:
 def _cached_parameters(spec: ModelSpec) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
     model = build_model(spec)
     return tuple(model.parameters()), tuple(sparse_flags(model))
+
+
+# -------------------------------------------------------------------------------------------
+# Training scenarios for any wrapper (reducer.testing.checks).
+
+InputsFactory = Callable[[torch.Generator, frozenset[int]], tuple[Any, ...]]
+
+
+@st.composite
+def training_scenarios(
+    draw: st.DrawFn,
+    make_model: Callable[[], nn.Module],
+    make_inputs: InputsFactory,
+    *,
+    world_sizes: st.SearchStrategy[int] | None = None,
+    steps: st.SearchStrategy[int] | None = None,
+    optional_parts: int = 0,
+    bucket_caps: st.SearchStrategy[float] | None = None,
+    options: Mapping[str, Any] | None = None,
+    loss: Callable[[Any], Tensor] | None = None,
+    lr: float = 0.1,
+) -> TrainingScenario:
+    """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
+
+    ``make_model()`` builds the model (the same parameters every call).
+    ``make_inputs(generator, skip)`` returns one rank's forward arguments for one step, drawn
+    from ``generator`` (seeded per rank and step by Hypothesis); ``skip`` is the set of the
+    model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
+    step, for the model's forward to act on (an unused-parameter pattern: none, some ranks,
+    every rank). ``world_sizes`` (default 1 to 4 ranks) and ``steps`` (default 1 to 3) are
+    drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
+    the wrapper's other keyword arguments. Shrinks toward one rank, one step, nothing skipped.
+    """
+    world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
+    count = draw(steps if steps is not None else st.integers(1, 3))
+    parts = tuple(range(optional_parts))
+    inputs = []
+    for _ in range(count):
+        per_rank = []
+        for _ in range(world_size):
+            seed = draw(_SEEDS)
+            skip = frozenset(p for p in parts if draw(_RARELY)) if parts else frozenset()
+            per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
+        inputs.append(tuple(per_rank))
+    chosen = dict(options or {})
+    if bucket_caps is not None:
+        chosen["bucket_cap_mb"] = draw(bucket_caps)
+    return TrainingScenario(
+        make_model,
+        tuple(inputs),
+        loss=loss if loss is not None else sum_of_squares,
+        options=chosen,
+        lr=lr,
+    )
+
+
+def bucket_caps_mb() -> st.SearchStrategy[float]:
+    """``bucket_cap_mb`` values from one parameter per bucket to one bucket for all."""
+    return st.sampled_from([25.0, 1e-5, 1e-4, 3e-4])
+
+
+@dataclass(frozen=True)
+class GeneratedTraining:
+    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it, and forward
+    takes ``(inputs, active)`` (see ``model.GeneratedModel``)."""
+
+    spec: ModelSpec
+
+    def make_model(self) -> nn.Module:
+        return build_model(self.spec)
+
+    def make_inputs(self, generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        optional = self.spec.optional_branches
+        active = active_branches(
+            self.spec, frozenset(b for k, b in enumerate(optional) if k not in skip)
+        )
+        return (branch_inputs(self.spec, seed), active)
+
+
+@st.composite
+def generated_training_scenarios(
+    draw: st.DrawFn,
+    *,
+    model: st.SearchStrategy[ModelSpec] | None = None,
+    max_world_size: int = 4,
+    min_steps: int = 1,
+    max_steps: int = 3,
+    bucket_caps: st.SearchStrategy[float] | None = None,
+    options: Mapping[str, Any] | None = None,
+    lr: float = 0.1,
+) -> TrainingScenario:
+    """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
+    reentrant checkpoints by default), their optional branches the optional parts."""
+    spec = draw(model if model is not None else model_specs(allow_sparse=False))
+    generated = GeneratedTraining(spec)
+    return draw(
+        training_scenarios(
+            generated.make_model,
+            generated.make_inputs,
+            world_sizes=st.integers(1, max_world_size),
+            steps=st.integers(min_steps, max_steps),
+            optional_parts=len(spec.optional_branches),
+            bucket_caps=bucket_caps,
+            options=options,
+            loss=loss_of,
+            lr=lr,
+        )
+    )
