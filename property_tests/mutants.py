@@ -31,8 +31,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import fakepg.collectives
 import reducer
 import reducer.bucket_views
+import reducer.comm_hooks
 import reducer.ddp
 import reducer.graph
 import reducer.reducer
@@ -45,6 +47,8 @@ _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
+_compress_wrapper = reducer.comm_hooks._compress_wrapper
+_reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 
 
 # -------------------------------------------------------------------------------------------
@@ -372,6 +376,34 @@ def _ignore_hook_result(bucket: Bucket, results: list[Tensor]) -> None:
     """Keeps the bucket's own contents, whatever tensor the comm hook's future returned."""
 
 
+def _compress_after_reducing(dtype: torch.dtype, hook: reducer.CommHook, name: str) -> Any:
+    """The compression wrapper runs the wrapped hook on the full-precision buffer and rounds
+    its result to the half type afterwards: the reduction is not compressed, and the bits
+    are not those of a sum taken in the half type."""
+    _compress_wrapper(dtype, hook, name)  # the real argument checks
+
+    def wrapper_hook(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+        def round_trip(done: torch.futures.Future[Tensor]) -> Tensor:
+            value = done.value()
+            return value.copy_(value.to(dtype))
+
+        return hook(state, bucket).then(round_trip)
+
+    return wrapper_hook
+
+
+# -------------------------------------------------------------------------------------------
+# The fake world's collectives (under torch's FSDP2).
+
+
+def _reduce_scatter_reversed(
+    inputs: list[list[Tensor]], outputs: list[Tensor], op: reducer.ReduceOp, max_parts: int
+) -> list[Any]:
+    """reduce_scatter hands rank r the reduction of every rank's chunk ``W - 1 - r`` (the
+    chunks counted from the other end), not chunk r."""
+    return _reduce_scatter_tasks([per_src[::-1] for per_src in inputs], outputs, op, max_parts)
+
+
 # -------------------------------------------------------------------------------------------
 # Nested and higher-order backward.
 
@@ -661,6 +693,17 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "hook's new tensor ignored",
         "comm hooks",
         _in("reducer.reducer", "adopt_hook_result", _ignore_hook_result),
+    ),
+    (
+        "compression after the reduction",
+        "comm hooks",
+        _in("reducer.comm_hooks", "_compress_wrapper", _compress_after_reducing),
+    ),
+    # The fake world under FSDP2.
+    (
+        "reduce_scatter chunks reversed",
+        "fake world",
+        _in("fakepg.collectives", "reduce_scatter_tasks", _reduce_scatter_reversed),
     ),
     # Checkpointing, higher-order and repeated backward.
     (

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import reducer
+from reducer.testing import TrainingScenario
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
 from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
@@ -41,6 +42,7 @@ from .test_errors import (
 )
 from .test_multi_iteration import TrainingMachine
 from .test_torch_equivalence import check_bucket_assignment
+from .test_wrappers import check_fsdp2, fsdp2_scenarios
 
 # Generate, then shrink; no explain phase (it reruns variants of the shrunk example).
 SEARCH = settings(
@@ -78,6 +80,8 @@ class Case:
 
 def _size(example: Any) -> tuple[int, int]:
     """(parameters, ranks) of an example of any property."""
+    if isinstance(example, TrainingScenario):
+        return len(list(example.make_model().parameters())), example.world_size
     if isinstance(example, Scenario | DDPScenario):
         return example.model.parameter_count, example.world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
@@ -274,6 +278,18 @@ CASES: dict[str, Case] = {
         scenarios(unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="new tensor")),
         averaging,
         lambda s: _one_step(s, ranks=2),
+    ),
+    # Two ranks: on one, the half-precision sum is the rounded full-precision one.
+    "compression after the reduction": Case(
+        scenarios(
+            unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="fp16 wrapper")
+        ),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    # FSDP2 on two ranks: each gets the other's shard of the gradient.
+    "reduce_scatter chunks reversed": Case(
+        fsdp2_scenarios(), check_fsdp2, lambda s: s.world_size == 2
     ),
     # A layer in two reentrant checkpoints: the refusal is expected, even on one rank.
     "finalize at a checkpoint's inner end": Case(
