@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg.collectives
 import reducer
@@ -49,6 +51,7 @@ _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
+_torch_fp16_hook = default_hooks.fp16_compress_hook
 
 
 # -------------------------------------------------------------------------------------------
@@ -393,6 +396,35 @@ def _compress_after_reducing(dtype: torch.dtype, hook: reducer.CommHook, name: s
 
 
 # -------------------------------------------------------------------------------------------
+# torch's own comm hooks (run by torch's DDP on the fake world).
+
+
+def _torch_allreduce_not_divided(process_group: Any, bucket: Any) -> Any:
+    """torch's allreduce hook without its division: the sum, not the average."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])  # type: ignore[union-attr]
+
+
+def _torch_fp16_sum_in_full(process_group: Any, bucket: Any) -> Any:
+    """torch's fp16 compression hook that casts back before the allreduce: each share is
+    rounded to float16, but the sum is taken in float32 (no bandwidth saved, other bits)."""
+    buffer = bucket.buffer()
+    size = dist.get_world_size(process_group)
+    buffer.copy_(buffer.to(torch.float16).div_(size))
+    work = dist.all_reduce(buffer, group=process_group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])  # type: ignore[union-attr]
+
+
+for _hook, _typed in (
+    (_torch_allreduce_not_divided, _torch_fp16_hook),
+    (_torch_fp16_sum_in_full, _torch_fp16_hook),
+):
+    # torch's DDP checks a hook's annotations; this module's are strings.
+    _hook.__annotations__ = dict(_typed.__annotations__)
+
+
+# -------------------------------------------------------------------------------------------
 # The fake world's collectives (under torch's FSDP2).
 
 
@@ -698,6 +730,25 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "compression after the reduction",
         "comm hooks",
         _in("reducer.comm_hooks", "_compress_wrapper", _compress_after_reducing),
+    ),
+    # torch's comm hooks.
+    (
+        "torch allreduce hook not divided",
+        "torch comm hooks",
+        _in(
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+            "allreduce_hook",
+            _torch_allreduce_not_divided,
+        ),
+    ),
+    (
+        "torch fp16 hook sums in float32",
+        "torch comm hooks",
+        _in(
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+            "fp16_compress_hook",
+            _torch_fp16_sum_in_full,
+        ),
     ),
     # The fake world under FSDP2.
     (

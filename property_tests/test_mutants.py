@@ -41,6 +41,7 @@ from .test_errors import (
     used_outside_forward,
 )
 from .test_multi_iteration import TrainingMachine
+from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
 from .test_wrappers import check_fsdp2, fsdp2_scenarios
 
@@ -286,6 +287,14 @@ CASES: dict[str, Case] = {
         ),
         averaging,
         lambda s: _one_step(s, ranks=2),
+    ),
+    # torch's hooks on torch's DDP: two ranks (on one, the sum is the average, and a sum of
+    # one term is not rounded).
+    "torch allreduce hook not divided": Case(
+        SCENARIOS, check_allreduce_hook, lambda s: s.world_size == 2
+    ),
+    "torch fp16 hook sums in float32": Case(
+        SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
     ),
     # FSDP2 on two ranks: each gets the other's shard of the gradient.
     "reduce_scatter chunks reversed": Case(
