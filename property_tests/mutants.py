@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
+_read_buffers = reducer.ddp.read_buffers
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
@@ -542,6 +544,25 @@ class RebuildFromOwnOrder(_DDP):
         self._buckets_rebuilt = True
 
 
+# Per owning module (weakly: a model gone takes its entries along), name -> first tensor.
+_first_seen: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _buffers_first_seen(slots: Sequence[tuple[Any, str]]) -> list[Tensor]:
+    """Reads each synced buffer once and keeps that tensor: a buffer that forward reassigns
+    (a new tensor under the same name) is no longer broadcast, only the old one."""
+    found = []
+    for owner, name in slots:
+        seen = _first_seen.setdefault(owner, {})
+        if name not in seen:
+            buffer = getattr(owner, name, None)
+            if not isinstance(buffer, Tensor):
+                continue
+            seen[name] = buffer
+        found.append(seen[name])
+    return found
+
+
 # -------------------------------------------------------------------------------------------
 # Teardown and errors.
 
@@ -783,6 +804,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "reassigned buffer not synced",
+        "DDP wrapper",
+        _in("reducer.ddp", "read_buffers", _buffers_first_seen),
+    ),
     (
         "rebuild from own ready order",
         "DDP wrapper",

@@ -43,7 +43,7 @@ from .test_errors import (
 from .test_multi_iteration import TrainingMachine
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
-from .test_wrappers import check_fsdp2, fsdp2_scenarios
+from .test_wrappers import check_fsdp2, check_our_ddp, fsdp2_scenarios, wrapper_scenarios
 
 # Generate, then shrink; no explain phase (it reruns variants of the shrunk example).
 SEARCH = settings(
@@ -295,6 +295,10 @@ CASES: dict[str, Case] = {
     ),
     "torch fp16 hook sums in float32": Case(
         SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
+    ),
+    # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
+    "reassigned buffer not synced": Case(
+        wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2
     ),
     # FSDP2 on two ranks: each gets the other's shard of the gradient.
     "reduce_scatter chunks reversed": Case(

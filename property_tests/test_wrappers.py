@@ -7,6 +7,8 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
   parameters after every step equal the rank-order average with torch's rounding
   (``g * (1.0 / W)``), bit for bit, for any bucket cap and unused pattern;
 - this project's ``reducer.DistributedDataParallel``: the same;
+- both with buffers (half the models): one forward updates in place, one it reassigns, and
+  the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - FSDP2's ``fully_shard``: its fp32 reduce-scatter averages with ``ReduceOp.AVG``, so the
   full gradients equal ``(sum in rank order) / W``;
 - a user's own wrapper (:class:`NaiveDataParallel`, twelve lines): the check needs nothing
@@ -53,11 +55,20 @@ OUR_DDP_SCALING: Any = (
     else "divide"
 )
 
-_SCENARIOS = generated_training_scenarios(
-    model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
-    bucket_caps=bucket_caps_mb(),
-    options={"find_unused_parameters": True},
-)
+
+def wrapper_scenarios(*, buffers: bool | None = None) -> st.SearchStrategy[TrainingScenario]:
+    """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
+    the search for unused parameters on; ``buffers`` (None: half the models): inside
+    ``WithBuffers``, one buffer updated in place, one that forward reassigns."""
+    return generated_training_scenarios(
+        model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
+        bucket_caps=bucket_caps_mb(),
+        options={"find_unused_parameters": True},
+        buffers=buffers,
+    )
+
+
+_SCENARIOS = wrapper_scenarios()
 
 
 def _note(s: TrainingScenario) -> None:
@@ -71,10 +82,15 @@ def test_torch_ddp_averages_exactly(s: TrainingScenario) -> None:
     check_data_parallel(torch_ddp(), s, scaling="reciprocal")
 
 
+def check_our_ddp(s: TrainingScenario) -> None:
+    """The property for this project's DDP (as ``reducer`` holds it now)."""
+    check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
+
+
 @given(_SCENARIOS)
 def test_this_projects_ddp_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
-    check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
+    check_our_ddp(s)
 
 
 def _float32(spec: ModelSpec) -> ModelSpec:

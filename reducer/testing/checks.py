@@ -161,6 +161,7 @@ class _RankTrace:
     grads: list[Grads]  # per step
     params: list[list[Tensor]]  # per step, after the update
     names: list[str]
+    buffers: list[dict[str, Tensor]]  # per step, after it: the module's buffers by name
 
 
 def _full(t: Tensor | None) -> Tensor | None:
@@ -201,7 +202,7 @@ def _play(
                 setup(wrapper, pg)
             params = list(model.parameters())
             names = [name for name, _ in model.named_parameters()]
-            trace = _RankTrace([], [], names)
+            trace = _RankTrace([], [], names, [])
             for step in range(s.steps):
                 for p in params:
                     p.grad = None
@@ -210,6 +211,7 @@ def _play(
                 if s.lr:
                     _sgd(params, s.lr)
                 trace.params.append([_full(p) for p in params])  # type: ignore[misc]
+                trace.buffers.append(_buffers(model))
         except Exception as exc:
             if not isinstance(exc, fakepg.FakePGError):
                 with lock:
@@ -243,34 +245,54 @@ def _assert_refused(
             ) from error
 
 
-def _local_gradients(s: TrainingScenario, model: nn.Module, step: int) -> list[Grads]:
-    """Per rank, the gradients plain autograd gives ``model`` for that rank's inputs."""
-    params = list(model.parameters())
-    local = []
-    for rank in range(s.world_size):
-        for p in params:
-            p.grad = None
-        s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
-        local.append([_full(p.grad) for p in params])
-    return local
+def _buffers(model: nn.Module) -> dict[str, Tensor]:
+    """Copies of ``model``'s buffers by name, as they are now (a reassigned one included)."""
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
 
 
-def _reference(s: TrainingScenario, average: Average) -> tuple[list[Grads], list[list[Tensor]]]:
-    """Per step, the exact averaged gradients and the parameters after the update."""
+def _load_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> None:
+    for name, value in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, value.clone())
+
+
+@dataclass(frozen=True, slots=True)
+class _Reference:
+    grads: list[Grads]  # per step
+    params: list[list[Tensor]]  # per step, after the update
+    buffers: list[list[dict[str, Tensor]]]  # per step, per rank, after it
+
+
+def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool) -> _Reference:
+    """Per step, the exact averaged gradients, the parameters after the update, and each
+    rank's buffers: every rank's forward starts from rank 0's buffers (``broadcast_buffers``,
+    DDP's default: synced by name before each forward) or from its own."""
     model = s.make_model()
     params = list(model.parameters())
-    grads: list[Grads] = []
-    after: list[list[Tensor]] = []
+    ref = _Reference([], [], [])
+    buffers = [_buffers(model) for _ in range(s.world_size)]
     for step in range(s.steps):
-        local = _local_gradients(s, model, step)
+        if broadcast_buffers:
+            buffers = [buffers[0]] * s.world_size
+        local = []
+        after_step = []
+        for rank in range(s.world_size):
+            _load_buffers(model, buffers[rank])
+            for p in params:
+                p.grad = None
+            s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
+            local.append([_full(p.grad) for p in params])
+            after_step.append(_buffers(model))
+        buffers = after_step
         averaged = [average([g[i] for g in local], s.world_size) for i in range(len(params))]
         for p, g in zip(params, averaged, strict=True):
             p.grad = g
-        grads.append(averaged)
+        ref.grads.append(averaged)
         if s.lr:
             _sgd(params, s.lr)
-        after.append([p.detach().clone() for p in params])
-    return grads, after
+        ref.params.append([p.detach().clone() for p in params])
+        ref.buffers.append(after_step)
+    return ref
 
 
 def _average_for(scaling: Scaling, average: Average | None) -> Average:
@@ -332,6 +354,7 @@ def check_data_parallel(
     scaling: Scaling = "reciprocal",
     average: Average | None = None,
     check_strides: bool = True,
+    broadcast_buffers: bool = True,
     timeout: float = 60.0,
 ) -> None:
     """Train ``scenario`` with ``make_wrapper(module, pg, **scenario.options)`` on every rank
@@ -342,7 +365,10 @@ def check_data_parallel(
     rank-order average with ``scaling``: "reciprocal" for torch's DDP and this project's,
     "divide" for the bare reducer); a parameter no rank used in a step keeps no gradient.
     ``check_strides`` also requires each ``.grad`` to have the strides plain autograd gives
-    it (channels_last stays channels_last).
+    it (channels_last stays channels_last). The module's buffers after every step must be
+    those of a forward that started from rank 0's buffers (``broadcast_buffers``, DDP's
+    default, each buffer found by name, so one that forward reassigns too) or from the rank's
+    own.
     """
     s = scenario
     runs = _play(make_wrapper, s, setup=None, timeout=timeout)
@@ -353,18 +379,26 @@ def check_data_parallel(
                 f"step ran through"
             )
         return
-    want_grads, want_params = _reference(s, _average_for(scaling, average))
+    want = _reference(s, _average_for(scaling, average), broadcast_buffers=broadcast_buffers)
     for rank, run in enumerate(runs):
         for step in range(s.steps):
             for i, name in enumerate(run.names):
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
                 _compare(
                     run.grads[step][i],
-                    want_grads[step][i],
+                    want.grads[step][i],
                     f"{where}, gradient",
                     strides=check_strides,
                 )
-                _compare(run.params[step][i], want_params[step][i], f"{where}, after the update")
+                _compare(run.params[step][i], want.params[step][i], f"{where}, after the update")
+            expected = want.buffers[step][rank]
+            got = run.buffers[step]
+            if set(got) != set(expected):
+                raise AssertionError(
+                    f"rank {rank}, step {step}: buffers {sorted(got)}, expected {sorted(expected)}"
+                )
+            for name, value in expected.items():
+                _compare(got[name], value, f"rank {rank}, step {step}, buffer {name!r}")
 
 
 def check_comm_hook(
@@ -396,7 +430,7 @@ def check_comm_hook(
         module.register_comm_hook(None if state is None else state(pg), hook)  # type: ignore[operator]
 
     runs = _play(wrapper, s, setup=setup, timeout=timeout)
-    want, _ = _reference(s, _average_for("divide", average))
+    want = _reference(s, _average_for("divide", average), broadcast_buffers=True).grads
     for rank, run in enumerate(runs):
         sums: list[Tensor | None] = [None] * len(run.names)
         exact: list[Tensor | None] = [None] * len(run.names)

@@ -63,6 +63,7 @@ from .model import (
 
 __all__ = [
     "GeneratedTraining",
+    "WithBuffers",
     "branch_specs",
     "bucket_caps_mb",
     "bucket_assignments",
@@ -634,15 +635,39 @@ def bucket_caps_mb() -> st.SearchStrategy[float]:
     return st.sampled_from([25.0, 1e-5, 1e-4, 3e-4])
 
 
+class WithBuffers(nn.Module):
+    """A model's outputs scaled by a buffer that forward then *reassigns* (a new tensor under
+    the same name, from this rank's data), beside a buffer it updates in place (a step
+    count): the gradients depend on the buffers each rank starts its forward with."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, *args: Any) -> Any:
+        outputs = self.inner(*args)
+        scale = self.get_buffer("scale")
+        scaled = [out * scale.to(out.dtype) for out in outputs]
+        drift = torch.stack([out.detach().double().mean() for out in outputs]).sum()
+        self.scale = 0.5 * scale + 0.25 * drift
+        self.get_buffer("count").add_(1)
+        return scaled
+
+
 @dataclass(frozen=True)
 class GeneratedTraining:
-    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it, and forward
-    takes ``(inputs, active)`` (see ``model.GeneratedModel``)."""
+    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it (inside
+    :class:`WithBuffers` with ``buffers``), and forward takes ``(inputs, active)`` (see
+    ``model.GeneratedModel``)."""
 
     spec: ModelSpec
+    buffers: bool = False
 
     def make_model(self) -> nn.Module:
-        return build_model(self.spec)
+        model = build_model(self.spec)
+        return WithBuffers(model) if self.buffers else model
 
     def make_inputs(self, generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
@@ -664,11 +689,13 @@ def generated_training_scenarios(
     bucket_caps: st.SearchStrategy[float] | None = None,
     options: Mapping[str, Any] | None = None,
     lr: float = 0.1,
+    buffers: bool | None = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
-    reentrant checkpoints by default), their optional branches the optional parts."""
+    reentrant checkpoints by default), their optional branches the optional parts; with
+    ``buffers`` (None: drawn) inside :class:`WithBuffers`."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
-    generated = GeneratedTraining(spec)
+    generated = GeneratedTraining(spec, draw(_BOOLEANS) if buffers is None else buffers)
     return draw(
         training_scenarios(
             generated.make_model,
