@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import fakepg.collectives
 import reducer
 import reducer.bucket_views
+import reducer.buckets
 import reducer.comm_hooks
 import reducer.ddp
 import reducer.graph
@@ -51,6 +52,7 @@ _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
 _read_buffers = reducer.ddp.read_buffers
+_bucket_view = reducer.buckets.bucket_view
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
@@ -337,6 +339,14 @@ class KeepOldViews(BucketViews):
         if not getattr(self, "_views_attached", False):
             self._views_attached = True
             super().attach(buckets)
+
+
+def _contiguous_view(contents: Tensor, offset: int, param: Tensor) -> Tensor:
+    """A parameter's slot of its bucket, always laid out contiguously: with
+    gradient_as_bucket_view a channels_last or transposed parameter gets a ``.grad`` of other
+    strides than its own."""
+    _bucket_view(contents, offset, param)  # the real one's checks
+    return contents[offset : offset + param.numel()].view(param.shape)
 
 
 # -------------------------------------------------------------------------------------------
@@ -732,6 +742,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuilt buckets keep old views",
         "views",
         _in("reducer.reducer", "BucketViews", KeepOldViews),
+    ),
+    (
+        "bucket views ignore strides",
+        "views",
+        _in("reducer.buckets", "bucket_view", _contiguous_view),
     ),
     # Sparse gradients.
     ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),

@@ -296,6 +296,10 @@ CASES: dict[str, Case] = {
     "torch fp16 hook sums in float32": Case(
         SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
     ),
+    # One rank is enough: the .grad of a transposed weight, a view of its bucket.
+    "bucket views ignore strides": Case(
+        wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp
+    ),
     # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
     "reassigned buffer not synced": Case(
         wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2

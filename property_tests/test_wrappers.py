@@ -9,6 +9,9 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - this project's ``reducer.DistributedDataParallel``: the same;
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
+- both with non-contiguous parameters (half the models: matrices column-major, conv2d
+  weights channels_last) and ``gradient_as_bucket_view`` or not: every ``.grad`` keeps the
+  strides plain autograd gives it;
 - FSDP2's ``fully_shard``: its fp32 reduce-scatter averages with ``ReduceOp.AVG``, so the
   full gradients equal ``(sum in rank order) / W``;
 - a user's own wrapper (:class:`NaiveDataParallel`, twelve lines): the check needs nothing
@@ -56,15 +59,22 @@ OUR_DDP_SCALING: Any = (
 )
 
 
-def wrapper_scenarios(*, buffers: bool | None = None) -> st.SearchStrategy[TrainingScenario]:
+def wrapper_scenarios(
+    *, buffers: bool | None = None, layouts: bool | None = None, as_view: bool | None = None
+) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
-    the search for unused parameters on; ``buffers`` (None: half the models): inside
-    ``WithBuffers``, one buffer updated in place, one that forward reassigns."""
+    the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
+    buffer updated in place, one that forward reassigns), ``layouts`` (matrices column-major,
+    conv2d weights channels_last: ``.grad`` must keep those strides), ``as_view``
+    (``gradient_as_bucket_view``)."""
+    views = st.booleans() if as_view is None else st.just(as_view)
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
         bucket_caps=bucket_caps_mb(),
         options={"find_unused_parameters": True},
+        drawn_options={"gradient_as_bucket_view": views},
         buffers=buffers,
+        layouts=layouts,
     )
 
 

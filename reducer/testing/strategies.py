@@ -593,6 +593,7 @@ def training_scenarios(
     optional_parts: int = 0,
     bucket_caps: st.SearchStrategy[float] | None = None,
     options: Mapping[str, Any] | None = None,
+    drawn_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
     loss: Callable[[Any], Tensor] | None = None,
     lr: float = 0.1,
 ) -> TrainingScenario:
@@ -605,7 +606,9 @@ def training_scenarios(
     step, for the model's forward to act on (an unused-parameter pattern: none, some ranks,
     every rank). ``world_sizes`` (default 1 to 4 ranks) and ``steps`` (default 1 to 3) are
     drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
-    the wrapper's other keyword arguments. Shrinks toward one rank, one step, nothing skipped.
+    the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
+    ``{"gradient_as_bucket_view": st.booleans()}``). Shrinks toward one rank, one step,
+    nothing skipped.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
@@ -621,6 +624,8 @@ def training_scenarios(
     chosen = dict(options or {})
     if bucket_caps is not None:
         chosen["bucket_cap_mb"] = draw(bucket_caps)
+    for name, values in (drawn_options or {}).items():
+        chosen[name] = draw(values)
     return TrainingScenario(
         make_model,
         tuple(inputs),
@@ -656,17 +661,32 @@ class WithBuffers(nn.Module):
         return scaled
 
 
+def _non_contiguous(model: nn.Module) -> None:
+    """Lay out every 4-d parameter channels_last and every matrix column-major (a transposed
+    weight): non-contiguous, yet dense, as real models have them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+            elif p.dim() == 2:
+                p.data = p.data.t().contiguous().t()
+
+
 @dataclass(frozen=True)
 class GeneratedTraining:
-    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it (inside
+    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it (with
+    ``layouts``, its matrices column-major and 4-d weights channels_last; inside
     :class:`WithBuffers` with ``buffers``), and forward takes ``(inputs, active)`` (see
     ``model.GeneratedModel``)."""
 
     spec: ModelSpec
     buffers: bool = False
+    layouts: bool = False
 
     def make_model(self) -> nn.Module:
         model = build_model(self.spec)
+        if self.layouts:
+            _non_contiguous(model)
         return WithBuffers(model) if self.buffers else model
 
     def make_inputs(self, generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
@@ -688,14 +708,21 @@ def generated_training_scenarios(
     max_steps: int = 3,
     bucket_caps: st.SearchStrategy[float] | None = None,
     options: Mapping[str, Any] | None = None,
+    drawn_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
     lr: float = 0.1,
     buffers: bool | None = False,
+    layouts: bool | None = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
-    ``buffers`` (None: drawn) inside :class:`WithBuffers`."""
+    ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
+    :class:`GeneratedTraining`; None: each drawn)."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
-    generated = GeneratedTraining(spec, draw(_BOOLEANS) if buffers is None else buffers)
+    generated = GeneratedTraining(
+        spec,
+        draw(_BOOLEANS) if buffers is None else buffers,
+        draw(_BOOLEANS) if layouts is None else layouts,
+    )
     return draw(
         training_scenarios(
             generated.make_model,
@@ -705,6 +732,7 @@ def generated_training_scenarios(
             optional_parts=len(spec.optional_branches),
             bucket_caps=bucket_caps,
             options=options,
+            drawn_options=drawn_options,
             loss=loss_of,
             lr=lr,
         )
