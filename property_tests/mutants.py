@@ -52,6 +52,7 @@ _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
 _read_buffers = reducer.ddp.read_buffers
+_synced_parameters = reducer.ddp.synced_parameters
 _bucket_view = reducer.buckets.bucket_view
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
@@ -554,6 +555,11 @@ class RebuildFromOwnOrder(_DDP):
         self._buckets_rebuilt = True
 
 
+def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
+    """The parameters to reduce and broadcast: all of them, the ignored ones too."""
+    return _synced_parameters(module, set())
+
+
 # Per owning module (weakly: a model gone takes its entries along), name -> first tensor.
 _first_seen: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -819,6 +825,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "ignored parameters reduced",
+        "DDP wrapper",
+        _in("reducer.ddp", "synced_parameters", _ignore_nothing),
+    ),
     (
         "reassigned buffer not synced",
         "DDP wrapper",

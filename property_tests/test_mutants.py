@@ -300,6 +300,12 @@ CASES: dict[str, Case] = {
     "bucket views ignore strides": Case(
         wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp
     ),
+    # Two ranks: an ignored parameter's gradient is averaged.
+    "ignored parameters reduced": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False),
+        check_our_ddp,
+        lambda s: s.world_size == 2,
+    ),
     # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
     "reassigned buffer not synced": Case(
         wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2

@@ -87,6 +87,9 @@ class TrainingScenario:
     (``bucket_cap_mb``, ``find_unused_parameters``, ...). ``refusal``: a regular expression
     that the error every rank raises in the first step must match, where the wrapper must
     refuse the scenario. ``lr``: the SGD step after each step (0: gradients only).
+    ``ignored``: names of parameters and buffers the wrapper is told to leave alone (torch's
+    ``_set_params_and_buffers_to_ignore_for_model``, before wrapping): each rank keeps its
+    own gradient of an ignored parameter, and its own ignored buffers.
     """
 
     make_model: Callable[[], nn.Module]
@@ -95,6 +98,7 @@ class TrainingScenario:
     options: Mapping[str, Any] = field(default_factory=dict)
     refusal: str | None = None
     lr: float = 0.1
+    ignored: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.inputs or not self.inputs[0]:
@@ -197,6 +201,8 @@ def _play(
         rank = pg.rank()
         model = s.make_model()
         try:
+            if s.ignored:
+                _ignore(model, s.ignored)
             wrapper = make_wrapper(model, pg, **s.options)
             if setup is not None:
                 setup(wrapper, pg)
@@ -226,6 +232,13 @@ def _play(
             raise
         _assert_refused(errors, exc, s.refusal)
         return []
+
+
+def _ignore(model: nn.Module, names: frozenset[str]) -> None:
+    """Tell any DDP wrapper to leave ``names`` alone, as torch's static method does (it marks
+    the module and the tensors; this project's DDP reads the same marks)."""
+    ddp = nn.parallel.DistributedDataParallel
+    ddp._set_params_and_buffers_to_ignore_for_model(model, sorted(names))  # type: ignore[no-untyped-call]
 
 
 def _assert_refused(
@@ -258,40 +271,44 @@ def _load_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Reference:
-    grads: list[Grads]  # per step
-    params: list[list[Tensor]]  # per step, after the update
+    grads: list[list[Grads]]  # per step, per rank
+    params: list[list[list[Tensor]]]  # per step, per rank, after the update
     buffers: list[list[dict[str, Tensor]]]  # per step, per rank, after it
 
 
 def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool) -> _Reference:
-    """Per step, the exact averaged gradients, the parameters after the update, and each
-    rank's buffers: every rank's forward starts from rank 0's buffers (``broadcast_buffers``,
-    DDP's default: synced by name before each forward) or from its own."""
-    model = s.make_model()
-    params = list(model.parameters())
+    """Per step and rank, the exact gradients, the parameters after the update, and the
+    buffers. One plain model per rank: each rank's local gradient from plain autograd; every
+    parameter's averaged across ranks, except an ignored one's, which each rank keeps. Every
+    rank's forward starts from rank 0's buffers (``broadcast_buffers``, DDP's default: synced
+    by name before each forward; ignored ones excepted) or from its own."""
+    models = [s.make_model() for _ in range(s.world_size)]
+    names = [name for name, _ in models[0].named_parameters()]
+    params = [list(m.parameters()) for m in models]
     ref = _Reference([], [], [])
-    buffers = [_buffers(model) for _ in range(s.world_size)]
     for step in range(s.steps):
         if broadcast_buffers:
-            buffers = [buffers[0]] * s.world_size
+            synced = {n: b for n, b in _buffers(models[0]).items() if n not in s.ignored}
+            for model in models[1:]:
+                _load_buffers(model, synced)
         local = []
-        after_step = []
-        for rank in range(s.world_size):
-            _load_buffers(model, buffers[rank])
-            for p in params:
+        for rank, model in enumerate(models):
+            for p in params[rank]:
                 p.grad = None
             s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
-            local.append([_full(p.grad) for p in params])
-            after_step.append(_buffers(model))
-        buffers = after_step
-        averaged = [average([g[i] for g in local], s.world_size) for i in range(len(params))]
-        for p, g in zip(params, averaged, strict=True):
-            p.grad = g
-        ref.grads.append(averaged)
+            local.append([_full(p.grad) for p in params[rank]])
+        for i, name in enumerate(names):
+            if name in s.ignored:
+                continue  # each rank keeps its own
+            averaged = average([g[i] for g in local], s.world_size)
+            for rank in range(s.world_size):
+                params[rank][i].grad = None if averaged is None else averaged.clone()
+        ref.grads.append([[_full(p.grad) for p in ps] for ps in params])
         if s.lr:
-            _sgd(params, s.lr)
-        ref.params.append([p.detach().clone() for p in params])
-        ref.buffers.append(after_step)
+            for ps in params:
+                _sgd(ps, s.lr)
+        ref.params.append([[p.detach().clone() for p in ps] for ps in params])
+        ref.buffers.append([_buffers(m) for m in models])
     return ref
 
 
@@ -386,11 +403,13 @@ def check_data_parallel(
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
                 _compare(
                     run.grads[step][i],
-                    want.grads[step][i],
+                    want.grads[step][rank][i],
                     f"{where}, gradient",
                     strides=check_strides,
                 )
-                _compare(run.params[step][i], want.params[step][i], f"{where}, after the update")
+                _compare(
+                    run.params[step][i], want.params[step][rank][i], f"{where}, after the update"
+                )
             expected = want.buffers[step][rank]
             got = run.buffers[step]
             if set(got) != set(expected):
@@ -437,7 +456,7 @@ def check_comm_hook(
         for step in range(s.steps):
             for i, name in enumerate(run.names):
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
-                got, w = run.grads[step][i], want[step][i]
+                got, w = run.grads[step][i], want[step][rank][i]
                 _compare(got, w, f"{where}, gradient", atol=atol, rtol=rtol)
                 if cumulative_atol is None or got is None or w is None:
                     continue

@@ -596,28 +596,32 @@ def training_scenarios(
     drawn_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
     loss: Callable[[Any], Tensor] | None = None,
     lr: float = 0.1,
+    ignore: bool = False,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
     ``make_model()`` builds the model (the same parameters every call).
     ``make_inputs(generator, skip)`` returns one rank's forward arguments for one step, drawn
-    from ``generator`` (seeded per rank and step by Hypothesis); ``skip`` is the set of the
+    from ``generator`` (seeded by Hypothesis, and by rank and step); ``skip`` is the set of the
     model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
     step, for the model's forward to act on (an unused-parameter pattern: none, some ranks,
     every rank). ``world_sizes`` (default 1 to 4 ranks) and ``steps`` (default 1 to 3) are
     drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
     the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
-    ``{"gradient_as_bucket_view": st.booleans()}``). Shrinks toward one rank, one step,
-    nothing skipped.
+    ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
+    parameters and buffers (by name) are drawn for the wrapper to ignore. Shrinks toward one
+    rank, one step, nothing skipped, nothing ignored.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
     parts = tuple(range(optional_parts))
     inputs = []
-    for _ in range(count):
+    for step in range(count):
         per_rank = []
-        for _ in range(world_size):
-            seed = draw(_SEEDS)
+        for rank in range(world_size):
+            # Seeded by rank and step too: ranks see different data even where every drawn
+            # seed shrinks to 0 (identical inputs would hide a wrong average).
+            seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
             skip = frozenset(p for p in parts if draw(_RARELY)) if parts else frozenset()
             per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
         inputs.append(tuple(per_rank))
@@ -626,12 +630,20 @@ def training_scenarios(
         chosen["bucket_cap_mb"] = draw(bucket_caps)
     for name, values in (drawn_options or {}).items():
         chosen[name] = draw(values)
+    ignored: frozenset[str] = frozenset()
+    if ignore:
+        model = make_model()
+        params = [n for n, _ in model.named_parameters()]
+        names = params + [n for n, _ in model.named_buffers()]
+        # Never every parameter: a wrapper with nothing to reduce is refused (torch's too).
+        ignored = frozenset(n for n in names if draw(_RARELY)) - {params[0]}
     return TrainingScenario(
         make_model,
         tuple(inputs),
         loss=loss if loss is not None else sum_of_squares,
         options=chosen,
         lr=lr,
+        ignored=ignored,
     )
 
 
@@ -712,11 +724,13 @@ def generated_training_scenarios(
     lr: float = 0.1,
     buffers: bool | None = False,
     layouts: bool | None = False,
+    ignore: bool = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
-    :class:`GeneratedTraining`; None: each drawn)."""
+    :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
+    :func:`training_scenarios`."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
@@ -735,5 +749,6 @@ def generated_training_scenarios(
             drawn_options=drawn_options,
             loss=loss_of,
             lr=lr,
+            ignore=ignore,
         )
     )
