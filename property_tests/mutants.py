@@ -367,6 +367,21 @@ class SparseNotDivided(_Reducer):
             self._prescale = prescale
 
 
+class SparseSkippedContributesStale(_Reducer):
+    """A sparse table this rank skipped in the synced step (unused here, used elsewhere)
+    contributes the sparse .grad it still holds, not an empty one."""
+
+    def _set_sparse_contents(
+        self, replica_index: int, index: int, replica: reducer.buckets.BucketReplica
+    ) -> None:
+        used = self._used[replica_index]
+        was, used[index] = used[index], True
+        try:
+            super()._set_sparse_contents(replica_index, index, replica)
+        finally:
+            used[index] = was
+
+
 def _write_sparse_always(
     bucket: Bucket, results: list[Tensor], globally_used: list[int] | None
 ) -> None:
@@ -756,6 +771,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ),
     # Sparse gradients.
     ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),
+    (
+        "skipped sparse table contributes stale grad",
+        "sparse",
+        _reducer_class(SparseSkippedContributesStale),
+    ),
     (
         "sparse unused grad overwritten",
         "sparse",

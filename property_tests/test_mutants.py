@@ -265,6 +265,12 @@ CASES: dict[str, Case] = {
         averaging,
         lambda s: _one_step(s, ranks=2),
     ),
+    # Two ranks, one of which skips the table it holds an older sparse gradient of.
+    "skipped sparse table contributes stale grad": Case(
+        scenarios(find_unused=True, model=sparse_optional, preset_sparse=True, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
     "sparse unused grad overwritten": Case(
         scenarios(find_unused=True, model=sparse_optional, preset_sparse=True, **_plain()),
         averaging,
