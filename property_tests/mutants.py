@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg.collectives
+import fakepg.rng
 import reducer
 import reducer.bucket_views
 import reducer.buckets
@@ -57,6 +58,7 @@ _bucket_view = reducer.buckets.bucket_view
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
+_rank_stream = fakepg.rng.rank_stream
 
 
 # -------------------------------------------------------------------------------------------
@@ -464,6 +466,12 @@ def _reduce_scatter_reversed(
     return _reduce_scatter_tasks([per_src[::-1] for per_src in inputs], outputs, op, max_parts)
 
 
+def _one_stream_for_all(streams: Any, rank: int) -> Any:
+    """Every rank thread draws from rank 0's generator: a rank's ``torch.manual_seed`` reseeds
+    the others, and their dropout masks interleave by thread timing."""
+    return _rank_stream(streams, 0)
+
+
 # -------------------------------------------------------------------------------------------
 # Nested and higher-order backward.
 
@@ -817,6 +825,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "reduce_scatter chunks reversed",
         "fake world",
         _in("fakepg.collectives", "reduce_scatter_tasks", _reduce_scatter_reversed),
+    ),
+    (
+        "one random stream for all ranks",
+        "fake world",
+        _in("fakepg.rng", "rank_stream", _one_stream_for_all),
     ),
     # Checkpointing, higher-order and repeated backward.
     (

@@ -316,6 +316,12 @@ CASES: dict[str, Case] = {
     "reassigned buffer not synced": Case(
         wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2
     ),
+    # Two ranks with dropout: one rank's seed reseeds the other's stream.
+    "one random stream for all ranks": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=True),
+        check_our_ddp,
+        lambda s: s.world_size == 2,
+    ),
     # FSDP2 on two ranks: each gets the other's shard of the gradient.
     "reduce_scatter chunks reversed": Case(
         fsdp2_scenarios(), check_fsdp2, lambda s: s.world_size == 2

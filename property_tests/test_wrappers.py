@@ -10,6 +10,8 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
+- both with dropout (half the models), each rank seeding its own random stream on its
+  thread: the reference replays each rank's stream;
 - both with non-contiguous parameters (half the models: matrices column-major, conv2d
   weights channels_last) and ``gradient_as_bucket_view`` or not: every ``.grad`` keeps the
   strides plain autograd gives it;
@@ -61,14 +63,18 @@ OUR_DDP_SCALING: Any = (
 
 
 def wrapper_scenarios(
-    *, buffers: bool | None = None, layouts: bool | None = None, as_view: bool | None = None
+    *,
+    buffers: bool | None = None,
+    layouts: bool | None = None,
+    as_view: bool | None = None,
+    dropout: bool | None = None,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
     buffer updated in place, one that forward reassigns), ``layouts`` (matrices column-major,
     conv2d weights channels_last: ``.grad`` must keep those strides), ``as_view``
-    (``gradient_as_bucket_view``). Parameters and buffers the wrapper ignores are drawn too
-    (each one time in four)."""
+    (``gradient_as_bucket_view``), ``dropout`` (each rank seeds its own stream on its thread).
+    Parameters and buffers the wrapper ignores are drawn too (each one time in four)."""
     views = st.booleans() if as_view is None else st.just(as_view)
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
@@ -78,6 +84,7 @@ def wrapper_scenarios(
         buffers=buffers,
         layouts=layouts,
         ignore=True,
+        dropout=dropout,
     )
 
 

@@ -25,9 +25,10 @@ Wrapper factories for the usual wrappers: :func:`torch_ddp`, :func:`reducer_ddp`
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -89,7 +90,10 @@ class TrainingScenario:
     refuse the scenario. ``lr``: the SGD step after each step (0: gradients only).
     ``ignored``: names of parameters and buffers the wrapper is told to leave alone (torch's
     ``_set_params_and_buffers_to_ignore_for_model``, before wrapping): each rank keeps its
-    own gradient of an ignored parameter, and its own ignored buffers.
+    own gradient of an ignored parameter, and its own ignored buffers. ``rank_seeds``: each
+    rank calls ``torch.manual_seed(rank_seeds[rank])`` on its thread before the first step,
+    and draws its random numbers (dropout) from that stream, its own (the fake world gives
+    every rank thread a generator of its own); the reference replays each rank's stream.
     """
 
     make_model: Callable[[], nn.Module]
@@ -99,6 +103,7 @@ class TrainingScenario:
     refusal: str | None = None
     lr: float = 0.1
     ignored: frozenset[str] = frozenset()
+    rank_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.inputs or not self.inputs[0]:
@@ -108,6 +113,11 @@ class TrainingScenario:
             raise ValueError(
                 f"TrainingScenario: every step needs inputs for every rank; got steps of "
                 f"{[len(step) for step in self.inputs]} ranks"
+            )
+        if self.rank_seeds is not None and len(self.rank_seeds) != len(self.inputs[0]):
+            raise ValueError(
+                f"TrainingScenario: rank_seeds needs one seed per rank ({len(self.inputs[0])}), "
+                f"got {len(self.rank_seeds)}"
             )
 
     @property
@@ -209,6 +219,8 @@ def _play(
             params = list(model.parameters())
             names = [name for name, _ in model.named_parameters()]
             trace = _RankTrace([], [], names, [])
+            if s.rank_seeds is not None:
+                torch.manual_seed(s.rank_seeds[rank])  # this rank thread's own generator
             for step in range(s.steps):
                 for p in params:
                     p.grad = None
@@ -276,6 +288,30 @@ class _Reference:
     buffers: list[list[dict[str, Tensor]]]  # per step, per rank, after it
 
 
+class _RankStreams:
+    """Each rank's random stream, replayed on the calling thread: torch's default generator
+    holds rank r's state while rank r's step runs (and its own state again afterwards)."""
+
+    def __init__(self, seeds: Sequence[int] | None) -> None:
+        self._states: list[Tensor] | None = None
+        if seeds is not None:
+            with torch.random.fork_rng(devices=[]):
+                self._states = []
+                for seed in seeds:
+                    torch.manual_seed(seed)
+                    self._states.append(torch.get_rng_state())
+
+    @contextlib.contextmanager
+    def of(self, rank: int) -> Iterator[None]:
+        if self._states is None:
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._states[rank])
+            yield
+            self._states[rank] = torch.get_rng_state()
+
+
 def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool) -> _Reference:
     """Per step and rank, the exact gradients, the parameters after the update, and the
     buffers. One plain model per rank: each rank's local gradient from plain autograd; every
@@ -286,6 +322,7 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
     names = [name for name, _ in models[0].named_parameters()]
     params = [list(m.parameters()) for m in models]
     ref = _Reference([], [], [])
+    streams = _RankStreams(s.rank_seeds)
     for step in range(s.steps):
         if broadcast_buffers:
             synced = {n: b for n, b in _buffers(models[0]).items() if n not in s.ignored}
@@ -295,7 +332,8 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
         for rank, model in enumerate(models):
             for p in params[rank]:
                 p.grad = None
-            s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
+            with streams.of(rank):
+                s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
             local.append([_full(p.grad) for p in params[rank]])
         for i, name in enumerate(names):
             if name in s.ignored:

@@ -64,6 +64,7 @@ from .model import (
 __all__ = [
     "GeneratedTraining",
     "WithBuffers",
+    "WithDropout",
     "branch_specs",
     "bucket_caps_mb",
     "bucket_assignments",
@@ -597,6 +598,7 @@ def training_scenarios(
     loss: Callable[[Any], Tensor] | None = None,
     lr: float = 0.1,
     ignore: bool = False,
+    rank_seeds: bool = False,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
@@ -609,8 +611,9 @@ def training_scenarios(
     drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
     the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
     ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
-    parameters and buffers (by name) are drawn for the wrapper to ignore. Shrinks toward one
-    rank, one step, nothing skipped, nothing ignored.
+    parameters and buffers (by name) are drawn for the wrapper to ignore. With
+    ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
+    here. Shrinks toward one rank, one step, nothing skipped, nothing ignored.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
@@ -637,6 +640,11 @@ def training_scenarios(
         names = params + [n for n, _ in model.named_buffers()]
         # Never every parameter: a wrapper with nothing to reduce is refused (torch's too).
         ignored = frozenset(n for n in names if draw(_RARELY)) - {params[0]}
+    seeds = None
+    if rank_seeds:
+        # Distinct per rank even where the drawn seed shrinks to 0.
+        base = draw(_SEEDS)
+        seeds = tuple(base * 7919 + 1000 + rank for rank in range(world_size))
     return TrainingScenario(
         make_model,
         tuple(inputs),
@@ -644,6 +652,7 @@ def training_scenarios(
         options=chosen,
         lr=lr,
         ignored=ignored,
+        rank_seeds=seeds,
     )
 
 
@@ -684,21 +693,36 @@ def _non_contiguous(model: nn.Module) -> None:
                 p.data = p.data.t().contiguous().t()
 
 
+class WithDropout(nn.Module):
+    """A model's outputs through dropout (p = 1/2): random numbers drawn on the rank thread,
+    from the rank's own stream."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return [torch.nn.functional.dropout(out, 0.5, training=True) for out in self.inner(*args)]
+
+
 @dataclass(frozen=True)
 class GeneratedTraining:
     """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it (with
-    ``layouts``, its matrices column-major and 4-d weights channels_last; inside
-    :class:`WithBuffers` with ``buffers``), and forward takes ``(inputs, active)`` (see
-    ``model.GeneratedModel``)."""
+    ``layouts``, its matrices column-major and 4-d weights channels_last; its outputs through
+    :class:`WithDropout` with ``dropout``; inside :class:`WithBuffers` with ``buffers``), and
+    forward takes ``(inputs, active)`` (see ``model.GeneratedModel``)."""
 
     spec: ModelSpec
     buffers: bool = False
     layouts: bool = False
+    dropout: bool = False
 
     def make_model(self) -> nn.Module:
-        model = build_model(self.spec)
+        model: nn.Module = build_model(self.spec)
         if self.layouts:
             _non_contiguous(model)
+        if self.dropout:
+            model = WithDropout(model)
         return WithBuffers(model) if self.buffers else model
 
     def make_inputs(self, generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
@@ -725,17 +749,20 @@ def generated_training_scenarios(
     buffers: bool | None = False,
     layouts: bool | None = False,
     ignore: bool = False,
+    dropout: bool | None = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
-    :func:`training_scenarios`."""
+    :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
+    rank seeding its own stream."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
         draw(_BOOLEANS) if buffers is None else buffers,
         draw(_BOOLEANS) if layouts is None else layouts,
+        draw(_BOOLEANS) if dropout is None else dropout,
     )
     return draw(
         training_scenarios(
@@ -750,5 +777,6 @@ def generated_training_scenarios(
             loss=loss_of,
             lr=lr,
             ignore=ignore,
+            rank_seeds=generated.dropout,
         )
     )
