@@ -2,12 +2,13 @@
 
 For each mutant of ``property_tests/mutants.py`` (``CATALOGUE``), a subprocess runs the
 property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTANT``, see
-``property_tests/conftest.py``): the seven property files, under the ``ci`` profile's example
-counts (derandomized; the core properties get four times the profile's examples, the
-unused-parameter and DDP ones eight), generate and shrink phases only (a failing explicit
-example would be reported unshrunk). The unit tests (``tests/``) and the files that test the
-harness itself (``test_mutants.py``, ``test_profiles.py``, ``test_harness.py``) are left out:
-the properties alone must kill.
+``property_tests/conftest.py``): the nine property files (the reducer's, and those that
+check this project's DDP, torch's DDP and its comm hooks, FSDP2 and a user's wrapper), under
+the ``ci`` profile's example counts (derandomized; the core properties get four times the
+profile's examples, the unused-parameter and DDP ones eight), generate and shrink phases
+only (a failing explicit example would be reported unshrunk). The unit tests (``tests/``)
+and the files that test the harness itself (``test_mutants.py``, ``test_profiles.py``,
+``test_harness.py``) are left out: the properties alone must kill.
 
 One row per mutant: killed (some property failed), the property that killed it fastest, its
 time to kill (that property's run: search plus shrinking, as pytest timed it), and the size of
@@ -18,8 +19,10 @@ suite against the real code, in the same run: every property must pass, and its 
 cost of a run that kills nothing.
 
 ``property_tests/test_mutants.py`` is the fast check CI runs (a narrowed search per mutant);
-this script is the full measurement. With ``--jobs 2`` on 2 cores, the 42 mutants take
-about 20 minutes on a quiet machine.
+this script is the full measurement. The mutants of the "torch comm hooks" group replace
+torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks.default_hooks``) and are
+caught by the properties that run torch's DDP. With ``--jobs 2`` on 2 cores, the 42 mutants
+took about 20 minutes on a quiet machine.
 
     python benchmarks/harness_power.py [--jobs 2] [--mutant NAME ...] [--json results.json]
 """
@@ -58,6 +61,8 @@ PROPERTIES = (
     "test_ddp_properties.py",
     "test_errors.py",
     "test_torch_equivalence.py",
+    "test_wrappers.py",
+    "test_torch_comm_hooks.py",
 )
 REAL = "(real code)"
 WITHIN = (3, 2)  # the goal: reported examples of at most 3 parameters and 2 ranks

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine, table
 
-from property_tests.harness import Scenario, check_against_reference, reference, refusal
-from property_tests.strategies import model_specs, scenarios
+from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
+from reducer.testing.strategies import model_specs, scenarios
 
 CONFIGS: dict[str, st.SearchStrategy[Scenario]] = {
     "<= 4 ranks, 1 replica, <= 8 params, all used": scenarios(

@@ -28,7 +28,7 @@ import pluggy
 import pytest
 from hypothesis import Phase, settings
 
-from .harness import last_example_size
+from reducer.testing.harness import last_example_size
 
 _MUTANT = os.environ.get("PROPERTY_TESTS_MUTANT")
 _RECORD = os.environ.get("PROPERTY_TESTS_RECORD")

@@ -23,16 +23,23 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+import fakepg.collectives
+import fakepg.rng
 import reducer
 import reducer.bucket_views
+import reducer.buckets
+import reducer.comm_hooks
 import reducer.ddp
 import reducer.graph
 import reducer.reducer
@@ -45,6 +52,13 @@ _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
+_read_buffers = reducer.ddp.read_buffers
+_synced_parameters = reducer.ddp.synced_parameters
+_bucket_view = reducer.buckets.bucket_view
+_compress_wrapper = reducer.comm_hooks._compress_wrapper
+_reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
+_torch_fp16_hook = default_hooks.fp16_compress_hook
+_rank_stream = fakepg.rng.rank_stream
 
 
 # -------------------------------------------------------------------------------------------
@@ -330,6 +344,14 @@ class KeepOldViews(BucketViews):
             super().attach(buckets)
 
 
+def _contiguous_view(contents: Tensor, offset: int, param: Tensor) -> Tensor:
+    """A parameter's slot of its bucket, always laid out contiguously: with
+    gradient_as_bucket_view a channels_last or transposed parameter gets a ``.grad`` of other
+    strides than its own."""
+    _bucket_view(contents, offset, param)  # the real one's checks
+    return contents[offset : offset + param.numel()].view(param.shape)
+
+
 # -------------------------------------------------------------------------------------------
 # Sparse gradients.
 
@@ -345,6 +367,21 @@ class SparseNotDivided(_Reducer):
             super()._set_sparse_contents(replica_index, index, replica)
         finally:
             self._prescale = prescale
+
+
+class SparseSkippedContributesStale(_Reducer):
+    """A sparse table this rank skipped in the synced step (unused here, used elsewhere)
+    contributes the sparse .grad it still holds, not an empty one."""
+
+    def _set_sparse_contents(
+        self, replica_index: int, index: int, replica: reducer.buckets.BucketReplica
+    ) -> None:
+        used = self._used[replica_index]
+        was, used[index] = used[index], True
+        try:
+            super()._set_sparse_contents(replica_index, index, replica)
+        finally:
+            used[index] = was
 
 
 def _write_sparse_always(
@@ -393,6 +430,69 @@ class PrescaleWithHook(_Reducer):
 
 def _ignore_hook_result(bucket: Bucket, results: list[Tensor]) -> None:
     """Keeps the bucket's own contents, whatever tensor the comm hook's future returned."""
+
+
+def _compress_after_reducing(dtype: torch.dtype, hook: reducer.CommHook, name: str) -> Any:
+    """The compression wrapper runs the wrapped hook on the full-precision buffer and rounds
+    its result to the half type afterwards: the reduction is not compressed, and the bits
+    are not those of a sum taken in the half type."""
+    _compress_wrapper(dtype, hook, name)  # the real argument checks
+
+    def wrapper_hook(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+        def round_trip(done: torch.futures.Future[Tensor]) -> Tensor:
+            value = done.value()
+            return value.copy_(value.to(dtype))
+
+        return hook(state, bucket).then(round_trip)
+
+    return wrapper_hook
+
+
+# -------------------------------------------------------------------------------------------
+# torch's own comm hooks (run by torch's DDP on the fake world).
+
+
+def _torch_allreduce_not_divided(process_group: Any, bucket: Any) -> Any:
+    """torch's allreduce hook without its division: the sum, not the average."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])  # type: ignore[union-attr]
+
+
+def _torch_fp16_sum_in_full(process_group: Any, bucket: Any) -> Any:
+    """torch's fp16 compression hook that casts back before the allreduce: each share is
+    rounded to float16, but the sum is taken in float32 (no bandwidth saved, other bits)."""
+    buffer = bucket.buffer()
+    size = dist.get_world_size(process_group)
+    buffer.copy_(buffer.to(torch.float16).div_(size))
+    work = dist.all_reduce(buffer, group=process_group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])  # type: ignore[union-attr]
+
+
+for _hook, _typed in (
+    (_torch_allreduce_not_divided, _torch_fp16_hook),
+    (_torch_fp16_sum_in_full, _torch_fp16_hook),
+):
+    # torch's DDP checks a hook's annotations; this module's are strings.
+    _hook.__annotations__ = dict(_typed.__annotations__)
+
+
+# -------------------------------------------------------------------------------------------
+# The fake world's collectives (under torch's FSDP2).
+
+
+def _reduce_scatter_reversed(
+    inputs: list[list[Tensor]], outputs: list[Tensor], op: reducer.ReduceOp, max_parts: int
+) -> list[Any]:
+    """reduce_scatter hands rank r the reduction of every rank's chunk ``W - 1 - r`` (the
+    chunks counted from the other end), not chunk r."""
+    return _reduce_scatter_tasks([per_src[::-1] for per_src in inputs], outputs, op, max_parts)
+
+
+def _one_stream_for_all(streams: Any, rank: int) -> Any:
+    """Every rank thread draws from rank 0's generator: a rank's ``torch.manual_seed`` reseeds
+    the others, and their dropout masks interleave by thread timing."""
+    return _rank_stream(streams, 0)
 
 
 # -------------------------------------------------------------------------------------------
@@ -499,6 +599,30 @@ class RebuildFromOwnOrder(_DDP):
         )
         self.reducer.initialize_buckets([[ready_order[j] for j in b] for b in in_order])
         self._buckets_rebuilt = True
+
+
+def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
+    """The parameters to reduce and broadcast: all of them, the ignored ones too."""
+    return _synced_parameters(module, set())
+
+
+# Per owning module (weakly: a model gone takes its entries along), name -> first tensor.
+_first_seen: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _buffers_first_seen(slots: Sequence[tuple[Any, str]]) -> list[Tensor]:
+    """Reads each synced buffer once and keeps that tensor: a buffer that forward reassigns
+    (a new tensor under the same name) is no longer broadcast, only the old one."""
+    found = []
+    for owner, name in slots:
+        seen = _first_seen.setdefault(owner, {})
+        if name not in seen:
+            buffer = getattr(owner, name, None)
+            if not isinstance(buffer, Tensor):
+                continue
+            seen[name] = buffer
+        found.append(seen[name])
+    return found
 
 
 # -------------------------------------------------------------------------------------------
@@ -677,8 +801,18 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "views",
         _in("reducer.reducer", "BucketViews", ViewsAlwaysMultiply),
     ),
+    (
+        "bucket views ignore strides",
+        "views",
+        _in("reducer.buckets", "bucket_view", _contiguous_view),
+    ),
     # Sparse gradients.
     ("sparse gradient not divided", "sparse", _reducer_class(SparseNotDivided)),
+    (
+        "skipped sparse table contributes stale grad",
+        "sparse",
+        _reducer_class(SparseSkippedContributesStale),
+    ),
     (
         "sparse unused grad overwritten",
         "sparse",
@@ -690,6 +824,41 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "hook's new tensor ignored",
         "comm hooks",
         _in("reducer.reducer", "adopt_hook_result", _ignore_hook_result),
+    ),
+    (
+        "compression after the reduction",
+        "comm hooks",
+        _in("reducer.comm_hooks", "_compress_wrapper", _compress_after_reducing),
+    ),
+    # torch's comm hooks.
+    (
+        "torch allreduce hook not divided",
+        "torch comm hooks",
+        _in(
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+            "allreduce_hook",
+            _torch_allreduce_not_divided,
+        ),
+    ),
+    (
+        "torch fp16 hook sums in float32",
+        "torch comm hooks",
+        _in(
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+            "fp16_compress_hook",
+            _torch_fp16_sum_in_full,
+        ),
+    ),
+    # The fake world under FSDP2.
+    (
+        "reduce_scatter chunks reversed",
+        "fake world",
+        _in("fakepg.collectives", "reduce_scatter_tasks", _reduce_scatter_reversed),
+    ),
+    (
+        "one random stream for all ranks",
+        "fake world",
+        _in("fakepg.rng", "rank_stream", _one_stream_for_all),
     ),
     # Checkpointing, higher-order and repeated backward.
     (
@@ -718,6 +887,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "ignored parameters reduced",
+        "DDP wrapper",
+        _in("reducer.ddp", "synced_parameters", _ignore_nothing),
+    ),
+    (
+        "reassigned buffer not synced",
+        "DDP wrapper",
+        _in("reducer.ddp", "read_buffers", _buffers_first_seen),
+    ),
     (
         "rebuild from own ready order",
         "DDP wrapper",

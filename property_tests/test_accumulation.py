@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from hypothesis import example, given, settings
 
-from .harness import Scenario, check_against_reference, note_coverage
-from .model import BranchSpec, ModelSpec
-from .strategies import model_specs, scenarios
+from reducer.testing.harness import Scenario, check_against_reference, note_coverage
+from reducer.testing.model import BranchSpec, ModelSpec
+from reducer.testing.strategies import model_specs, scenarios
 
 # A linear branch (parameters 0, 1), an optional sparse embedding (2), an optional MLP (3-5).
 _OPTIONAL = ModelSpec(

@@ -44,8 +44,7 @@ from torch import Tensor, nn
 
 import fakepg
 import reducer
-
-from .harness import (
+from reducer.testing.harness import (
     Refusal,
     active_branches,
     assert_refused,
@@ -57,8 +56,8 @@ from .harness import (
     snapshot,
     sync_intra_op_threads,
 )
-from .hooks import AVERAGES, HOOK_NAMES, HOOKS, state_for
-from .model import (
+from reducer.testing.hooks import AVERAGES, HOOK_NAMES, HOOKS, state_for
+from reducer.testing.model import (
     BranchSpec,
     GeneratedModel,
     ModelSpec,
@@ -68,8 +67,8 @@ from .model import (
     loss_of,
     unpack,
 )
-from .reference import Scaling, rank_order_average
-from .strategies import model_specs, output_layouts, unused_patterns, world_sizes
+from reducer.testing.reference import Scaling, rank_order_average
+from reducer.testing.strategies import model_specs, output_layouts, unused_patterns, world_sizes
 
 Pattern = tuple[frozenset[int], ...]  # per rank: the optional branches that run
 

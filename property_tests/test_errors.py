@@ -27,8 +27,7 @@ from hypothesis import strategies as st
 
 import fakepg
 import reducer
-
-from .harness import (
+from reducer.testing.harness import (
     ReducerFactory,
     Scenario,
     assert_matches_reference,
@@ -36,8 +35,8 @@ from .harness import (
     note_size,
     run_reducer,
 )
-from .model import GeneratedModel, branch_inputs, build_model, loss_of, sparse_flags
-from .strategies import bucket_assignments, model_specs, scenarios
+from reducer.testing.model import GeneratedModel, branch_inputs, build_model, loss_of, sparse_flags
+from reducer.testing.strategies import bucket_assignments, model_specs, scenarios
 
 unshared_with_optional = model_specs(allow_shared=False, require_optional=True)
 WAIT_S = 10.0  # every collective of these runs fails after this long instead of hanging

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from hypothesis import example, given, settings
 
-from .harness import Scenario, check_against_reference, note_coverage
-from .model import BranchSpec, ModelSpec, wide_width
-from .strategies import model_specs, scenarios
+from reducer.testing.harness import Scenario, check_against_reference, note_coverage
+from reducer.testing.model import BranchSpec, ModelSpec, wide_width
+from reducer.testing.strategies import model_specs, scenarios
 
 _WIDE = ModelSpec((BranchSpec("linear", width=wide_width(2), out=2),), seed=1)
 # conv2d + head (float32, parameters 0-2), sparse embedding (3), LayerNorm stack in float64

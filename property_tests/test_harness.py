@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from .harness import Scenario, check_against_reference
-from .model import BranchSpec, ModelSpec
-from .reference import rank_order_average
+from reducer.testing.harness import Scenario, check_against_reference
+from reducer.testing.model import BranchSpec, ModelSpec
+from reducer.testing.reference import rank_order_average
 
 
 def test_rank_order_average_adds_left_to_right_after_dividing() -> None:

@@ -48,8 +48,7 @@ from torch import Tensor, nn
 
 import fakepg
 import reducer
-
-from .harness import (
+from reducer.testing.harness import (
     ReducerFactory,
     active_branches,
     hook_count,
@@ -57,9 +56,16 @@ from .harness import (
     snapshot,
     sync_intra_op_threads,
 )
-from .model import GeneratedModel, ModelSpec, branch_inputs, build_model, loss_of, sparse_flags
-from .reference import rank_order_average, sparse_average
-from .strategies import bucket_assignments, model_specs, unused_patterns
+from reducer.testing.model import (
+    GeneratedModel,
+    ModelSpec,
+    branch_inputs,
+    build_model,
+    loss_of,
+    sparse_flags,
+)
+from reducer.testing.reference import rank_order_average, sparse_average
+from reducer.testing.strategies import bucket_assignments, model_specs, unused_patterns
 
 LR = 0.125
 

@@ -26,11 +26,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 
 import reducer
+from reducer.testing import TrainingScenario
+from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
+from reducer.testing.model import BranchSpec, ModelSpec, wide_width
+from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
-from .harness import Scenario, check_against_reference, reference, refusal
-from .model import BranchSpec, ModelSpec, wide_width
 from .mutants import CATALOGUE, Mutant, applied
-from .strategies import bucketing_inputs, model_specs, scenarios
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,
@@ -41,7 +42,9 @@ from .test_errors import (
     used_outside_forward,
 )
 from .test_multi_iteration import TrainingMachine
+from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
+from .test_wrappers import check_fsdp2, check_our_ddp, fsdp2_scenarios, wrapper_scenarios
 
 # Generate, then shrink; no explain phase (it reruns variants of the shrunk example).
 SEARCH = settings(
@@ -80,6 +83,8 @@ class Case:
 
 def _size(example: Any) -> tuple[int, int]:
     """(parameters, ranks) of an example of any property."""
+    if isinstance(example, TrainingScenario):
+        return len(list(example.make_model().parameters())), example.world_size
     if isinstance(example, Scenario | DDPScenario):
         return example.model.parameter_count, example.world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
@@ -262,6 +267,12 @@ CASES: dict[str, Case] = {
         averaging,
         lambda s: _one_step(s, ranks=2),
     ),
+    # Two ranks, one of which skips the table it holds an older sparse gradient of.
+    "skipped sparse table contributes stale grad": Case(
+        scenarios(find_unused=True, model=sparse_optional, preset_sparse=True, **_plain()),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
     "sparse unused grad overwritten": Case(
         scenarios(find_unused=True, model=sparse_optional, preset_sparse=True, **_plain()),
         averaging,
@@ -276,6 +287,46 @@ CASES: dict[str, Case] = {
         scenarios(unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="new tensor")),
         averaging,
         lambda s: _one_step(s, ranks=2),
+    ),
+    # Two ranks: on one, the half-precision sum is the rounded full-precision one.
+    "compression after the reduction": Case(
+        scenarios(
+            unused=False, model=dense_all_used, max_replicas=1, **_plain(hook="fp16 wrapper")
+        ),
+        averaging,
+        lambda s: _one_step(s, ranks=2),
+    ),
+    # torch's hooks on torch's DDP: two ranks (on one, the sum is the average, and a sum of
+    # one term is not rounded).
+    "torch allreduce hook not divided": Case(
+        SCENARIOS, check_allreduce_hook, lambda s: s.world_size == 2
+    ),
+    "torch fp16 hook sums in float32": Case(
+        SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
+    ),
+    # One rank is enough: the .grad of a transposed weight, a view of its bucket.
+    "bucket views ignore strides": Case(
+        wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp
+    ),
+    # Two ranks: an ignored parameter's gradient is averaged.
+    "ignored parameters reduced": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False),
+        check_our_ddp,
+        lambda s: s.world_size == 2,
+    ),
+    # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
+    "reassigned buffer not synced": Case(
+        wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2
+    ),
+    # Two ranks with dropout: one rank's seed reseeds the other's stream.
+    "one random stream for all ranks": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=True),
+        check_our_ddp,
+        lambda s: s.world_size == 2,
+    ),
+    # FSDP2 on two ranks: each gets the other's shard of the gradient.
+    "reduce_scatter chunks reversed": Case(
+        fsdp2_scenarios(), check_fsdp2, lambda s: s.world_size == 2
     ),
     # A layer in two reentrant checkpoints: the refusal is expected, even on one rank.
     "finalize at a checkpoint's inner end": Case(

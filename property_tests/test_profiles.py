@@ -11,9 +11,10 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis.database import InMemoryExampleDatabase
 
-from .harness import Scenario, check_against_reference
+from reducer.testing.harness import Scenario, check_against_reference
+from reducer.testing.strategies import model_specs, scenarios
+
 from .mutants import SkipDivide
-from .strategies import model_specs, scenarios
 
 
 def test_the_profiles_bound_ci_and_keep_failures_elsewhere() -> None:

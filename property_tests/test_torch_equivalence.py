@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import reducer
-
-from .harness import note_size
-from .model import ModelSpec, build_model, sparse_flags
-from .strategies import bucketing_inputs, model_specs, size_limits
+from reducer.testing.harness import note_size
+from reducer.testing.model import ModelSpec, build_model, sparse_flags
+from reducer.testing.strategies import bucketing_inputs, model_specs, size_limits
 
 Assign = Callable[[Sequence[Tensor], Sequence[int], Sequence[bool] | None], list[list[int]]]
 

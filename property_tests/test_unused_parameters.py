@@ -11,9 +11,15 @@ from __future__ import annotations
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from .harness import Scenario, check_against_reference, note_coverage, reference, refusal
-from .model import BranchSpec, ModelSpec
-from .strategies import model_specs, scenarios
+from reducer.testing.harness import (
+    Scenario,
+    check_against_reference,
+    note_coverage,
+    reference,
+    refusal,
+)
+from reducer.testing.model import BranchSpec, ModelSpec
+from reducer.testing.strategies import model_specs, scenarios
 
 # A linear branch, then an optional sparse embedding (parameter 2) and an optional conv1d (3, 4).
 _OPTIONAL = ModelSpec(

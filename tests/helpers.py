@@ -12,7 +12,7 @@ from torch import nn
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average
+from reducer.testing.reference import rank_order_average
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average
+from reducer.testing.reference import rank_order_average
 
 DDP = reducer.DistributedDataParallel
 TINY_MB = 1e-5  # about 10 bytes: every parameter in a bucket of its own

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.join import Join
 
 import fakepg
 import reducer
-from property_tests.reference import Scaling, rank_order_average
+from reducer.testing.reference import Scaling, rank_order_average
 
 DDP = reducer.DistributedDataParallel
 TINY_MB = 1e-5  # every parameter in a bucket of its own

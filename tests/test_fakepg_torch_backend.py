@@ -24,7 +24,7 @@ from torch import nn
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average
+from reducer.testing.reference import rank_order_average
 
 T = TypeVar("T")
 

@@ -33,9 +33,9 @@ from torch import Tensor, nn
 
 import fakepg
 import reducer
-from property_tests import harness
-from property_tests.model import BranchSpec, ModelSpec
-from property_tests.reference import rank_order_average
+from reducer.testing import harness
+from reducer.testing.model import BranchSpec, ModelSpec
+from reducer.testing.reference import rank_order_average
 from reducer.tools import simulate
 
 NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"

@@ -1,6 +1,8 @@
 """The package layout: the import graph of ``reducer`` and ``fakepg`` has no circles, and its
-edges point one way: tools (``reducer.tools``) -> core (the rest of ``reducer``) -> protocol
-(``reducer.process_group``, ``reducer.collectives``); ``fakepg`` -> protocol.
+edges point one way: tools (``reducer.tools``, and the testing library ``reducer.testing``) ->
+core (the rest of ``reducer``) -> protocol (``reducer.process_group``,
+``reducer.collectives``); ``fakepg`` -> protocol. The testing library sits beside the tools:
+it imports the core and ``fakepg``, never the tools.
 
 The graph is read from the source with ``ast``, so it sees every import: those at the top of a
 module, those under ``if TYPE_CHECKING:`` (a circle there is still a circle for a reader and for
@@ -28,6 +30,9 @@ PROTOCOL = frozenset({"reducer.process_group", "reducer.collectives"})
 # user of the reducer (its errors are its own: fakepg.FakePGError and subclasses).
 FAKEPG_MAY_IMPORT = PROTOCOL
 TOOLS = "reducer.tools"
+# The testing library (strategies, the exact reference, checks, the pytest plugin): a tool
+# layer for users' own tests, built on the core and the fake world.
+TESTING = "reducer.testing"
 # ``python -m reducer`` runs this module as a script: it hands the command line to the tools,
 # and nothing imports it, so it sits above the tools, not in the core.
 ENTRY_POINT = "reducer.__main__"
@@ -189,15 +194,34 @@ def test_fakepg_imports_only_the_protocol_from_reducer() -> None:
     assert _edges("fakepg", "reducer"), "fakepg implements the protocol; it should import it"
 
 
+def _in_core(module: str) -> bool:
+    return (
+        _in(module, "reducer")
+        and not _in(module, TOOLS)
+        and not _in(module, TESTING)
+        and module != ENTRY_POINT
+    )
+
+
 def test_the_core_never_imports_the_tools_nor_the_fake_world() -> None:
     bad = sorted(
         f"{module} imports {imported}"
         for module, targets in GRAPH.items()
-        if _in(module, "reducer") and not _in(module, TOOLS) and module != ENTRY_POINT
+        if _in_core(module)
         for imported in targets
-        if _in(imported, TOOLS) or _in(imported, "fakepg")
+        if _in(imported, TOOLS) or _in(imported, TESTING) or _in(imported, "fakepg")
     )
-    assert not bad, f"the core (reducer outside {TOOLS}) must not import tools or fakepg: {bad}"
+    assert not bad, (
+        f"the core (reducer outside {TOOLS} and {TESTING}) must not import tools, the testing "
+        f"library or fakepg: {bad}"
+    )
+
+
+def test_the_testing_library_sits_on_the_core_and_the_fake_world() -> None:
+    assert not _edges(TESTING, TOOLS), f"{TESTING} must not import the tools"
+    # The allowed direction is the one in use: it imports both the core and fakepg.
+    assert _edges(TESTING, "fakepg")
+    assert [e for e in _edges(TESTING, "reducer") if _in_core(e.split()[-1])]
 
 
 def test_only_python_m_reducer_reaches_the_tools_from_outside() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average, sparse_average
+from reducer.testing.reference import rank_order_average, sparse_average
 
 
 def mlp_loss(model: nn.Module, rank: int) -> torch.Tensor:

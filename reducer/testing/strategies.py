@@ -19,7 +19,7 @@ bucket, everything used), so a failing property reports a minimal counterexample
 - :func:`world_sizes`, :func:`unused_patterns`: ranks and which branches each rank skips per
   step (none, some ranks, every rank). :func:`scenarios` draws the ranks as a list instead,
   so that shrinking can drop a rank with everything it ran.
-- :func:`scenarios`: all of it together, as a :class:`~property_tests.harness.Scenario`: also
+- :func:`scenarios`: all of it together, as a :class:`~reducer.testing.harness.Scenario`: also
   replicas per rank, per-rank inputs (seeded by rank, replica and step), local accumulation
   steps before the synced one, ``prepare_for_backward`` with or without outputs, existing
   gradients, gradients as bucket views, and what training loops do: a static graph, a comm
@@ -28,23 +28,24 @@ bucket, everything used), so a failing property reports a minimal counterexample
   graph, a new reducer on the same models after ``close()``, a slow network.
 
 The number of synced iterations is drawn by the multi-iteration state machine
-(``property_tests/test_multi_iteration.py``), whose rules are the iterations.
+(the project's ``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from torch import Tensor
+from torch import Tensor, nn
 
 import reducer
 
-from .harness import BACKWARDS, Scenario, twice_refused_everywhere
+from .checks import TrainingScenario, sum_of_squares
+from .harness import BACKWARDS, Scenario, active_branches, twice_refused_everywhere
 from .hooks import HOOK_NAMES
 from .model import (
     CONTAINERS,
@@ -53,19 +54,27 @@ from .model import (
     BranchSpec,
     ModelSpec,
     OutputLayout,
+    branch_inputs,
     build_model,
+    loss_of,
     sparse_flags,
     wide_width,
 )
 
 __all__ = [
+    "GeneratedTraining",
+    "WithBuffers",
+    "WithDropout",
     "branch_specs",
+    "bucket_caps_mb",
     "bucket_assignments",
     "bucketing_inputs",
+    "generated_training_scenarios",
     "model_specs",
     "output_layouts",
     "scenarios",
     "size_limits",
+    "training_scenarios",
     "unused_patterns",
     "world_sizes",
 ]
@@ -566,3 +575,208 @@ def _parameters_of(spec: ModelSpec) -> tuple[list[Tensor], list[bool]]:
 def _cached_parameters(spec: ModelSpec) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
     model = build_model(spec)
     return tuple(model.parameters()), tuple(sparse_flags(model))
+
+
+# -------------------------------------------------------------------------------------------
+# Training scenarios for any wrapper (reducer.testing.checks).
+
+InputsFactory = Callable[[torch.Generator, frozenset[int]], tuple[Any, ...]]
+
+
+@st.composite
+def training_scenarios(
+    draw: st.DrawFn,
+    make_model: Callable[[], nn.Module],
+    make_inputs: InputsFactory,
+    *,
+    world_sizes: st.SearchStrategy[int] | None = None,
+    steps: st.SearchStrategy[int] | None = None,
+    optional_parts: int = 0,
+    bucket_caps: st.SearchStrategy[float] | None = None,
+    options: Mapping[str, Any] | None = None,
+    drawn_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
+    loss: Callable[[Any], Tensor] | None = None,
+    lr: float = 0.1,
+    ignore: bool = False,
+    rank_seeds: bool = False,
+) -> TrainingScenario:
+    """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
+
+    ``make_model()`` builds the model (the same parameters every call).
+    ``make_inputs(generator, skip)`` returns one rank's forward arguments for one step, drawn
+    from ``generator`` (seeded by Hypothesis, and by rank and step); ``skip`` is the set of the
+    model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
+    step, for the model's forward to act on (an unused-parameter pattern: none, some ranks,
+    every rank). ``world_sizes`` (default 1 to 4 ranks) and ``steps`` (default 1 to 3) are
+    drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
+    the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
+    ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
+    parameters and buffers (by name) are drawn for the wrapper to ignore. With
+    ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
+    here. Shrinks toward one rank, one step, nothing skipped, nothing ignored.
+    """
+    world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
+    count = draw(steps if steps is not None else st.integers(1, 3))
+    parts = tuple(range(optional_parts))
+    inputs = []
+    for step in range(count):
+        per_rank = []
+        for rank in range(world_size):
+            # Seeded by rank and step too: ranks see different data even where every drawn
+            # seed shrinks to 0 (identical inputs would hide a wrong average).
+            seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
+            skip = frozenset(p for p in parts if draw(_RARELY)) if parts else frozenset()
+            per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
+        inputs.append(tuple(per_rank))
+    chosen = dict(options or {})
+    if bucket_caps is not None:
+        chosen["bucket_cap_mb"] = draw(bucket_caps)
+    for name, values in (drawn_options or {}).items():
+        chosen[name] = draw(values)
+    ignored: frozenset[str] = frozenset()
+    if ignore:
+        model = make_model()
+        params = [n for n, _ in model.named_parameters()]
+        names = params + [n for n, _ in model.named_buffers()]
+        # Never every parameter: a wrapper with nothing to reduce is refused (torch's too).
+        ignored = frozenset(n for n in names if draw(_RARELY)) - {params[0]}
+    seeds = None
+    if rank_seeds:
+        # Distinct per rank even where the drawn seed shrinks to 0.
+        base = draw(_SEEDS)
+        seeds = tuple(base * 7919 + 1000 + rank for rank in range(world_size))
+    return TrainingScenario(
+        make_model,
+        tuple(inputs),
+        loss=loss if loss is not None else sum_of_squares,
+        options=chosen,
+        lr=lr,
+        ignored=ignored,
+        rank_seeds=seeds,
+    )
+
+
+def bucket_caps_mb() -> st.SearchStrategy[float]:
+    """``bucket_cap_mb`` values from one parameter per bucket to one bucket for all."""
+    return st.sampled_from([25.0, 1e-5, 1e-4, 3e-4])
+
+
+class WithBuffers(nn.Module):
+    """A model's outputs scaled by a buffer that forward then *reassigns* (a new tensor under
+    the same name, from this rank's data), beside a buffer it updates in place (a step
+    count): the gradients depend on the buffers each rank starts its forward with."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, *args: Any) -> Any:
+        outputs = self.inner(*args)
+        scale = self.get_buffer("scale")
+        scaled = [out * scale.to(out.dtype) for out in outputs]
+        drift = torch.stack([out.detach().double().mean() for out in outputs]).sum()
+        self.scale = 0.5 * scale + 0.25 * drift
+        self.get_buffer("count").add_(1)
+        return scaled
+
+
+def _non_contiguous(model: nn.Module) -> None:
+    """Lay out every 4-d parameter channels_last and every matrix column-major (a transposed
+    weight): non-contiguous, yet dense, as real models have them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+            elif p.dim() == 2:
+                p.data = p.data.t().contiguous().t()
+
+
+class WithDropout(nn.Module):
+    """A model's outputs through dropout (p = 1/2): random numbers drawn on the rank thread,
+    from the rank's own stream."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return [torch.nn.functional.dropout(out, 0.5, training=True) for out in self.inner(*args)]
+
+
+@dataclass(frozen=True)
+class GeneratedTraining:
+    """A :class:`ModelSpec` model as a user's model: ``make_model()`` builds it (with
+    ``layouts``, its matrices column-major and 4-d weights channels_last; its outputs through
+    :class:`WithDropout` with ``dropout``; inside :class:`WithBuffers` with ``buffers``), and
+    forward takes ``(inputs, active)`` (see ``model.GeneratedModel``)."""
+
+    spec: ModelSpec
+    buffers: bool = False
+    layouts: bool = False
+    dropout: bool = False
+
+    def make_model(self) -> nn.Module:
+        model: nn.Module = build_model(self.spec)
+        if self.layouts:
+            _non_contiguous(model)
+        if self.dropout:
+            model = WithDropout(model)
+        return WithBuffers(model) if self.buffers else model
+
+    def make_inputs(self, generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+        optional = self.spec.optional_branches
+        active = active_branches(
+            self.spec, frozenset(b for k, b in enumerate(optional) if k not in skip)
+        )
+        return (branch_inputs(self.spec, seed), active)
+
+
+@st.composite
+def generated_training_scenarios(
+    draw: st.DrawFn,
+    *,
+    model: st.SearchStrategy[ModelSpec] | None = None,
+    max_world_size: int = 4,
+    min_steps: int = 1,
+    max_steps: int = 3,
+    bucket_caps: st.SearchStrategy[float] | None = None,
+    options: Mapping[str, Any] | None = None,
+    drawn_options: Mapping[str, st.SearchStrategy[Any]] | None = None,
+    lr: float = 0.1,
+    buffers: bool | None = False,
+    layouts: bool | None = False,
+    ignore: bool = False,
+    dropout: bool | None = False,
+) -> TrainingScenario:
+    """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
+    reentrant checkpoints by default), their optional branches the optional parts; with
+    ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
+    :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
+    :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
+    rank seeding its own stream."""
+    spec = draw(model if model is not None else model_specs(allow_sparse=False))
+    generated = GeneratedTraining(
+        spec,
+        draw(_BOOLEANS) if buffers is None else buffers,
+        draw(_BOOLEANS) if layouts is None else layouts,
+        draw(_BOOLEANS) if dropout is None else dropout,
+    )
+    return draw(
+        training_scenarios(
+            generated.make_model,
+            generated.make_inputs,
+            world_sizes=st.integers(1, max_world_size),
+            steps=st.integers(min_steps, max_steps),
+            optional_parts=len(spec.optional_branches),
+            bucket_caps=bucket_caps,
+            options=options,
+            drawn_options=drawn_options,
+            loss=loss_of,
+            lr=lr,
+            ignore=ignore,
+            rank_seeds=generated.dropout,
+        )
+    )

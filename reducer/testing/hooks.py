@@ -16,6 +16,9 @@ gradients with the hook's own ops, in its order:
   of two, and a different value if anything divides the bucket before the hook).
 - ``fp16``, ``bf16``: :func:`reducer.fp16_compress_hook` / :func:`reducer.bf16_compress_hook`:
   each ``g_r`` cast to the half type and divided there, summed in the half type, cast back.
+- ``fp16 wrapper``, ``bf16 wrapper``: :func:`reducer.fp16_compress_wrapper` /
+  :func:`reducer.bf16_compress_wrapper` around :func:`reducer.allreduce_hook`: the same bits
+  as ``fp16`` / ``bf16`` (the wrapper compresses before the wrapped hook divides and sums).
 
 Hooks take one replica per process and dense gradients; the strategies draw them only there.
 The custom hooks take the process group as their ``state`` (:func:`state_for`).
@@ -52,12 +55,23 @@ def _divide_itself_hook(
     return future.then(lambda f: f.value()[0].div_(pg.size()))
 
 
+def _fp16_wrapper_hook(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+    # The wrapper is built at each call, so that it is the one ``reducer`` holds now.
+    return reducer.fp16_compress_wrapper(reducer.allreduce_hook)(state, bucket)
+
+
+def _bf16_wrapper_hook(state: object, bucket: reducer.GradBucket) -> torch.futures.Future[Tensor]:
+    return reducer.bf16_compress_wrapper(reducer.allreduce_hook)(state, bucket)
+
+
 HOOKS: dict[str, reducer.CommHook] = {
     "allreduce": reducer.allreduce_hook,
     "new tensor": _new_tensor_hook,  # type: ignore[dict-item]
     "divide itself": _divide_itself_hook,  # type: ignore[dict-item]
     "fp16": reducer.fp16_compress_hook,
     "bf16": reducer.bf16_compress_hook,
+    "fp16 wrapper": _fp16_wrapper_hook,
+    "bf16 wrapper": _bf16_wrapper_hook,
 }
 HOOK_NAMES = tuple(HOOKS)
 
@@ -108,4 +122,6 @@ AVERAGES: dict[str, Callable[[Column, int], Tensor | None]] = {
     "divide itself": _sum_then_divide,
     "fp16": _compressed(torch.float16),
     "bf16": _compressed(torch.bfloat16),
+    "fp16 wrapper": _compressed(torch.float16),
+    "bf16 wrapper": _compressed(torch.bfloat16),
 }

@@ -9,7 +9,7 @@ be from plain local autograd, independently of any reducer; :func:`refusal` deri
 scenario alone whether the reducer must refuse it instead (with which error).
 
 The class under test is ``reducer.Reducer`` as looked up at call time, unless a caller passes
-another: so a run that replaces ``reducer.Reducer`` (``property_tests.mutants.applied``)
+another: so a run that replaces ``reducer.Reducer`` (as the project's mutant catalogue does)
 puts every property in front of the replacement.
 
 Both build their models on the CPU, or on the device that the environment variable
@@ -90,7 +90,7 @@ class Scenario:
     of ``PRESET`` (so "untouched" is observable), else with None; ``preset_sparse`` does the
     same for sparse-gradient parameters (a sparse ``.grad`` with ``PRESET`` in row 0).
     ``as_view`` builds the reducer with ``gradient_as_bucket_view``, ``static_graph`` with
-    ``static_graph``. ``hook`` names a comm hook of :data:`property_tests.hooks.HOOKS` (or
+    ``static_graph``. ``hook`` names a comm hook of :data:`reducer.testing.hooks.HOOKS` (or
     "none"). ``backward`` is one of :data:`BACKWARDS`, for every step. ``twice`` runs a first
     backward of branch 0's outputs (``retain_graph=True``) before the synced one, so that the
     second goes through the same graph again. ``rebuild`` closes the reducer afterwards and
@@ -129,7 +129,7 @@ def active_branches(spec: ModelSpec, optional: frozenset[int]) -> frozenset[int]
 
 # The size of the example a property checked last, as (parameters, ranks): Hypothesis runs
 # the shrunk failing example last, so after a failure this is the reported example's size
-# (read by property_tests/conftest.py for benchmarks/harness_power.py). Per process; the
+# (read by the property suite's conftest.py for benchmarks/harness_power.py). Per process; the
 # properties run one at a time in a process.
 last_example_size: list[tuple[int, int | None]] = []
 
@@ -301,16 +301,16 @@ def hook_count(param: Tensor) -> int:
 def backward(mode: str, loss: Tensor, params: Sequence[Tensor]) -> None:
     """Differentiate ``loss`` as :data:`BACKWARDS` ``mode`` says."""
     if mode == "plain":
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
     elif mode == "create_graph":
-        loss.backward(create_graph=True)
+        loss.backward(create_graph=True)  # type: ignore[no-untyped-call]
     elif mode == "penalty":
         grads = torch.autograd.grad(loss, list(params), create_graph=True, allow_unused=True)
         penalty = torch.zeros((), dtype=torch.float64)
         for g in grads:
             if g is not None:
                 penalty = penalty + g.pow(2).sum()
-        (loss + penalty).backward()
+        (loss + penalty).backward()  # type: ignore[no-untyped-call]
     else:
         raise ValueError(f"unknown backward mode {mode!r}; expected one of {BACKWARDS}")
 
@@ -395,7 +395,7 @@ def play(
                 red.prepare_for_backward(outputs if s.find_unused else [])
                 try:
                     if s.twice:
-                        loss_of(firsts).backward(retain_graph=True)
+                        loss_of(firsts).backward(retain_graph=True)  # type: ignore[no-untyped-call]
                     backward(s.backward, loss_of(outputs), flat)
                 except reducer.ReductionError as exc:
                     if not refused:
@@ -458,7 +458,7 @@ def reference(scenario: Scenario) -> list[Expected]:
             starts = [snapshot(p.grad) for p in params]
             used = [False] * len(params)
             handles = [
-                p.register_post_accumulate_grad_hook(
+                p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                     lambda _p, i=i, used=used: used.__setitem__(i, True)
                 )
                 for i, p in enumerate(params)

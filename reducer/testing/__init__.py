@@ -1,0 +1,54 @@
+"""Property-based tests for data-parallel training: this project's, torch's, and yours.
+
+Installed with the package (``pip install "ddp-reducer[testing]"`` adds Hypothesis and
+pytest). It holds what the project's own property suite is built on:
+
+- :mod:`~reducer.testing.reference`: the exact rank-order average a reduced gradient must
+  equal on the fake world (``rank_order_average``), with torch's rounding or the bare
+  reducer's (``scaling``);
+- :mod:`~reducer.testing.model`, :mod:`~reducer.testing.strategies`: random models described
+  by plain data, and Hypothesis strategies for models, bucket assignments, world sizes,
+  unused-parameter patterns and whole reducer scenarios;
+- :mod:`~reducer.testing.harness`: plays a reducer scenario on the fake world and checks it
+  against the reference (``check_against_reference``);
+- :mod:`~reducer.testing.checks`: checks for any data-parallel wrapper built from (module,
+  process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own) and
+  ``check_comm_hook`` (exact, or within a bound you state), on :class:`TrainingScenario`
+  values that ``training_scenarios`` draws from your model factory and inputs.
+
+This module is a tool layer: it imports the core and ``fakepg``; the core never imports it.
+Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest plugin).
+"""
+
+from __future__ import annotations
+
+from .checks import (
+    TrainingScenario,
+    check_comm_hook,
+    check_data_parallel,
+    fsdp2,
+    reducer_ddp,
+    sum_of_squares,
+    torch_ddp,
+)
+from .harness import Scenario, check_against_reference
+from .reference import rank_order_average, sparse_average, sum_then_divide
+from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
+
+__all__ = [
+    "TrainingScenario",
+    "check_data_parallel",
+    "check_comm_hook",
+    "torch_ddp",
+    "reducer_ddp",
+    "fsdp2",
+    "sum_of_squares",
+    "training_scenarios",
+    "generated_training_scenarios",
+    "bucket_caps_mb",
+    "Scenario",
+    "check_against_reference",
+    "rank_order_average",
+    "sum_then_divide",
+    "sparse_average",
+]

@@ -1,0 +1,176 @@
+"""``reducer.testing.checks``: the checks fail where a wrapper or a hook is wrong, and say where."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import reducer
+from reducer.testing import (
+    TrainingScenario,
+    check_comm_hook,
+    check_data_parallel,
+    reducer_ddp,
+    torch_ddp,
+)
+
+
+def _mlp() -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
+
+
+def _inputs(world_size: int, steps: int, *, same: bool = False) -> Any:
+    return tuple(
+        tuple(
+            (
+                torch.randn(
+                    3, 4, generator=torch.Generator().manual_seed(r + (0 if same else 10 * s))
+                ),
+            )
+            for r in range(world_size)
+        )
+        for s in range(steps)
+    )
+
+
+class SummingParallel(nn.Module):
+    """A broken user wrapper: allreduces each gradient without scaling it (the sum)."""
+
+    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda q: pg.allreduce([q.grad]).wait()
+            )
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
+
+
+def test_a_wrong_average_is_reported_by_rank_step_and_parameter() -> None:
+    with pytest.raises(
+        AssertionError, match=r"rank 0, step 0, parameter 0 \('0.weight'\), gradient"
+    ):
+        check_data_parallel(SummingParallel, TrainingScenario(_mlp, _inputs(2, 2)))
+
+
+def test_torch_ddp_at_three_ranks_is_the_reciprocal_average_not_the_divided_one() -> None:
+    scenario = TrainingScenario(_mlp, _inputs(3, 2))
+    check_data_parallel(torch_ddp(), scenario, scaling="reciprocal")
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        check_data_parallel(torch_ddp(), scenario, scaling="divide")
+
+
+def test_an_expected_refusal_that_does_not_come_fails() -> None:
+    scenario = TrainingScenario(_mlp, _inputs(2, 1), refusal="never raised")
+    with pytest.raises(AssertionError, match="every step ran through"):
+        check_data_parallel(reducer_ddp(), scenario, scaling="divide")
+
+
+def _conv() -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(3, 4, kernel_size=2, bias=False)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator))
+    return conv.to(memory_format=torch.channels_last)
+
+
+def _images(world_size: int) -> Any:
+    return (
+        tuple(
+            (
+                torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(r)).to(
+                    memory_format=torch.channels_last
+                ),
+            )
+            for r in range(world_size)
+        ),
+    )
+
+
+class ContiguousParallel(SummingParallel):
+    """A broken user wrapper: averages exactly, but hands back contiguous gradients."""
+
+    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.module = module
+
+        def reduce(q: Tensor) -> None:
+            assert q.grad is not None
+            grad = q.grad.contiguous().mul_(1.0 / pg.size())
+            pg.allreduce([grad]).wait()
+            q.grad = grad
+
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(reduce)  # type: ignore[no-untyped-call]
+
+
+def test_gradient_strides_must_be_kept() -> None:
+    scenario = TrainingScenario(_conv, _images(2))
+    check_data_parallel(torch_ddp(gradient_as_bucket_view=True), scenario)
+    with pytest.raises(AssertionError, match="strides"):
+        check_data_parallel(ContiguousParallel, scenario)
+
+
+STEP = 0.5  # the grid the rounding hook sends gradients on
+
+
+def _rounding_hook(feedback: bool) -> Any:
+    """A lossy hook: each rank sends its share of the average rounded to a grid of ``STEP``;
+    with ``feedback`` it keeps what it dropped and adds it next time (error feedback)."""
+
+    def hook(state: dict[int, Tensor], bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        # What was held back is kept per parameter: DDP rebuilds its buckets after the first
+        # step, in another order.
+        pairs = list(zip(bucket.parameters(), bucket.gradients(), strict=True))
+        held = [state.get(id(p), torch.zeros_like(g)).reshape(-1) for p, g in pairs]
+        share = bucket.buffer() / dist.get_world_size() + torch.cat(held)
+        sent = torch.round(share / STEP) * STEP
+        if feedback:
+            kept, offset = share - sent, 0
+            for p, g in pairs:
+                state[id(p)] = kept[offset : offset + g.numel()].view_as(g)
+                offset += g.numel()
+        future = dist.all_reduce(sent, async_op=True).get_future()  # type: ignore[union-attr]
+        return future.then(lambda f: f.value()[0])
+
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[Tensor],
+    }
+    return hook
+
+
+def test_error_feedback_keeps_the_running_sum_within_the_bound() -> None:
+    # The same batches every step: what a hook without feedback drops, it drops every time.
+    world_size, steps = 2, 8
+    scenario = TrainingScenario(_mlp, _inputs(world_size, steps, same=True))
+    # Each step is off by at most one grid step per rank; with feedback the running sum is
+    # off by what the ranks hold back now, at most half a grid step each.
+    bound = world_size * STEP
+    check_comm_hook(
+        _rounding_hook(True),
+        scenario,
+        state=lambda pg: {},
+        atol=bound,
+        cumulative_atol=bound / 2 + 1e-5,
+    )
+    with pytest.raises(AssertionError, match="running sum"):
+        check_comm_hook(
+            _rounding_hook(False),
+            scenario,
+            state=lambda pg: {},
+            atol=bound,
+            cumulative_atol=bound / 2 + 1e-5,
+        )
