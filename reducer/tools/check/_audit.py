@@ -212,6 +212,13 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         for a in arrivals
     )
     if unchanged:
+        hooks = {h for a in arrivals for f in _governing(a.record, a.params[i])[0] if (h := _comm_hook(f.wrapper))}
+        if hooks:
+            return (
+                "A wrapper ran synced on every rank, but this gradient was not reduced: on every "
+                f"rank it is still the local gradient. The comm hook {', '.join(sorted(hooks))} "
+                "returned its bucket unreduced (a dropped bucket)."
+            )
         return (
             "A wrapper ran synced on every rank, but this gradient was not reduced: on every "
             "rank it is still the local gradient. The reducer never averaged it (a comm hook "
@@ -245,7 +252,8 @@ def _wrapper_holding(param: Tensor) -> nn.Module | None:
     needs it: a wrapper whose forward never ran left no other trace)."""
     types = wrapper_types()
     for obj in gc.get_objects():
-        if isinstance(obj, types) and any(p is param for p in obj.parameters()):
+        # type(), not isinstance: isinstance reads __class__, which some objects warn about.
+        if issubclass(type(obj), types) and any(p is param for p in obj.parameters()):
             return obj
     return None
 
@@ -430,8 +438,8 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
 def _ranks_text(differ: list[int], values: Sequence[Tensor]) -> str:
     diff = max(_max_diff(values[0], values[r]) for r in differ)
     ranks = ", ".join(map(str, differ))
-    noun = "rank" if len(differ) == 1 else "ranks"
-    return f"{noun} {ranks} disagree with rank 0, by up to {diff:.6g}"
+    verb = "rank {} disagrees" if len(differ) == 1 else "ranks {} disagree"
+    return f"{verb.format(ranks)} with rank 0, by up to {diff:.6g}"
 
 
 def _rank_order_sum(tensors: Iterable[Tensor]) -> Tensor:
