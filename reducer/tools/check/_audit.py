@@ -212,6 +212,14 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         for a in arrivals
     )
     if unchanged:
+        starved = _no_gradient(arrivals, i)
+        if starved:
+            return (
+                "A wrapper ran synced on every rank, but this gradient was not reduced: on every "
+                f"rank it is still the local gradient. {starved}: their buckets never became "
+                "ready, so no reduction launched. Construct the wrapper with "
+                "find_unused_parameters=True (or static_graph=True), or use every parameter."
+            )
         hooks = {h for a in arrivals for f in _governing(a.record, a.params[i])[0] if (h := _comm_hook(f.wrapper))}
         if hooks:
             return (
@@ -230,6 +238,34 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         "Every rank reduced it, yet the ranks' gradients differ: something changed them after "
         "the reduction, differently per rank (a gradient hook, per-rank clipping or scaling), "
         "or a comm hook returned rank-dependent values."
+    )
+
+
+def _no_gradient(arrivals: Sequence[Arrival], i: int) -> str:
+    """Parameters that got no gradient on some rank, of a wrapper that does not look for
+    unused parameters: the reason a reduction never launched."""
+    parts = []
+    for a in arrivals:
+        forwards, _ = _governing(a.record, a.params[i])
+        wrapper = forwards[-1].wrapper if forwards else None
+        if wrapper is None or getattr(wrapper, "find_unused_parameters", True):
+            continue
+        if getattr(wrapper, "static_graph", False):
+            continue
+        names = [
+            name.removeprefix("module.")
+            for name, p in wrapper.named_parameters()
+            if p.requires_grad and id(p) not in a.record.local
+        ]
+        if names:
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            parts.append(f"rank {a.rank}: {shown}")
+    if not parts:
+        return ""
+    return (
+        "Parameters got no gradient in this backward ("
+        + "; ".join(parts)
+        + ") and the wrapper does not look for unused parameters (find_unused_parameters=False)"
     )
 
 
