@@ -199,6 +199,15 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
                 f"it, and none of the {count} reduction(s) rank 0 issued was over its "
                 "gradient. Reduce it (all_reduce its .grad) or wrap the model."
             )
+        if all(_reduced_too_early(a.record, a.params[i]) for a in arrivals):
+            return (
+                "The wrapper's reduction ran before this gradient's last accumulation, on every "
+                "rank: the micro-batches' forwards ran first (a synced one among them) and "
+                "their backwards later, so the reduction armed by the synced forward fired "
+                "during another micro-batch's backward, and what was accumulated after it was "
+                "never reduced. Run each micro-batch's forward and backward together, the "
+                "synced one last."
+            )
         causes = {_unsynced_cause(fs, a.record) for a, (fs, _) in zip(arrivals, per_rank, strict=True)}
         return (
             "No reduction touched it since the last step: "
@@ -211,6 +220,19 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         and _bits_equal(local[0], a.params[i].grad)  # type: ignore[arg-type]
         for a in arrivals
     )
+    if not unchanged:
+        world = len(arrivals)
+        scaled = all(
+            (local := a.record.local.get(id(a.params[i]))) is not None
+            and _bits_equal(local[0] * (1.0 / world), a.params[i].grad)  # type: ignore[arg-type]
+            for a in arrivals
+        )
+        if scaled:
+            return (
+                "A wrapper ran synced on every rank, and on every rank this gradient is its "
+                f"local gradient times 1/{world}: it was divided but never reduced across ranks "
+                "(a dropped bucket)."
+            )
     if unchanged:
         starved = _no_gradient(arrivals, i)
         if starved:
@@ -267,6 +289,21 @@ def _no_gradient(arrivals: Sequence[Arrival], i: int) -> str:
         + "; ".join(parts)
         + ") and the wrapper does not look for unused parameters (find_unused_parameters=False)"
     )
+
+
+def _reduced_too_early(record: RankRecord, param: Tensor) -> bool:
+    """A synced forward of a wrapper holding ``param`` ran, then an unsynced one (the
+    forwards first), then its reductions were issued (in a backward), and autograd
+    accumulated into ``param`` after the last of them."""
+    local = record.local.get(id(param))
+    forwards = [f for f in record.forwards if _owned(f.wrapper, param)]
+    synced = [f.clock for f in forwards if f.synced]
+    reductions = [c.clock for c in record.collectives if c.kind in REDUCTIONS]
+    if local is None or not synced or not reductions:
+        return False
+    last = reductions[-1]
+    between = any(not f.synced and synced[-1] < f.clock < last for f in forwards)
+    return between and synced[-1] < last < local[1]
 
 
 def _unsynced_cause(forwards: list[Forward], record: RankRecord) -> str:

@@ -247,7 +247,7 @@ class ReplicaCheck:
         shown = []
         with self._lock:
             for finding in findings:
-                key = (finding.level, finding.key)
+                key = (finding.level, f"{finding.title}:{finding.key}")
                 if key in self._keys:
                     continue
                 self._keys.add(key)

@@ -358,6 +358,8 @@ class _Launch:
             raise
         except BaseException as exc:
             self._record(rank, 1, exc)
+            if self.check is not None and self.check.stopped:
+                raise  # a consequence of the check's stop, which reports it
             # What the worker process would print before dying (prefixed by rank).
             frames = self._format(traceback.extract_tb(exc.__traceback__), collapse=True)
             last = "".join(traceback.format_exception_only(exc)).rstrip("\n")

@@ -11,6 +11,7 @@
 - ``accumulate-nonreentrant``: non-reentrant checkpointing of each layer, with the
   micro-batches' forwards run first (the synced one first, the others under ``no_sync``) and
   their backwards after;
+- ``accumulate-plain``: the same without checkpointing;
 - ``fixed``: non-reentrant checkpointing, each micro-batch's forward then backward.
 """
 
@@ -29,6 +30,7 @@ VARIANTS = (
     "unused-reentrant-static",
     "unused-not-found",
     "accumulate-nonreentrant",
+    "accumulate-plain",
     "fixed",
 )
 
@@ -45,6 +47,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor, task: int = 0) -> torch.Tensor:
         reentrant = "-reentrant" in self.variant or self.variant == "unused-not-found"
         h = torch.tanh(self.inp(x))
+        if self.variant == "accumulate-plain":  # the same without checkpointing
+            return self.heads[task](torch.tanh(self.shared(h)))
         h = checkpoint(self.shared, h, use_reentrant=reentrant)
         if self.variant.startswith("twice-"):
             h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
@@ -60,7 +64,7 @@ def main() -> None:
     ddp = wrap(net, args.ddp, find_unused_parameters=unused, static_graph=static)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     for step in range(args.steps):
-        if args.variant == "accumulate-nonreentrant":
+        if args.variant.startswith("accumulate-"):
             outputs = [ddp(batch(rank, step, 0))]
             with ddp.no_sync():
                 outputs += [ddp(batch(rank, step, micro)) for micro in (1, 2)]
