@@ -61,7 +61,6 @@ class Audit:
 
 def before_step(arrivals: Sequence[Arrival]) -> Audit:
     first = arrivals[0]
-    world = len(arrivals)
     step, line = first.step, first.line
     shapes = [[tuple(p.shape) for p in a.params] for a in arrivals]
     if any(s != shapes[0] for s in shapes):
@@ -75,14 +74,14 @@ def before_step(arrivals: Sequence[Arrival]) -> Audit:
     findings: list[Finding] = []
     compared = sharded = 0
     for i, param in enumerate(first.params):
-        values = [_replica(a.params[i]) for a in arrivals]
-        if values[0] is None:
+        values = _present([_replica(a.params[i]) for a in arrivals])
+        if values is None:
             sharded += 1
             continue
         compared += 1
         name = names.get(id(param), f"parameter {i} (shape {list(param.shape)})")
         where = f"before optimizer step {step} ({line})"
-        differ = _differ(values)  # type: ignore[arg-type]
+        differ = _differ(values)
         if differ:
             text = (
                 f"parameter {name!r} differs {where}: {_ranks_text(differ, values)}.\n"
@@ -90,22 +89,23 @@ def before_step(arrivals: Sequence[Arrival]) -> Audit:
             )
             findings.append(Finding("error", step, "parameters differ", text, name))
             return Audit(findings, compared, sharded)
-        grads = [_replica_grad(a.params[i]) for a in arrivals]
-        if all(g is None for g in grads):
+        maybe = [_replica_grad(a.params[i]) for a in arrivals]
+        if all(g is None for g in maybe):
             continue
-        missing = [a.rank for a, g in zip(arrivals, grads, strict=True) if g is None]
-        if missing:
-            have = [a.rank for a, g in zip(arrivals, grads, strict=True) if g is not None]
+        grads = _present(maybe)
+        if grads is None:
+            missing = [a.rank for a, g in zip(arrivals, maybe, strict=True) if g is None]
+            have = [a.rank for a, g in zip(arrivals, maybe, strict=True) if g is not None]
             text = (
                 f"gradient of {name!r} differs {where}: ranks {missing} have none, ranks "
                 f"{have} have one.\n  {_why_not_reduced(arrivals, i)}"
             )
             findings.append(Finding("error", step, "gradients differ", text, name))
             return Audit(findings, compared, sharded)
-        differ = _differ(grads)  # type: ignore[arg-type]
+        differ = _differ(grads)
         if differ:
             text = (
-                f"gradient of {name!r} differs {where}: {_ranks_text(differ, grads)}.\n"  # type: ignore[arg-type]
+                f"gradient of {name!r} differs {where}: {_ranks_text(differ, grads)}.\n"
                 f"  {_why_not_reduced(arrivals, i)}"
             )
             findings.append(Finding("error", step, "gradients differ", text, name))
@@ -208,10 +208,12 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
                 "never reduced. Run each micro-batch's forward and backward together, the "
                 "synced one last."
             )
-        causes = {_unsynced_cause(fs, a.record) for a, (fs, _) in zip(arrivals, per_rank, strict=True)}
+        distinct = {
+            _unsynced_cause(fs, a.record) for a, (fs, _) in zip(arrivals, per_rank, strict=True)
+        }
         return (
             "No reduction touched it since the last step: "
-            + "; ".join(sorted(causes))
+            + "; ".join(sorted(distinct))
             + ". The micro-step before optimizer.step() must run synced."
         )
     # Every rank reduced, yet they differ.
@@ -242,7 +244,12 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
                 "ready, so no reduction launched. Construct the wrapper with "
                 "find_unused_parameters=True (or static_graph=True), or use every parameter."
             )
-        hooks = {h for a in arrivals for f in _governing(a.record, a.params[i])[0] if (h := _comm_hook(f.wrapper))}
+        hooks = {
+            h
+            for a in arrivals
+            for f in _governing(a.record, a.params[i])[0]
+            if (h := _comm_hook(f.wrapper))
+        }
         if hooks:
             return (
                 "A wrapper ran synced on every rank, but this gradient was not reduced: on every "
@@ -327,7 +334,8 @@ def _wrapper_holding(param: Tensor) -> nn.Module | None:
     for obj in gc.get_objects():
         # type(), not isinstance: isinstance reads __class__, which some objects warn about.
         if issubclass(type(obj), types) and any(p is param for p in obj.parameters()):
-            return obj
+            found: nn.Module = obj
+            return found
     return None
 
 
@@ -367,7 +375,10 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
         return None
     hook = _comm_hook(wrappers[0])
     if _bits_equal(_rank_order_sum(grads), got):
-        cause = "it is the sum of the local gradients, not their average (a missing division by the world size)"
+        cause = (
+            "it is the sum of the local gradients, not their average (a missing division by "
+            "the world size)"
+        )
     elif _bits_equal(expected * scale, got):
         cause = f"it is the average divided by the world size again (divided by {world} twice)"
     elif _bits_equal(grads[0], got):
@@ -435,10 +446,10 @@ def after_step(arrivals: Sequence[Arrival]) -> Audit:
     names = _names(first.record)
     findings: list[Finding] = []
     for i, param in enumerate(first.params):
-        values = [_replica(a.params[i]) for a in arrivals]
-        if values[0] is None or any(v is None or v.shape != values[0].shape for v in values):
+        values = _present([_replica(a.params[i]) for a in arrivals])
+        if values is None or any(v.shape != values[0].shape for v in values):
             continue
-        differ = _differ(values)  # type: ignore[arg-type]
+        differ = _differ(values)
         if differ:
             name = names.get(id(param), f"parameter {i} (shape {list(param.shape)})")
             text = (
@@ -451,14 +462,14 @@ def after_step(arrivals: Sequence[Arrival]) -> Audit:
             return Audit(findings, 0, 0)
     buffers = [_buffers(a.record) for a in arrivals]
     for name, buf in buffers[0].items():
-        values = [b.get(name) for b in buffers]
-        if any(v is None or v.shape != buf.shape or v.dtype != buf.dtype for v in values):
+        values = _present([b.get(name) for b in buffers])
+        if values is None or any(v.shape != buf.shape or v.dtype != buf.dtype for v in values):
             continue
-        differ = _differ(values)  # type: ignore[arg-type]
+        differ = _differ(values)
         if differ:
             text = (
                 f"buffer {name!r} differs after optimizer step {step}: "
-                f"{_ranks_text(differ, values)} (legitimate with broadcast_buffers=False)."  # type: ignore[arg-type]
+                f"{_ranks_text(differ, values)} (legitimate with broadcast_buffers=False)."
             )
             findings.append(Finding("note", step, "buffers differ", text, f"buffer:{name}"))
     return Audit(findings, 0, 0)
@@ -477,6 +488,12 @@ def _replica(t: Tensor) -> Tensor | None:
     if placements is not None and all(p.is_replicate() for p in placements):
         return t.to_local().detach()  # type: ignore[attr-defined, no-any-return]
     return None
+
+
+def _present(values: list[Tensor | None]) -> list[Tensor] | None:
+    """``values`` if every rank has one, else None."""
+    out = [v for v in values if v is not None]
+    return out if len(out) == len(values) else None
 
 
 def _replica_grad(t: Tensor) -> Tensor | None:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TextIO
 
 import torch
@@ -86,8 +86,12 @@ class ReplicaCheck:
         # A little longer than the world's own timeout: a rank stuck in a collective is
         # reported by the world (which names the collective) before the meeting gives up.
         wait = (world.timeout + 5.0) if world is not None else timeout
-        aborted: Callable[[], bool] = (lambda: bool(world.aborted)) if world is not None else (lambda: False)
-        self._meeting: Rendezvous[Arrival, Audit] = Rendezvous(world_size, timeout=wait, aborted=aborted)
+        aborted: Callable[[], bool] = (
+            (lambda: bool(world.aborted)) if world is not None else (lambda: False)
+        )
+        self._meeting: Rendezvous[Arrival, Audit] = Rendezvous(
+            world_size, timeout=wait, aborted=aborted
+        )
         self._local = threading.local()
         self._lock = threading.Lock()
         self.findings: list[Finding] = []
@@ -117,7 +121,10 @@ class ReplicaCheck:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         try:
             while self._undo:
@@ -147,11 +154,17 @@ class ReplicaCheck:
         self._undo.append(_optimizer.register_optimizer_step_post_hook(self._after).remove)
         patch = patched_no_sync(wrappers, current)
         patch.__enter__()
-        self._undo.append(lambda: patch.__exit__(None, None, None))
+
+        def unpatch() -> None:
+            patch.__exit__(None, None, None)
+
+        self._undo.append(unpatch)
         if self.world is not None:
             records = self.records
 
-            def on_collective(rank: int, kind: str, members: tuple[int, ...], tensors: Any, nbytes: int) -> None:
+            def on_collective(
+                rank: int, kind: str, members: tuple[int, ...], tensors: Any, nbytes: int
+            ) -> None:
                 records[rank].on_collective(kind, members, tensors, nbytes)
 
             self._undo.append(self.world.observe(on_collective))
@@ -197,7 +210,9 @@ class ReplicaCheck:
         self._meet(("after", step), arrival, self._judge_after)
         record.reset()
 
-    def _meet(self, key: tuple[str, int], arrival: Arrival, judge: Callable[[list[Arrival]], Audit]) -> None:
+    def _meet(
+        self, key: tuple[str, int], arrival: Arrival, judge: Callable[[list[Arrival]], Audit]
+    ) -> None:
         where = f"optimizer step {arrival.step} ({arrival.line})"
         try:
             audit = self._meeting.meet(key, arrival.rank, arrival, judge, self._stall, where)
@@ -212,7 +227,9 @@ class ReplicaCheck:
     def _broken_meeting(self, exc: RendezvousBroken, arrival: Arrival) -> None:
         self._broken = True
         if exc.kind in ("ended", "stall"):
-            title = "ranks stepped differently" if exc.kind == "ended" else "only some ranks reduced"
+            title = (
+                "ranks stepped differently" if exc.kind == "ended" else "only some ranks reduced"
+            )
             finding = Finding("error", arrival.step, title, str(exc), exc.kind)
             self._add([finding])
             if self.stop or exc.kind == "stall":
@@ -291,7 +308,9 @@ class ReplicaCheck:
             synced = sum(1 for f in forwards if f.synced)
             why = sorted({f.why_not for f in forwards if f.why_not})
             rest = f", {len(forwards) - synced} not ({', '.join(why)})" if why else ""
-            lines.append(f"    rank {rank}: {synced} synced forward(s){rest}, {counts[rank]} collective(s)")
+            lines.append(
+                f"    rank {rank}: {synced} synced forward(s){rest}, {counts[rank]} collective(s)"
+            )
         lines.append("  Every rank must reduce on the same micro-steps.")
         return "\n".join(lines)
 
@@ -321,15 +340,23 @@ class ReplicaCheck:
     def summary(self) -> str:
         """Steps and parameters checked, reductions per step, the verdict."""
         ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
-        lines = [f"replica check: {self.steps} optimizer step(s) on {ranks}, "
-                 f"{self.compared} parameter(s) compared bitwise per step"
-                 + (f" ({self.sharded} sharded, not replicas)" if self.sharded else "")]
+        lines = [
+            f"replica check: {self.steps} optimizer step(s) on {ranks}, "
+            f"{self.compared} parameter(s) compared bitwise per step"
+            + (f" ({self.sharded} sharded, not replicas)" if self.sharded else "")
+        ]
         per_step = self.records[0].reductions
         if self.world is not None and per_step:
             counts = [c for c, _ in per_step]
             nbytes = sum(b for _, b in per_step) / len(per_step)
-            span = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)} to {max(counts)}"
-            lines.append(f"reductions per optimizer step (rank 0): {span}, {_size(nbytes)} on average")
+            span = (
+                f"{min(counts)}"
+                if min(counts) == max(counts)
+                else f"{min(counts)} to {max(counts)}"
+            )
+            lines.append(
+                f"reductions per optimizer step (rank 0): {span}, {_size(nbytes)} on average"
+            )
         warnings = [f for f in self.findings if f.level == "warning"]
         notes = [f for f in self.findings if f.level == "note"]
         if warnings or notes:
@@ -354,14 +381,14 @@ class ReplicaCheck:
 def _caller_line() -> str:
     """``file:line`` of the innermost frame outside torch and this package: the script's
     call of ``optimizer.step()``."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_TORCH_DIR, _HERE)) and not filename.endswith(
             os.path.join("", "contextlib.py")
         ):
             return f"{_short(filename)}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "?"
 
 
@@ -378,4 +405,3 @@ def _size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1000
     return f"{nbytes:.1f} GB"
-

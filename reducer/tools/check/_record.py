@@ -64,7 +64,7 @@ class Issued:
     storages: frozenset[int]  # data pointers of the storages its tensors live in
 
 
-@dataclass(slots=True, weakref_slot=True)
+@dataclass  # not slots: the gradient hooks hold it weakly
 class RankRecord:
     """What one rank did since its last optimizer step (see the module's docstring)."""
 
@@ -106,7 +106,8 @@ class RankRecord:
                 if id(param) not in self.hooked and _plain(param) and param.requires_grad:
                     self.hooked.add(id(param))
                     hook = functools.partial(_on_gradient, weakref.ref(self), weakref.ref(param))
-                    self.handles.append(param.register_hook(hook))
+                    # torch leaves register_hook unannotated.
+                    self.handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
         if isinstance(module, wrappers):
             grad = torch.is_grad_enabled()
             synced = grad and bool(getattr(module, "require_backward_grad_sync", True))
@@ -114,10 +115,16 @@ class RankRecord:
             if not grad:
                 why = "no_grad"
             elif not synced:
-                why = "no_sync" if self.no_sync_depth.get(id(module)) else "require_backward_grad_sync"
+                why = (
+                    "no_sync"
+                    if self.no_sync_depth.get(id(module))
+                    else "require_backward_grad_sync"
+                )
             self.forwards.append(Forward(module, self.tick(), synced, why))
 
-    def on_collective(self, kind: str, members: tuple[int, ...], tensors: list[Tensor], nbytes: int) -> None:
+    def on_collective(
+        self, kind: str, members: tuple[int, ...], tensors: list[Tensor], nbytes: int
+    ) -> None:
         if not self.active:
             return
         storages = frozenset(_storage(t) for t in tensors)

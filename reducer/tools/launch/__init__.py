@@ -159,14 +159,14 @@ def run(args: argparse.Namespace) -> int:
     # When the check stopped the ranks, its report is the launch's.
     code = 0 if check.stopped else launch.report(sys.stderr)
     check.print_summary()
-    return check.exit_code(code)
+    return int(check.exit_code(code))
 
 
 def _replica_check(args: argparse.Namespace, world: Any) -> Any:
     """The replica check of the launch (see reducer.tools.check), or None with --no-check."""
     if not getattr(args, "check", False):
         return None
-    from ..check import ReplicaCheck
+    from reducer.tools.check import ReplicaCheck
 
     stop = not getattr(args, "check_keep_going", False)
     return ReplicaCheck(args.nproc, world=world, stop=stop, out=sys.stderr)

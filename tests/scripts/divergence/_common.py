@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 
-def parse(description: str, *, variants: tuple[str, ...] = ("buggy", "fixed")) -> argparse.Namespace:
+def parse(
+    description: str, *, variants: tuple[str, ...] = ("buggy", "fixed")
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--ddp", choices=["torch", "ours"], default="torch")
     parser.add_argument("--variant", choices=variants, default=variants[0])

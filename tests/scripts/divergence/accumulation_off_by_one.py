@@ -3,9 +3,8 @@ the optimizer step's micro-batch (it syncs the first one instead). Fixed: sync t
 
 import contextlib
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 ACCUMULATE = 3
 

@@ -15,11 +15,8 @@
 - ``fixed``: non-reentrant checkpointing, each micro-batch's forward then backward.
 """
 
-import contextlib
-
-from _common import batch, finish, parse, setup, wrap
-
 import torch
+from _common import batch, finish, parse, setup, wrap
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -2,10 +2,9 @@
 ("sum"), divides twice ("twice"), or returns the first bucket unreduced ("drop"). Fixed:
 scale by 1/world size, then allreduce, as DDP does without a hook."""
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
 import torch.distributed as dist
+from _common import batch, finish, model, parse, setup, wrap
 
 
 def hook_for(variant: str, world_size: int):  # type: ignore[no-untyped-def]

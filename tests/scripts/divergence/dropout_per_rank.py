@@ -2,9 +2,8 @@
 agree), and a BatchNorm whose running statistics stay per rank (``broadcast_buffers=False``,
 legitimate: the check notes it)."""
 
-from _common import batch, finish, parse, setup, wrap
-
 import torch
+from _common import batch, finish, parse, setup, wrap
 from torch import nn
 
 

@@ -2,10 +2,9 @@
 design: the check compares only replicated parameters and says how many it left out.
 ``--ddp`` is ignored."""
 
-from _common import batch, parse, setup
-
 import torch
 import torch.distributed as dist
+from _common import batch, parse, setup
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 

@@ -1,10 +1,9 @@
 """A hand-written data-parallel loop: all_reduce every gradient, then divide. Buggy: the loop
 skips the biases (``if p.dim() > 1``, meant for weight decay). ``--ddp`` is ignored."""
 
-from _common import batch, finish, model, parse, setup
-
 import torch
 import torch.distributed as dist
+from _common import batch, finish, model, parse, setup
 
 
 def main() -> None:

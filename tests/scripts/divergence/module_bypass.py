@@ -1,9 +1,8 @@
 """The forward goes through ``ddp.module``: DDP's hooks are never armed, and each rank steps
 on its local gradient. Fixed: call the wrapper."""
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 
 def main() -> None:

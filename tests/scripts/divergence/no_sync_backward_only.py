@@ -3,9 +3,8 @@ micro-step reduces (waste, not divergence). Fixed: the forward runs inside the b
 
 import contextlib
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 ACCUMULATE = 3
 

@@ -2,9 +2,8 @@
 a stage; its "last micro-batch" test is off by one, so these replicas never sync. Fixed: the
 last micro-batch syncs."""
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 MICRO_BATCHES = 4
 

@@ -1,9 +1,8 @@
 """Gradients agree, parameters do not: the learning-rate scheduler steps on rank 0 only
 (inside an ``if rank == 0:`` block meant for logging). Fixed: every rank steps it."""
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 
 def main() -> None:

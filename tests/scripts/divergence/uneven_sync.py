@@ -2,9 +2,8 @@
 rank-dependent accumulation setting). The ranks' reductions no longer pair up. Fixed: every
 rank syncs on the last micro-step only."""
 
-from _common import batch, finish, model, parse, setup, wrap
-
 import torch
+from _common import batch, finish, model, parse, setup, wrap
 
 ACCUMULATE = 2
 

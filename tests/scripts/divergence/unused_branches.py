@@ -2,9 +2,8 @@
 so the unused parameters differ per rank and per step. DDP reduces every gradient anyway (an
 unused one counts as zero): the ranks stay in sync."""
 
-from _common import batch, finish, parse, setup, wrap
-
 import torch
+from _common import batch, finish, parse, setup, wrap
 from torch import nn
 
 
