@@ -443,3 +443,71 @@ def test_a_meeting_ends_when_a_rank_ended_or_the_deadline_passed_or_the_world_ab
     for t in results.pop("threads"):
         t.join(30)
     assert results[1].kind == "aborted"
+
+
+# -------------------------------------------------------------------------------------------
+# The check against this project's own seeded bugs (property_tests/mutants.py).
+
+MUTANTS = [
+    ("skip the divide", "is the sum of the local gradients, not their average"),
+    ("off-by-one bucket offset", "is not the exact rank-order average"),
+    ("drop the last bucket", "it was divided but never reduced across ranks (a dropped bucket)"),
+]
+
+
+@pytest.mark.parametrize(("mutant", "words"), MUTANTS, ids=[m for m, _ in MUTANTS])
+def test_the_check_names_a_broken_reducer(mutant: str, words: str) -> None:
+    import io
+
+    import reducer
+    from property_tests.mutants import CATALOGUE, applied
+
+    def train(pg: Any) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        ddp = reducer.DistributedDataParallel(model, bucket_cap_mb=1e-4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            for micro in range(2):
+                ddp.require_backward_grad_sync = micro == 1
+                seed = 10 * step + micro + 100 * pg.rank()
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+                ddp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    out = io.StringIO()
+    with applied(CATALOGUE[mutant]):
+        check = run_checked(train, world_size=2, out=out)
+    assert check.diverged and check.errors[0].step == 0
+    assert words in " ".join(check.errors[0].text.split())
+    assert check.errors[0].text.startswith("gradient of '0.weight'")
+    # And the real reducer, the same training: clean.
+    assert not run_checked(train, world_size=2, out=out).diverged
+
+
+def test_the_fake_world_tells_an_observer_each_collective() -> None:
+    seen: list[tuple[int, str, tuple[int, ...], int, int]] = []
+    lock = threading.Lock()
+
+    def observer(rank: int, kind: str, members: tuple[int, ...], tensors: Any, nbytes: int) -> None:
+        with lock:
+            seen.append((rank, kind, members, len(tensors), nbytes))
+
+    def step(pg: Any) -> None:
+        pg.allreduce([torch.ones(4)]).wait()
+        pg.broadcast([torch.ones(2, dtype=torch.float64)], root=0).wait()
+
+    with fakepg.World(2) as world:
+        remove = world.observe(observer)
+        world.run(step)
+        remove()
+        world.run(step)  # no longer observed
+        with pytest.raises(ValueError, match="fn must be callable"):
+            world.observe(3)  # type: ignore[arg-type]
+    assert sorted(seen) == [
+        (0, "allreduce", (0, 1), 1, 16),
+        (0, "broadcast", (0, 1), 1, 16),
+        (1, "allreduce", (0, 1), 1, 16),
+        (1, "broadcast", (0, 1), 1, 16),
+    ]
