@@ -211,6 +211,8 @@ def test_buffers_that_differ_are_a_note_and_dropout_per_rank_is_clean(
     assert code == 0, err
     assert "NOTE: buffer '1.running_mean' differs after optimizer step 0" in err
     assert "(legitimate with broadcast_buffers=False)" in err
+    # Clipped after the reduction: identical on every rank, not the reducer's average any more.
+    assert "NOTE: gradients were changed after the backward on rank 0 (gradient clipping" in err
     assert "verdict: the ranks stayed in sync" in err
 
 

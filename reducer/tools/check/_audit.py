@@ -364,6 +364,16 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     locals_ = [a.record.local.get(id(a.params[i])) for a in arrivals]
     if any(loc is None for loc in locals_):
         return None
+    for a in arrivals:
+        grad = a.params[i].grad
+        if grad is None or a.record.settled.get(id(a.params[i])) != (id(grad), grad._version):
+            # Changed after the backward (clipping, unscaling, a division by hand): the
+            # reducer's result is gone, and the ranks agree, so nothing more to judge.
+            text = (
+                f"gradients were changed after the backward on rank {a.rank} (gradient "
+                "clipping or unscaling?): the exact average is not checked where they were"
+            )
+            return Finding("note", step, "changed after backward", text, "changed")
     got = arrivals[0].params[i].grad
     assert got is not None
     grads = [loc[0] for loc in locals_]  # type: ignore[index]

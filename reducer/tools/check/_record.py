@@ -74,6 +74,11 @@ class RankRecord:
     collectives: list[Issued] = field(default_factory=list)
     # id(param) -> (the local accumulated gradient, the clock when autograd accumulated it).
     local: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    accumulated: dict[int, Tensor] = field(default_factory=dict)  # id(param) -> param
+    # id(param) -> (id(.grad), its version) when the last backward ended, the reducers'
+    # finalize included: a gradient changed since (clipping, unscaling) is not a reducer's.
+    settled: dict[int, tuple[int, int]] = field(default_factory=dict)
+    end_queued: bool = False  # a callback waits for the end of the current backward
     # Since the check began (not reset at steps):
     seen: dict[int, nn.Module] = field(default_factory=dict)  # every module run, first-seen order
     hooked: set[int] = field(default_factory=set)  # id(param) with a gradient hook
@@ -96,6 +101,8 @@ class RankRecord:
         self.forwards.clear()
         self.collectives.clear()
         self.local.clear()
+        self.accumulated.clear()
+        self.settled.clear()
 
     # ---------------------------------------------------------------------------------------
 
@@ -130,6 +137,12 @@ class RankRecord:
         storages = frozenset(_storage(t) for t in tensors)
         self.collectives.append(Issued(self.tick(), kind, members, nbytes, storages))
 
+    def backward_ended(self) -> None:
+        self.end_queued = False
+        for key, param in self.accumulated.items():
+            grad = param.grad
+            self.settled[key] = (0, -1) if grad is None else (id(grad), grad._version)
+
     def remove_hooks(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -154,6 +167,26 @@ def _on_gradient(
         else:
             local = previous + grad
     record.local[id(param)] = (local, record.tick())
+    record.accumulated[id(param)] = param
+    if not record.end_queued:
+        record.end_queued = True
+        _at_end_of_backward(functools.partial(_backward_ended, record_ref))
+
+
+def _backward_ended(record_ref: weakref.ref[RankRecord]) -> None:
+    record = record_ref()
+    if record is not None:
+        record.backward_ended()
+
+
+def _at_end_of_backward(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the current backward ends, after every callback queued for its end so
+    far (a reducer's finalize, queued when its first gradient hook ran): from a callback
+    queued now, which queues ``fn`` (the engine runs callbacks queued while it runs them).
+    The engine's queue_callback is private torch API, and the one way to run at the end of a
+    backward; it is used here only."""
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.queue_callback(lambda: engine.queue_callback(fn))
 
 
 def _plain(t: Tensor) -> bool:

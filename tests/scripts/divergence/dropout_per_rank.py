@@ -1,6 +1,6 @@
 """Clean: dropout seeded per rank (each rank drops different units: only the parameters must
-agree), and a BatchNorm whose running statistics stay per rank (``broadcast_buffers=False``,
-legitimate: the check notes it)."""
+agree), a BatchNorm whose running statistics stay per rank (``broadcast_buffers=False``,
+legitimate: the check notes it), and gradient clipping after the reduction."""
 
 import torch
 from _common import batch, finish, parse, setup, wrap
@@ -17,6 +17,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
     for step in range(args.steps):
         ddp(batch(rank, step)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=0.01)
         optimizer.step()
         optimizer.zero_grad()
     finish(net)
