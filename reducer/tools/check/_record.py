@@ -185,7 +185,7 @@ def _at_end_of_backward(fn: Callable[[], None]) -> None:
     queued now, which queues ``fn`` (the engine runs callbacks queued while it runs them).
     The engine's queue_callback is private torch API, and the one way to run at the end of a
     backward; it is used here only."""
-    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine = torch.autograd.Variable._execution_engine
     engine.queue_callback(lambda: engine.queue_callback(fn))
 
 
