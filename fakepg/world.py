@@ -105,6 +105,9 @@ __all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
 
 T = TypeVar("T")
 
+# rank, kind, members, tensors, nbytes: see World.observe.
+CollectiveObserver = Callable[[int, str, tuple[int, ...], list[Tensor], int], None]
+
 _WORLD_KEY = "world"
 
 
@@ -168,6 +171,9 @@ class World:
         # re-raises first: every rank's error is a consequence of it.
         self._own_failure: tuple[int, BaseException] | None = None
         self._closed = False
+        # Called as each collective is issued (see observe); replaced, never mutated, so that
+        # _issue reads it without the lock.
+        self._observers: tuple[CollectiveObserver, ...] = ()
         # See Note [One link per world]: when (perf_counter_ns) the simulated link finishes its
         # last transfer.
         self._link_free_ns = 0
@@ -243,6 +249,23 @@ class World:
             channel.pair = (group.key, src, dst, tag)
             return channel
 
+    def observe(self, fn: CollectiveObserver) -> Callable[[], None]:
+        """Call ``fn(rank, kind, members, tensors, nbytes)`` on the issuing thread as each rank
+        issues each collective (``kind`` as in desync reports: "allreduce", "broadcast", ...;
+        ``members`` the world ranks of its group; ``tensors`` the tensors it writes). For
+        tools that audit what a run reduced. Returns a function that stops the calls.
+        """
+        if not callable(fn):
+            raise ValueError(f"World.observe: fn must be callable, got {fn!r}")
+        with self._lock:
+            self._observers = (*self._observers, fn)
+
+        def remove() -> None:
+            with self._lock:
+                self._observers = tuple(o for o in self._observers if o is not fn)
+
+        return remove
+
     # ---------------------------------------------------------------------------------------
     # Issuing and matching. See Note [Matching by sequence number].
 
@@ -258,6 +281,8 @@ class World:
         net_kind: str,
     ) -> Work:
         """``rank`` (a world rank) issues its next collective on ``channel``."""
+        for observer in self._observers:
+            observer(rank, fingerprint.kind, channel.members, outputs, nbytes)
         now = time.perf_counter_ns()
         # Issued from a callback on a completion lane? See Note [Completion lanes].
         lane = self.completions.current_lane()

@@ -246,3 +246,14 @@ def test_python_m_reducer_lists_its_subcommands() -> None:
     ).stdout
     for command in ("simulate", "validate", "launch"):
         assert f"    {command} " in out, out
+
+
+def test_the_replica_check_stands_below_launch() -> None:
+    # launch uses the check; the check knows nothing of launch or the command line (Python
+    # code calls it directly), and the fake world knows nothing of it (it only offers
+    # World.observe).
+    check = "reducer.tools.check"
+    assert any(_in(t, check) for t in GRAPH["reducer.tools.launch"])
+    bad = _edges(check, "reducer.tools.launch") + _edges(check, "reducer.tools.cli")
+    assert not bad, f"the check must not import launch or the CLI: {bad}"
+    assert not _edges("fakepg", check)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import inspect
 import os
 import runpy
@@ -106,6 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let ranks share torch's default generator (by default each rank has its own)",
     )
     parser.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check at every optimizer step that the ranks' parameters and gradients are "
+        "bit-identical and say why not; exit code 3 when they diverged (default: on)",
+    )
+    parser.add_argument(
+        "--check-keep-going",
+        action="store_true",
+        help="report every divergence and go on, instead of stopping at the first",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -131,15 +144,32 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    check = _replica_check(args, world)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
-    with world, launch.installed():
+    launch.check = check
+    with world, check or contextlib.nullcontext(), launch.installed():
         try:
             world.run(launch.rank_main, per_rank_rng=not args.shared_rng)
         except KeyboardInterrupt:
             return 130
         except BaseException:  # recorded per rank by rank_main; reported below
             pass
-    return launch.report(sys.stderr)
+    if check is None:
+        return launch.report(sys.stderr)
+    # When the check stopped the ranks, its report is the launch's.
+    code = 0 if check.stopped else launch.report(sys.stderr)
+    check.print_summary()
+    return int(check.exit_code(code))
+
+
+def _replica_check(args: argparse.Namespace, world: Any) -> Any:
+    """The replica check of the launch (see reducer.tools.check), or None with --no-check."""
+    if not getattr(args, "check", False):
+        return None
+    from reducer.tools.check import ReplicaCheck
+
+    stop = not getattr(args, "check_keep_going", False)
+    return ReplicaCheck(args.nproc, world=world, stop=stop, out=sys.stderr)
 
 
 def _parse_filter(text: str | None, nproc: int) -> set[int] | None:
@@ -235,6 +265,7 @@ class _Launch:
         self.stderr: RankOutput | None = None
         self.real_stderr: Any = sys.stderr
         self._thread_rank = threading.local()  # .rank: the rank of a rank thread
+        self.check: Any = None  # the replica check, told which thread is which rank
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -309,6 +340,8 @@ class _Launch:
         assert self.environ is not None and self.stdout is not None and self.stderr is not None
         self.idents[rank] = threading.get_ident()
         self._thread_rank.rank = rank
+        if self.check is not None:
+            self.check.bind(rank)
         self.environ.bind(rank_environment(rank, self.nproc))
         self.stdout.bind(rank)
         self.stderr.bind(rank)
@@ -325,6 +358,8 @@ class _Launch:
             raise
         except BaseException as exc:
             self._record(rank, 1, exc)
+            if self.check is not None and self.check.stopped:
+                raise  # a consequence of the check's stop, which reports it
             # What the worker process would print before dying (prefixed by rank).
             frames = self._format(traceback.extract_tb(exc.__traceback__), collapse=True)
             last = "".join(traceback.format_exception_only(exc)).rstrip("\n")
@@ -341,6 +376,9 @@ class _Launch:
                 self.stderr.finish()
                 self.environ.unbind()
                 self._thread_rank.rank = None
+                if self.check is not None:
+                    self.check.unbind()
+                    self.check.rank_ended(rank)
 
     def _record(self, rank: int, code: int, error: BaseException | None) -> None:
         with self._lock:

@@ -1,0 +1,94 @@
+"""What the replica check costs: ``python -m reducer launch`` with and without ``--no-check``
+on the nanoGPT-style script (tests/scripts/nanogpt_train.py, torch's DDP, gradient
+accumulation), at N ranks.
+
+Two measures, each the median of ``--repeats`` interleaved runs: the wall time of a whole
+launch process (what a user waits for: interpreter, torch import, the run), and the time of
+the launch itself inside one warm process (``cli.main``, the run alone: where the check's
+per-step work shows). The anchor is the same launch with ``--no-check``, in the same run.
+
+    python benchmarks/launch_check.py                       # N = 2, 4; 3 and 20 steps
+    python benchmarks/launch_check.py --nprocs 2 --steps 3 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine, table
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "nanogpt_train.py"
+
+
+def launch_args(nproc: int, steps: int, check: bool) -> list[str]:
+    flag = [] if check else ["--no-check"]
+    return ["launch", "--nproc", str(nproc), *flag, str(SCRIPT), "--steps", str(steps)]
+
+
+def process_seconds(args: list[str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "reducer", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{args} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return elapsed
+
+
+def in_process_seconds(args: list[str]) -> float:
+    from reducer.tools import cli
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        start = time.perf_counter()
+        code = cli.main(args)
+        elapsed = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"{args} exited with {code}:\n{sink.getvalue()[-3000:]}")
+    return elapsed
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nprocs", default="2,4")
+    parser.add_argument("--steps", default="3,20")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    nprocs = [int(n) for n in args.nprocs.split(",")]
+    steps_list = [int(s) for s in args.steps.split(",")]
+    print(f"machine: {machine()}")
+    rows = []
+    for nproc in nprocs:
+        for steps in steps_list:
+            times: dict[tuple[str, bool], list[float]] = {}
+            in_process_seconds(launch_args(nproc, steps, True))  # warm-up
+            for _ in range(args.repeats):
+                for check in (False, True):  # interleaved: drift hits both alike
+                    a = launch_args(nproc, steps, check)
+                    times.setdefault(("process", check), []).append(process_seconds(a))
+                    times.setdefault(("in-process", check), []).append(in_process_seconds(a))
+            for where in ("process", "in-process"):
+                plain, checked = median(times[(where, False)]), median(times[(where, True)])
+                rows.append([nproc, steps, where, plain, checked, checked / plain])
+    headers = ["N", "steps", "measured", "--no-check s", "checked s", "ratio"]
+    print(table(headers, rows))
+
+
+if __name__ == "__main__":
+    main()
