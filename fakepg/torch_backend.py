@@ -98,6 +98,18 @@ in fakepg.collectives). :func:`run_torch` does all of it for you::
 # Python backend is the ProcessGroup itself (torch registers no Backend object under it), so
 # torch's C++ getter of the group name has nowhere to read it from: the group answers
 # ``group_name`` itself, which is what DeviceMesh and FSDP ask.
+
+# Note [The CUDA device guard on rank threads]
+# On a CUDA build of torch without a usable GPU, entering a FakeTensorMode (DTensor does, to
+# propagate shapes, so FSDP2 does on every rank) calls torch._C._ensureCUDADeviceGuardSet. When
+# the registered CUDA device guard reports no device, that replaces the process-wide guard with
+# a stand-in owned by the calling thread (a C++ thread_local). Once that thread ends, the
+# process-wide guard points at freed memory, and the next thread to enter a FakeTensorMode
+# crashes the process: torch 2.11's CUDA build segfaults in the second FSDP2 world of a test
+# process. register_torch_backend therefore installs the stand-in once on a thread that lives
+# as long as the process: the main thread, or else a daemon thread kept for it. Later calls
+# find a guard that reports devices and leave it alone. Where a GPU is usable, or torch has no
+# such call, nothing is done.
 """
 
 from __future__ import annotations
@@ -159,6 +171,7 @@ def register_torch_backend() -> None:
     so far (usually the main thread).
     """
     with _PROCESS_LOCK:
+        _keep_the_cuda_device_guard()
         _install_per_thread_worlds()
         _install_monitored_barrier()
         _install_forward_pass_work_handle()
@@ -166,6 +179,37 @@ def register_torch_backend() -> None:
             dist.Backend.register_backend(
                 _BACKEND, _create_backend, extended_api=True, devices=["cpu"]
             )
+
+
+# The daemon thread that owns the CUDA device guard's stand-in, once one was needed. Guarded by
+# _PROCESS_LOCK. See Note [The CUDA device guard on rank threads].
+_guard_keeper: threading.Thread | None = None
+
+
+def _keep_the_cuda_device_guard() -> None:
+    """Install torch's no-GPU stand-in for the CUDA device guard on a thread that outlives the
+    rank threads. See Note [The CUDA device guard on rank threads]. Call with _PROCESS_LOCK."""
+    global _guard_keeper
+    # A private torch call, in this one place: the one FakeTensorMode makes.
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is None or torch.cuda.is_available():
+        return
+    if threading.current_thread() is threading.main_thread():
+        ensure()
+    elif _guard_keeper is None:
+        installed = threading.Event()
+
+        def keep() -> None:
+            try:
+                ensure()
+            finally:
+                installed.set()
+            threading.Event().wait()  # never set: the stand-in lives as long as this thread
+
+        _guard_keeper = threading.Thread(target=keep, name="torch-cuda-device-guard", daemon=True)
+        _guard_keeper.start()
+        if not installed.wait(60.0):
+            raise RuntimeError("fakepg: torch's CUDA device guard was not set up within 60 s")
 
 
 def run_torch(

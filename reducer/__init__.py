@@ -17,6 +17,10 @@ fakepg.run(train_step, world_size=4)
 
 from __future__ import annotations
 
+# First: refuse a torch older than the supported range before any module below uses it.
+from . import _torch_version as _torch_version
+
+# isort: split
 from ._post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from ._powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .buckets import (
