@@ -88,6 +88,16 @@ def _map_cuda_to_cpu() -> None:
 
     torch.Tensor.to = to  # type: ignore[method-assign,assignment]
     nn.Module.cuda = lambda self, device=None: self  # type: ignore[method-assign,assignment]
+    module_to = nn.Module.to
+
+    @functools.wraps(module_to)
+    def module_to_cpu(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        args = tuple(_cpu(a) for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return module_to(self, *args, **kwargs)
+
+    nn.Module.to = module_to_cpu  # type: ignore[method-assign,assignment]
 
     for name in (
         "arange", "empty", "full", "ones", "rand", "randint", "randn", "randperm",
