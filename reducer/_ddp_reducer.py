@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .buckets import Bucket
 from .comm_hooks import FutureWork
-from .graph import gradient_accumulator, remove_hooks
+from .graph import gradient_accumulator, is_future, remove_hooks
 from .reducer import Reducer
 
 __all__: list[str] = []
@@ -113,7 +113,7 @@ class DDPReducer(Reducer):
     def _install_post_backward_futures(self, futures: Sequence[object]) -> None:
         """Futures (of a buffer comm hook) to await when this iteration's backward ends."""
         for future in futures:
-            if not isinstance(future, torch.futures.Future):
+            if not is_future(future):
                 raise TypeError(
                     "a buffer comm hook returns None or a list of torch.futures.Future, got "
                     f"an element of type {type(future).__name__}"
