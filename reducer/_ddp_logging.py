@@ -123,6 +123,8 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
     """The keys of torch's ``_get_ddp_logging_data()`` that mean something here, in torch's
     formats (flags as 0/1, lists as strings, times in ns). torch's keys that describe its
     C++ logger's sampling, CUDA events or NCCL settings are absent (see the README)."""
+    failure = ddp.reducer._failure
+    errors = {} if failure is None else {"has_error": 1, "error": str(failure)}
     group = ddp._torch_group
     backend = dist.get_backend(group) if group is not None else data.process_group
     ns = 1_000_000  # the record keeps milliseconds
@@ -157,4 +159,5 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
         "avg_backward_compute_time": int(data.avg_backward_compute_ms * ns),
         "avg_backward_comm_time": int(data.avg_comm_ms * ns),
         "avg_backward_compute_comm_overlap_time": int(data.avg_overlap_ms * ns),
+        **errors,
     }

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import errors
 from .buckets import Bucket
 from .comm_hooks import FutureWork
 from .graph import gradient_accumulator, is_future, remove_hooks
@@ -38,7 +39,31 @@ class DDPReducer(Reducer):
         self.buckets_reduced = 0
         self._reducing = 0
 
+    def _check_prior_reduction_finished(self) -> None:
+        """Raise torch's error, with this reducer's detail, where the previous iteration's
+        reduction did not finish (some parameter got no gradient). torch checks this when
+        an iteration starts and before it rebuilds buckets; so does the wrapper."""
+        with self._lock:
+            self._check_usable("prepare_for_backward")
+            if not self._require_finalize:
+                return
+            missing = [i for i, ready in enumerate(self._ready[0]) if not ready]
+            torch_text = ""
+            if missing:
+                torch_text = errors.torch_unfinished_text(
+                    self._rank(),
+                    missing,
+                    self._names,
+                    static=self._static.enabled,
+                    searched=self._find_unused,
+                )
+            error = errors.unfinished_error(
+                self._wording, self._rank(), self._ready, self._names, torch_text=torch_text
+            )
+            raise self._fail(error)
+
     def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        self._check_prior_reduction_finished()
         if outputs:
             with torch.autograd.profiler.record_function("search_unused_parameters"):
                 super().prepare_for_backward(outputs)

@@ -302,6 +302,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:  # See Note [The collectives of a joined iteration].
             notified = _join.notify_join_context(self)
             _join.announce_sync(self, synced)
+        if synced:
+            # Before the rebuild, as torch: an unfinished reduction is the error to report.
+            self.reducer._check_prior_reduction_finished()
         if synced and self._should_rebuild():
             self._rebuild_buckets()
         if self._buffer_hook_at(_BufferCommHookLocation.PRE_FORWARD):
