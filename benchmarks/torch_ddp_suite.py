@@ -288,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         "--load", type=Path, action="append", default=[],
         help="take results from a file --save wrote instead of running them again",
     )  # fmt: skip
+    parser.add_argument(
+        "--where-torch-passes", type=Path,
+        help="run this DDP only on the tests that torch's DDP passes in a file --save wrote",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     _set_timeout(args.timeout)
@@ -308,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             for impl, outcomes in by_impl.items():
                 for name, fields in outcomes.items():
                     saved.setdefault(mode, {}).setdefault(impl, {})[name] = Outcome(**fields)
+    torch_passes: dict[str, set[str]] | None = None
+    if args.where_torch_passes:
+        loaded = json.loads(args.where_torch_passes.read_text())
+        torch_passes = {
+            mode: {n for n, o in r.get("torch", {}).items() if o["result"] == "pass"}
+            for mode, r in loaded.items()
+        }
     totals = {}
     results: dict[str, dict[str, dict[str, Outcome]]] = {}
     for mode, names in plan.items():
@@ -318,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             for impl in impls:
                 if name in runs[impl]:
                     continue
+                if impl == "ours" and name not in (torch_passes or {}).get(mode, {name}):
+                    continue  # --where-torch-passes: torch's DDP does not pass it
                 if mode == "plain" and cuda_gated(name) and not _has_cuda_devices():
                     # The test's own decorator would skip it in each rank; said here, without
                     # spawning them.
