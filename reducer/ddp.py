@@ -530,6 +530,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """Every rank takes the highest last joiner's parameters (and synced buffers)."""
         root = common_rank(self._group, self.device, is_last_joiner)
+        self._authoritative_rank = root  # torch's name: the rank the final model came from
         tensors: list[Tensor] = [
             p for _, p in synced_parameters(self.module, self.parameters_to_ignore)
         ]

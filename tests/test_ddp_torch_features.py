@@ -312,3 +312,27 @@ def test_buffer_broadcast_through_a_hook_matches_torch() -> None:
         return ddp
 
     _assert_identical(_both(make))
+
+
+# -------------------------------------------------------------------------------------------
+# Join: the rank the final model came from.
+
+
+def test_join_records_the_authoritative_rank_as_torch() -> None:
+    """Ranks with 1 and 3 batches: after join every rank took rank 1's model, and says so
+    in ``_authoritative_rank`` as torch's DDP does (its suite reads it)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[int, list[Tensor]]]:
+        out = []
+        for cls in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            model = build()
+            ddp = cls(model, bucket_cap_mb=1e-4)
+            with ddp.join():
+                for step in range(1 + 2 * pg.rank()):
+                    ddp(rank_input(pg.rank(), (4, 6), step)).pow(2).sum().backward()
+            out.append((ddp._authoritative_rank, [p.detach().clone() for p in model.parameters()]))
+        return out
+
+    for (ours_rank, ours), (theirs_rank, theirs) in fakepg.run_torch(fn, W, timeout=60.0):
+        assert ours_rank == theirs_rank == W - 1
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
