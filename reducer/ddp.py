@@ -39,6 +39,12 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # starts, which is also where the first static-graph iteration queues its reduction (see Note
 # [Static graph] in reducer.static_graph).
 
+# Note [Pickling the wrapper]
+# As torch's: the state pickles without the process group and the reducer (neither can be
+# pickled), which only works for a wrapper over torch.distributed's default group; loading
+# it takes the default group again and builds a new reducer on the loaded parameters, with
+# torch's initial buckets (rebuilt after its first iteration), without collectives.
+
 # Note [Rebuilding buckets]
 # The initial buckets (torch's rule: see ddp_bucket_assignment) guess that gradients become
 # ready in reverse parameter order. After the first synced iteration the reducer knows the
@@ -125,9 +131,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     is taken as ``process_group``: only None, a list of devices or a device is taken as
     ``device_ids`` there, and a group is none of these. ``device_ids`` names the one device of
     a module on an accelerator (``[local_rank]``); several devices are refused.
-    ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``,
-    ``device_mesh`` and ``skip_all_reduce_unused_params=True`` are refused with an error that
-    names them; ``check_reduction`` warns, as torch's does; gradient copies are always batched
+    ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` are refused with an
+    error that names them; ``mixed_precision`` (see reducer._ddp_mixed_precision),
+    ``device_mesh`` (one-dimensional: its group) and ``skip_all_reduce_unused_params`` (see
+    Note [Skipping buckets of unused parameters] in reducer._ddp_reducer) are torch's; ``check_reduction`` warns, as torch's does; gradient copies are always batched
     per bucket, whatever ``batched_grad_copy`` says. ``comm_hook_timeout`` (seconds, keyword
     only) bounds the wait for a comm hook's future.
 
