@@ -134,7 +134,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` are refused with an
     error that names them; ``mixed_precision`` (see reducer._ddp_mixed_precision),
     ``device_mesh`` (one-dimensional: its group) and ``skip_all_reduce_unused_params`` (see
-    Note [Skipping buckets of unused parameters] in reducer._ddp_reducer) are torch's; ``check_reduction`` warns, as torch's does; gradient copies are always batched
+    Note [Skipping buckets of unused parameters] in reducer._ddp_reducer) are torch's;
+    ``check_reduction`` warns, as torch's does; gradient copies are always batched
     per bucket, whatever ``batched_grad_copy`` says. ``comm_hook_timeout`` (seconds, keyword
     only) bounds the wait for a comm hook's future.
 
