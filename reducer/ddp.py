@@ -662,6 +662,30 @@ class DistributedDataParallel(nn.Module, Joinable):
         gradients (torch's call; this wrapper built them at construction)."""
         return list(self._params), list(self._sparse)
 
+    def _build_debug_param_to_name_mapping(self, parameters: Sequence[Tensor]) -> dict[int, str]:
+        """Each index in ``parameters`` (the reducer's list) to the parameter's name in the
+        module: torch's call, with torch's checks (ValueError where the list and the
+        module's trainable, not ignored parameters differ)."""
+        index_of = {id(p): i for i, p in enumerate(parameters)}
+        names: dict[int, str] = {}
+        for name, param in self.module.named_parameters():
+            if name in self.parameters_to_ignore or not param.requires_grad:
+                continue
+            if id(param) not in index_of:
+                raise InvalidArgument(
+                    f"Param with name {name} found in module parameters, but not DDP "
+                    "parameters: the list given is not the one this wrapper reduces (see "
+                    "_build_params_for_reducer)"
+                )
+            names[index_of[id(param)]] = name
+        if len(index_of) != len(names):
+            raise InvalidArgument(
+                "Expected param to name mapping to cover all parameters, but got conflicting "
+                f"lengths: {len(index_of)} vs {len(names)}: the list given holds parameters "
+                "this wrapper does not reduce"
+            )
+        return names
+
     def _set_ddp_sink_clone(self, val: bool) -> None:
         """torch's switch for cloning outputs in its sink. Kept, with no effect: the sink
         here (reducer._ddp_outputs) must return new tensors to see their gradients, so it

@@ -336,3 +336,46 @@ def test_join_records_the_authoritative_rank_as_torch() -> None:
     for (ours_rank, ours), (theirs_rank, theirs) in fakepg.run_torch(fn, W, timeout=60.0):
         assert ours_rank == theirs_rank == W - 1
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+# -------------------------------------------------------------------------------------------
+# The calls torch's tools make on a wrapper.
+
+
+def test_parameter_calls_answer_as_torchs() -> None:
+    """_build_params_for_reducer, _build_debug_param_to_name_mapping (and its errors),
+    _get_data_parallel_params, bucket_bytes_cap_list and broadcast_bucket_size."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Any]:
+        answers = []
+        for cls in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            model = build()
+            cls._set_params_and_buffers_to_ignore_for_model(model, ["a.bias"])
+            ddp = cls(model, bucket_cap_mb_list=[1, 2])
+            params, sparse = ddp._build_params_for_reducer()
+            mapping = ddp._build_debug_param_to_name_mapping(params)
+            with pytest.raises(ValueError, match="Expected param to name mapping"):
+                ddp._build_debug_param_to_name_mapping([*params, nn.Parameter(torch.ones(1))])
+            with pytest.raises(ValueError, match="Param with name"):
+                ddp._build_debug_param_to_name_mapping(params[:-1])
+            # By name: torch's filters nothing (it looks for the mark on the (name, param)
+            # pair); this one leaves the ignored parameter out, as without names.
+            named = [n for n, _ in cls._get_data_parallel_params(model, named_params=True)]
+            unnamed = [id(p) for p in cls._get_data_parallel_params(model)]
+            answers.append(
+                (
+                    named,
+                    [id(p) for p in params],
+                    list(sparse),
+                    mapping,
+                    [id(p) for n, p in model.named_parameters() if n != "a.bias"] == unnamed,
+                    ddp.bucket_bytes_cap_list,
+                    ddp.broadcast_bucket_size,
+                )
+            )
+        return answers
+
+    for ours, theirs in fakepg.run_torch(fn, W, timeout=30.0):
+        assert ours[2:] == theirs[2:]
+        assert len(ours[1]) == len(theirs[1]) == 3  # a.weight, b.weight, b.bias
+        assert ours[0] == ["frozen", "a.weight", "b.weight", "b.bias"]
