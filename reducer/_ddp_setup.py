@@ -96,9 +96,6 @@ def refuse_unsupported(
     *,
     delay_all_reduce_named_params: object,
     param_to_hook_all_reduce: object,
-    mixed_precision: object,
-    device_mesh: object,
-    skip_all_reduce_unused_params: object,
     check_reduction: object,
 ) -> None:
     """Refuse, by name, torch's arguments this wrapper cannot honour (none is ignored)."""
@@ -110,20 +107,6 @@ def refuse_unsupported(
         "param_to_hook_all_reduce": (
             param_to_hook_all_reduce is not None,
             "it goes with delay_all_reduce_named_params, which is not supported; leave it None",
-        ),
-        "mixed_precision": (
-            mixed_precision is not None,
-            "train in the parameters' dtype, or compress the communication only with "
-            "register_comm_hook(None, reducer.fp16_compress_hook)",
-        ),
-        "device_mesh": (
-            device_mesh is not None,
-            "for a one-dimensional mesh pass process_group=device_mesh.get_group(0)",
-        ),
-        "skip_all_reduce_unused_params": (
-            bool(skip_all_reduce_unused_params),
-            "unused parameters are reduced as zeros (and keep their .grad where no rank used "
-            "them); leave it False",
         ),
     }
     for name, (given, fix) in refused.items():
@@ -137,6 +120,59 @@ def refuse_unsupported(
             FutureWarning,
             stacklevel=3,
         )
+
+
+def warn_broadcast_buffers(broadcast_buffers: object, forward_sync_buffers: object) -> None:
+    """torch 2.13's FutureWarning for the deprecated ``broadcast_buffers``, word for word."""
+    if broadcast_buffers is None:
+        return
+    if forward_sync_buffers is not None:
+        message = (
+            "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+            "`broadcast_buffers` is deprecated and its value is ignored when "
+            "`forward_sync_buffers` is provided."
+        )
+    else:
+        message = (
+            "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+            "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+            "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
+            "rank-local buffers), keep using `broadcast_buffers=False` until "
+            "`init_sync_buffers` is available."
+        )
+    warnings.warn(message, FutureWarning, stacklevel=3)
+
+
+def mesh_group(device_mesh: Any, process_group: object) -> object:
+    """The group of a one-dimensional ``device_mesh``, as torch's DDP takes it (its errors:
+    RuntimeError, torch's phrases)."""
+    if process_group is not None:
+        raise InvalidModel(
+            f"{_WHO}: Cannot specify both process_group and device_mesh arguments. Pass one: "
+            "device_mesh=mesh for a one-dimensional mesh, or process_group=group"
+        )
+    ndim = getattr(device_mesh, "ndim", None)
+    if ndim != 1:
+        raise InvalidModel(
+            f"{_WHO}: Only 1D device mesh is supported, but got {device_mesh}. For a mesh of "
+            "several dimensions pass the data-parallel dimension's group: "
+            "process_group=mesh.get_group(mesh_dim)"
+        )
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def refuse_cpu_sync_batchnorm(module: nn.Module, device_type: str) -> None:
+    """torch's DDP refuses SyncBatchNorm in a CPU module (ValueError, torch's phrase):
+    SyncBatchNorm's forward needs a GPU module."""
+    if device_type != "cpu":
+        return
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.SyncBatchNorm):
+            raise InvalidArgument(
+                f"{_WHO}: SyncBatchNorm layers only work with GPU modules; {name or 'the module'}"
+                " is a SyncBatchNorm in a CPU module. Use nn.BatchNorm (per-rank statistics, "
+                "buffers broadcast from rank 0), or move the module to a GPU"
+            )
 
 
 def bucket_limits(
@@ -312,6 +348,17 @@ def buffer_slots(module: nn.Module, ignore: set[str]) -> list[BufferSlot]:
             seen.add(id(buffer))
             slots.append((owner, name))
     return slots
+
+
+def named_buffers(module: nn.Module, slots: Sequence[BufferSlot]) -> dict[str, Tensor]:
+    """The synced buffers by their name in ``module`` (what buffer comm hooks get)."""
+    prefixes = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
+    result: dict[str, Tensor] = {}
+    for owner, name in slots:
+        buffer = getattr(owner, name, None)
+        if isinstance(buffer, Tensor):
+            result[prefixes.get(id(owner), "") + name] = buffer
+    return result
 
 
 def read_buffers(slots: Sequence[BufferSlot]) -> list[Tensor]:

@@ -78,7 +78,7 @@ class JoiningWrapper(Protocol):
     _shadowed: int
 
     @property
-    def process_group(self) -> ProcessGroup: ...
+    def _group(self) -> ProcessGroup: ...
 
     @property
     def find_unused_parameters(self) -> bool: ...
@@ -142,7 +142,7 @@ class Join:
         try:
             if not self._enable or exc_type is not None:
                 return  # an error inside the block propagates as it is
-            group, device = self._ddp.process_group, self._ddp.join_device
+            group, device = self._ddp._group, self._ddp.join_device
             is_last_joiner = True
             while _count(group, device, 0.0) > 0:
                 if self._throw:
@@ -180,7 +180,7 @@ class DDPJoinHook(JoinHook):
         """Shadow one iteration of the ranks still training. See Note [The collectives of a
         joined iteration]."""
         ddp = self._ddp
-        synced = _count(ddp.process_group, ddp.join_device, 0.0) > 0
+        synced = _count(ddp._group, ddp.join_device, 0.0) > 0
         if synced and ddp._should_rebuild():
             ddp._rebuild_buckets()
         ddp._sync_buffers(candidate=False)
@@ -207,7 +207,7 @@ def notify_join_context(ddp: JoiningWrapper) -> tuple[Work, Tensor] | None:
     config = ddp._join_config
     if not (config.enable and config.is_first_joinable):
         return None
-    group, device = ddp.process_group, ddp.join_device
+    group, device = ddp._group, ddp.join_device
     ones = torch.ones(1, dtype=torch.float32, device=device)
     work = group.allreduce([ones])
     if config.throw_on_early_termination and _count(group, device, 0.0) > 0:
@@ -224,7 +224,7 @@ def announce_sync(ddp: JoiningWrapper, synced: bool) -> None:
     """In forward, under join: tell the ranks that ran out whether this iteration's backward
     reduces (their ``main_hook`` shadows it only then)."""
     flag = torch.full((1,), float(synced), dtype=torch.float32, device=ddp.join_device)
-    ddp.process_group.allreduce([flag]).wait()
+    ddp._group.allreduce([flag]).wait()
 
 
 def training_ranks(notified: tuple[Work, Tensor]) -> int:

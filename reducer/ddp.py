@@ -39,6 +39,12 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # starts, which is also where the first static-graph iteration queues its reduction (see Note
 # [Static graph] in reducer.static_graph).
 
+# Note [Pickling the wrapper]
+# As torch's: the state pickles without the process group and the reducer (neither can be
+# pickled), which only works for a wrapper over torch.distributed's default group; loading
+# it takes the default group again and builds a new reducer on the loaded parameters, with
+# torch's initial buckets (rebuilt after its first iteration), without collectives.
+
 # Note [Rebuilding buckets]
 # The initial buckets (torch's rule: see ddp_bucket_assignment) guess that gradients become
 # ready in reverse parameter order. After the first synced iteration the reducer knows the
@@ -58,18 +64,23 @@ import dataclasses
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable
 
+# torch's enum for where a buffer comm hook runs, so that torch's own callers' values work.
+from torch.nn.parallel.distributed import _BufferCommHookLocation
+
+from . import _ddp_mixed_precision as _mp
 from . import _join
-from ._ddp_logging import DDPLoggingData, Timings
+from ._ddp_logging import DDPLoggingData, Timings, torch_logging_data
 from ._ddp_outputs import OutputSink, find_tensors, replace_tensors
+from ._ddp_reducer import DDPReducer
 from ._ddp_setup import (
     broadcast_from,
     bucket_limits,
@@ -77,25 +88,36 @@ from ._ddp_setup import (
     check_initialized,
     common_rank,
     ignored_names,
+    mesh_group,
     move_inputs,
+    named_buffers,
     names_devices,
     read_buffers,
+    refuse_cpu_sync_batchnorm,
     refuse_unsupported,
     resolve_devices,
     resolve_process_group,
     synced_parameters,
     verify_same_parameters,
+    warn_broadcast_buffers,
 )
 from .buckets import compute_bucket_assignment_by_size, sparse_gradient_flags
 from .comm_hooks import CommHook
-from .errors import DDP_WORDING, InvalidArgument, InvalidModel
+from .errors import DDP_WORDING, InvalidArgument, InvalidArgumentType, InvalidModel
 from .process_group import ProcessGroup
-from .reducer import Reducer
 from .stats import IterationStats
 
 __all__ = ["DDPLoggingData", "DistributedDataParallel"]
 
 DeviceIds = Sequence[int | str | torch.device]
+
+
+class _BufferHook(NamedTuple):
+    """A buffer comm hook: see DistributedDataParallel._register_buffer_comm_hook."""
+
+    hook: Callable[[object, dict[str, Tensor]], Any]
+    state: object
+    location: _BufferCommHookLocation
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -109,9 +131,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     is taken as ``process_group``: only None, a list of devices or a device is taken as
     ``device_ids`` there, and a group is none of these. ``device_ids`` names the one device of
     a module on an accelerator (``[local_rank]``); several devices are refused.
-    ``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``, ``mixed_precision``,
-    ``device_mesh`` and ``skip_all_reduce_unused_params=True`` are refused with an error that
-    names them; ``check_reduction`` warns, as torch's does; gradient copies are always batched
+    ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` are refused with an
+    error that names them; ``mixed_precision`` (see reducer._ddp_mixed_precision),
+    ``device_mesh`` (one-dimensional: its group) and ``skip_all_reduce_unused_params`` (see
+    Note [Skipping buckets of unused parameters] in reducer._ddp_reducer) are torch's;
+    ``check_reduction`` warns, as torch's does; gradient copies are always batched
     per bucket, whatever ``batched_grad_copy`` says. ``comm_hook_timeout`` (seconds, keyword
     only) bounds the wait for a comm hook's future.
 
@@ -125,7 +149,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         device_ids: DeviceIds | ProcessGroup | dist.ProcessGroup | None = None,
         output_device: int | str | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: ProcessGroup | dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
@@ -161,17 +185,26 @@ class DistributedDataParallel(nn.Module, Joinable):
         refuse_unsupported(
             delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce,
-            mixed_precision=mixed_precision,
-            device_mesh=device_mesh,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             check_reduction=check_reduction,
         )
-        self.bucket_cap_mb, initial_limits, self._rebuild_limits = bucket_limits(
+        self.bucket_cap_mb, self._initial_limits, self._rebuild_limits = bucket_limits(
             bucket_cap_mb, bucket_cap_mb_list
         )
+        # torch's attributes, in bytes (see bucket_limits).
+        self.bucket_bytes_cap = self._rebuild_limits[-1]
+        self.bucket_bytes_cap_list = list(self._rebuild_limits) if bucket_cap_mb_list else []
+        self.broadcast_bucket_size = 250 * 1024 * 1024  # torch's; broadcasts here are flat
+        if device_mesh is not None:
+            process_group = mesh_group(device_mesh, process_group)  # type: ignore[assignment]
+            self.device_mesh = device_mesh
         group, self._torch_group = resolve_process_group(process_group)
         self.module = module
-        self.process_group = group
+        # What the caller passed (or torch.distributed's default group), as torch keeps it;
+        # the wrapper reduces over _group, the same group as a reducer.ProcessGroup.
+        self.process_group: Any = (
+            process_group if process_group is not None else (self._torch_group)
+        )
+        self._group = group
         # Names, as torch keeps them; see _set_params_and_buffers_to_ignore_for_model.
         self.parameters_to_ignore = ignored_names(module)
         synced = synced_parameters(module, self.parameters_to_ignore)
@@ -184,12 +217,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.batched_grad_copy = bool(batched_grad_copy)
         self.static_graph = False  # see _set_static_graph, below
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        self.mixed_precision = (
+            None if mixed_precision is None else _mp.check_config(mixed_precision)
+        )
         # torch: forward_sync_buffers, when given, syncs buffers in forward and always at
-        # construction; otherwise broadcast_buffers decides both.
+        # construction; otherwise broadcast_buffers (deprecated, default True) decides both.
+        warn_broadcast_buffers(broadcast_buffers, forward_sync_buffers)
         if forward_sync_buffers is not None:
             self.forward_sync_buffers, init_buffers = bool(forward_sync_buffers), True
         else:
-            self.forward_sync_buffers = init_buffers = bool(broadcast_buffers)
+            default = True if broadcast_buffers is None else bool(broadcast_buffers)
+            self.forward_sync_buffers = init_buffers = default
         # Toggled directly by training scripts (nanoGPT) for gradient accumulation.
         self.require_backward_grad_sync = True
 
@@ -200,6 +239,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             # First, on every rank alike: a rank that raised alone would leave the others
             # waiting.
             verify_same_parameters([n for n, _ in synced], [p for _, p in synced], group)
+        refuse_cpu_sync_batchnorm(module, self.device_type)
         if not named:
             raise InvalidModel(
                 "DistributedDataParallel: the module has no parameter that requires grad (not "
@@ -214,27 +254,43 @@ class DistributedDataParallel(nn.Module, Joinable):
             buffers = read_buffers(self._buffer_slots) if init_buffers else []
             broadcast_from([*(p for _, p in synced), *buffers], group, 0)
         self._sparse = sparse_gradient_flags(module, self._params)
-        buckets = compute_bucket_assignment_by_size(self._params, initial_limits, self._sparse)
-        self.reducer = Reducer(
-            [self._params],
-            list(reversed(buckets)),  # see reducer.ddp_bucket_assignment
-            group,
-            [self._sparse],
-            param_names=self._param_names,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            timeout=comm_hook_timeout,
-            gradient_scaling="reciprocal",  # torch's rounding, at every world size
-        )
-        self.reducer._wording = DDP_WORDING
+        self._comm_hook_timeout = comm_hook_timeout
         self._world_size = group.size()
-        self._divisor = self._world_size  # the reducer's; see join
         self._divide_by_initial_world_size = True
         self._shadowed = 0  # synced iterations this rank shadowed under join
         self._buckets_rebuilt = False
         self._comm_hook_name: str | None = None
         self._timings = Timings()
+        self._ddp_sink_clone = True
+        self._build_reducer()
         if static_graph:
             self._set_static_graph()
+
+    def _build_reducer(self) -> None:
+        """The reducer over the parameters, in torch's initial buckets (construction, and
+        after unpickling); with mixed precision, the parameters' low-precision twins and the
+        comm hook that reduces in ``reduce_dtype``."""
+        buckets = compute_bucket_assignment_by_size(
+            self._params, self._initial_limits, self._sparse
+        )
+        self.reducer = DDPReducer(
+            [self._params],
+            list(reversed(buckets)),  # see reducer.ddp_bucket_assignment
+            self._group,
+            [self._sparse],
+            param_names=self._param_names,
+            # Under mixed precision .grad changes dtype each iteration: no views (same bits).
+            gradient_as_bucket_view=self.gradient_as_bucket_view and not self.mixed_precision,
+            timeout=self._comm_hook_timeout,
+            gradient_scaling="reciprocal",  # torch's rounding, at every world size
+        )
+        self.reducer._wording = DDP_WORDING
+        self.reducer.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
+        self._divisor = self._world_size  # the reducer's; see join
+        if self.mixed_precision is not None:
+            _mp.setup(self.mixed_precision, self.module)
+            state = _mp.UpcastState(self, self._group)
+            self.reducer.register_comm_hook(state, _mp.allreduce_and_upcast)  # type: ignore[arg-type]
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -255,15 +311,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._join_config.enable:  # See Note [The collectives of a joined iteration].
             notified = _join.notify_join_context(self)
             _join.announce_sync(self, synced)
+        if synced:
+            # Before the rebuild, as torch: an unfinished reduction is the error to report.
+            self.reducer._check_prior_reduction_finished()
         if synced and self._should_rebuild():
             self._rebuild_buckets()
-        self._sync_buffers(candidate=True)
+        if self._buffer_hook_at(_BufferCommHookLocation.PRE_FORWARD):
+            self._sync_buffers(candidate=True)
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = move_inputs(inputs, kwargs, device)
+        if self.mixed_precision is not None:
+            inputs, kwargs = _mp.cast_inputs(self.mixed_precision.param_dtype, inputs, kwargs)
+            _mp.to_low_precision(self.mixed_precision, self.module)
+            self.reducer._refresh_accumulators()  # new ones, for the low-precision data
         start = time.perf_counter_ns()
         output = self.module(*inputs, **kwargs)
         forward_ns = time.perf_counter_ns() - start
+        if self._buffer_hook_at(_BufferCommHookLocation.POST_FORWARD):
+            self._sync_buffers(candidate=True)
         training = self._world_size if notified is None else _join.training_ranks(notified)
         if not synced:
             return output  # no_sync / eval: gradients accumulate locally
@@ -397,15 +463,22 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._torch_group is None:
             raise InvalidArgument(
                 "torch's Join runs its collectives through torch.distributed, but this "
-                f"DistributedDataParallel reduces over {self.process_group!r}, which is not a "
+                f"DistributedDataParallel reduces over {self._group!r}, which is not a "
                 "torch.distributed group; use ddp.join() instead (it works over any process "
                 "group)"
             )
         return self._torch_group
 
+    def _buffer_hook_at(self, location: _BufferCommHookLocation) -> bool:
+        """Whether forward syncs buffers at ``location``: before the module runs, unless a
+        buffer comm hook asks for after."""
+        hook = self.__dict__.get("buffer_hook")
+        wanted = _BufferCommHookLocation.PRE_FORWARD if hook is None else hook.location
+        return location == wanted
+
     def _sync_buffers(self, *, candidate: bool) -> None:
         """Broadcast buffers from rank 0; under join, from the highest rank still training
-        (``candidate``: this rank is one)."""
+        (``candidate``: this rank is one). A buffer comm hook replaces the broadcast."""
         if not self.forward_sync_buffers:
             return
         buffers = read_buffers(self._buffer_slots)
@@ -413,18 +486,66 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         root = 0
         if self._join_config.enable:
-            root = common_rank(self.process_group, self.device, candidate)
-        broadcast_from(buffers, self.process_group, root)
+            root = common_rank(self._group, self.device, candidate)
+        hook = self.__dict__.get("buffer_hook")
+        if hook is None:
+            broadcast_from(buffers, self._group, root)
+            return
+        with torch.no_grad():
+            futures = hook.hook(hook.state, named_buffers(self.module, self._buffer_slots))
+        if futures is not None:
+            self.reducer._install_post_backward_futures(futures)
+
+    def _register_buffer_comm_hook(
+        self,
+        state: object,
+        hook: Callable[[object, dict[str, Tensor]], Any],
+        comm_hook_location: _BufferCommHookLocation = _BufferCommHookLocation.POST_FORWARD,
+    ) -> None:
+        """Sync buffers with ``hook(state, {name: buffer})`` instead of the broadcast from
+        rank 0 (torch's call): e.g. an allreduce that averages running statistics.
+
+        It runs in forward where the broadcast would (whenever buffers are synced), before
+        (``PRE_FORWARD``) or after (``POST_FORWARD``, the default) the module runs. It may
+        return a list of futures: they are awaited when that iteration's backward ends, so
+        the communication overlaps with backward. Any collective it issues must be issued
+        the same way on every rank.
+        """
+        if not callable(hook):
+            raise InvalidArgumentType(
+                f"_register_buffer_comm_hook: hook must be callable, got {type(hook).__name__}"
+            )
+        if not isinstance(comm_hook_location, _BufferCommHookLocation):
+            raise InvalidArgument(
+                "_register_buffer_comm_hook: comm_hook_location must be "
+                "torch.nn.parallel.distributed._BufferCommHookLocation.PRE_FORWARD or "
+                f"POST_FORWARD, got {comm_hook_location!r}"
+            )
+        self.buffer_hook = _BufferHook(hook, state, comm_hook_location)
+
+    def _default_broadcast_coalesced(
+        self,
+        bufs: Sequence[Tensor] | None = None,
+        bucket_size: int | None = None,
+        authoritative_rank: int = 0,
+    ) -> None:
+        """Broadcast ``bufs`` (default: the synced buffers) from ``authoritative_rank``, as
+        forward does; torch's name, for buffer comm hooks. One flat broadcast per dtype:
+        ``bucket_size`` does not split it here."""
+        tensors = read_buffers(self._buffer_slots) if bufs is None else list(bufs)
+        with torch.no_grad():
+            broadcast_from(tensors, self._group, authoritative_rank)
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """Every rank takes the highest last joiner's parameters (and synced buffers)."""
-        root = common_rank(self.process_group, self.device, is_last_joiner)
+        root = common_rank(self._group, self.device, is_last_joiner)
+        self._authoritative_rank = root  # torch's name: the rank the final model came from
         tensors: list[Tensor] = [
             p for _, p in synced_parameters(self.module, self.parameters_to_ignore)
         ]
         if self.forward_sync_buffers:
             tensors += read_buffers(self._buffer_slots)
-        broadcast_from(tensors, self.process_group, root)
+        broadcast_from(tensors, self._group, root)
 
     # ---------------------------------------------------------------------------------------
     # Rebuilding buckets. See Note [Rebuilding buckets].
@@ -438,7 +559,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _rebuild_buckets(self) -> None:
         order = torch.tensor(self.reducer.ready_order, dtype=torch.int64, device=self.device)
-        self.process_group.broadcast([order], 0).wait()  # rank 0's order, for every rank
+        self._group.broadcast([order], 0).wait()  # rank 0's order, for every rank
         ready_order = [int(i) for i in order.tolist()]
         in_order = compute_bucket_assignment_by_size(
             [self._params[i] for i in ready_order],
@@ -458,10 +579,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         timings.absorb(last)
         ms = 1e-6
         return DDPLoggingData(
-            rank=self.process_group.rank(),
-            world_size=self.process_group.size(),
+            rank=self._group.rank(),
+            world_size=self._group.size(),
             module_name=type(self.module).__name__,
-            process_group=type(self.process_group).__name__,
+            process_group=type(self._group).__name__,
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
@@ -489,5 +610,117 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch's name for :meth:`logging_data`, as a dict."""
-        return dataclasses.asdict(self.logging_data())
+        """torch's name for :meth:`logging_data`, as a dict: its fields, then the other keys
+        of torch's logging data that have a meaning here (see torch_logging_data). Where a
+        field and a torch key share a name, the field is kept."""
+        data = self.logging_data()
+        return {**torch_logging_data(self, data), **dataclasses.asdict(data)}
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch's call: how often (in iterations, after the first 10) torch samples its
+        runtime stats. Every synced iteration is timed here; the rate is kept and checked."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate < 1:
+            raise InvalidArgument(
+                "DDP runtime logging sample rate should be equal or greater than 1, got "
+                f"{sample_rate!r}"
+            )
+        self.reducer._set_ddp_runtime_logging_sample_rate(sample_rate)
+
+    # ---------------------------------------------------------------------------------------
+    # torch's calls, for tools and torch's own helpers.
+
+    def _register_builtin_comm_hook(self, comm_hook_type: object) -> None:
+        """torch's built-in hooks by their ``dist.BuiltinCommHookType``: ALLREDUCE and
+        FP16_COMPRESS, here the Python hooks that compute the same (reducer.allreduce_hook,
+        reducer.fp16_compress_hook)."""
+        from .comm_hooks import allreduce_hook, fp16_compress_hook
+
+        builtin = getattr(dist, "BuiltinCommHookType", None)
+        hooks = {}
+        if builtin is not None:
+            hooks = {builtin.ALLREDUCE: allreduce_hook, builtin.FP16_COMPRESS: fp16_compress_hook}
+        hook = hooks.get(comm_hook_type)
+        if hook is None:
+            raise InvalidArgument(
+                f"_register_builtin_comm_hook: {comm_hook_type!r} is not a "
+                "torch.distributed.BuiltinCommHookType (ALLREDUCE or FP16_COMPRESS)"
+            )
+        self.register_comm_hook(None, hook)
+        self._comm_hook_name = str(comm_hook_type)
+
+    @staticmethod
+    def _get_data_parallel_params(module: nn.Module, named_params: bool = False) -> Iterator[Any]:
+        """The parameters of ``module`` that DDP reduces (not marked ignored), as torch's
+        staticmethod gives them: names too with ``named_params``."""
+        items = module.named_parameters() if named_params else module.parameters()
+        for item in items:
+            param = item[1] if named_params else item
+            if not hasattr(param, "_ddp_ignored"):
+                yield item
+
+    def _build_params_for_reducer(self) -> tuple[list[Tensor], list[bool]]:
+        """The parameters the reducer reduces, in its order, and which have sparse
+        gradients (torch's call; this wrapper built them at construction)."""
+        return list(self._params), list(self._sparse)
+
+    def _build_debug_param_to_name_mapping(self, parameters: Sequence[Tensor]) -> dict[int, str]:
+        """Each index in ``parameters`` (the reducer's list) to the parameter's name in the
+        module: torch's call, with torch's checks (ValueError where the list and the
+        module's trainable, not ignored parameters differ)."""
+        index_of = {id(p): i for i, p in enumerate(parameters)}
+        names: dict[int, str] = {}
+        for name, param in self.module.named_parameters():
+            if name in self.parameters_to_ignore or not param.requires_grad:
+                continue
+            if id(param) not in index_of:
+                raise InvalidArgument(
+                    f"Param with name {name} found in module parameters, but not DDP "
+                    "parameters: the list given is not the one this wrapper reduces (see "
+                    "_build_params_for_reducer)"
+                )
+            names[index_of[id(param)]] = name
+        if len(index_of) != len(names):
+            raise InvalidArgument(
+                "Expected param to name mapping to cover all parameters, but got conflicting "
+                f"lengths: {len(index_of)} vs {len(names)}: the list given holds parameters "
+                "this wrapper does not reduce"
+            )
+        return names
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """torch's switch for cloning outputs in its sink. Kept, with no effect: the sink
+        here (reducer._ddp_outputs) must return new tensors to see their gradients, so it
+        always clones."""
+        self._ddp_sink_clone = bool(val)
+
+    def _remove_autograd_hooks(self) -> None:
+        """Take the reducer's hooks off the parameters without closing it (torch's call,
+        e.g. after an error in backward, before wrapping the module again)."""
+        self.reducer._remove_autograd_hooks()
+
+    # ---------------------------------------------------------------------------------------
+    # Pickling. See Note [Pickling the wrapper].
+
+    def __getstate__(self) -> dict[str, Any]:
+        default = dist.group.WORLD if dist.is_initialized() else None
+        if default is None or self._torch_group is not default:
+            raise InvalidModel(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default "
+                "process group. That is, when you have called init_process_group and have not "
+                "passed process_group argument to DDP constructor. To save this wrapper's "
+                "training state, save ddp.module.state_dict() instead"
+            )
+        state = dict(self.__dict__)
+        for key in ("process_group", "_group", "_torch_group", "reducer"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._group, self._torch_group = resolve_process_group(None)
+        self.process_group = self._torch_group
+        self._world_size = self._group.size()
+        self._buckets_rebuilt, self._shadowed, self._timings = False, 0, Timings()
+        self._build_reducer()  # a new reducer, as torch's: buckets rebuilt after its first step
+        if self.static_graph:
+            self.reducer._set_static_graph()

@@ -154,10 +154,66 @@ def failed_error(what: str, words: Wording, failure: BaseException) -> Reduction
 
 
 def unfinished_error(
-    words: Wording, rank: int, ready: Sequence[Sequence[bool]], names: Sequence[str] | None
+    words: Wording,
+    rank: int,
+    ready: Sequence[Sequence[bool]],
+    names: Sequence[str] | None,
+    *,
+    torch_text: str = "",
 ) -> ReductionError:
     """A new iteration started before the last one's reduction finished; ``ready`` (per
-    replica and parameter) says which parameters got their gradient."""
+    replica and parameter) says which parameters got their gradient. ``torch_text``, where
+    given, follows (torch's DDP's message: see torch_unfinished_text)."""
+    error = _unfinished_error(words, rank, ready, names)
+    if torch_text:
+        error = ReductionError(f"{error}\n{torch_text}")
+    return error
+
+
+def torch_unfinished_text(
+    rank: int, missing: Sequence[int], names: Sequence[str] | None, *, static: bool, searched: bool
+) -> str:
+    """torch's DDP's message for an unfinished reduction, whose phrases its tests and users'
+    log searches look for; with the names this wrapper always has."""
+    text = "Expected to have finished reduction in the prior iteration before starting a new one. "
+    if static:
+        text += (
+            "This error indicates that your training graph has changed in this iteration, "
+            "e.g., one parameter is used in first iteration, but then got unused in the "
+            "second iteration. this is not compatible with static_graph set to True."
+        )
+    elif searched:
+        text += (
+            "Since `find_unused_parameters=True` is enabled, this likely means that not all "
+            "`forward` outputs participate in computing loss. You can fix this by making sure "
+            "all `forward` function outputs participate in calculating loss."
+        )
+    else:
+        text += (
+            "This error indicates that your module has parameters that were not used in "
+            "producing loss. You can enable unused parameter detection by passing the "
+            "keyword argument `find_unused_parameters=True` to "
+            "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` "
+            "function outputs participate in calculating loss."
+        )
+    text += (
+        f"\nParameter indices which did not receive grad for rank {rank}: "
+        f"{' '.join(map(str, missing))}"
+    )
+    if names is not None:
+        text += (
+            f"\nParameters which did not receive grad for rank {rank}: "
+            f"{', '.join(names[i] for i in missing)}"
+            "\nThere is no need to set the environment variable TORCH_DISTRIBUTED_DEBUG to "
+            "either INFO or DETAIL to see which parameters did not receive gradient on this "
+            "rank: they are named here."
+        )
+    return text
+
+
+def _unfinished_error(
+    words: Wording, rank: int, ready: Sequence[Sequence[bool]], names: Sequence[str] | None
+) -> ReductionError:
     what = (
         f"{words.starts_iteration} started a new iteration before the previous one "
         "finished its reduction (Expected to have finished reduction in the prior "
@@ -230,7 +286,10 @@ def not_static_error(
         f"{describe_param(index, names)} got more gradient hook calls in this "
         f"iteration than the {recorded} recorded in the first one, on rank {rank}; "
         "static_graph=True needs the same graph every iteration (the same parameters used "
-        f"the same number of times). {words.no_static_graph}"
+        f"the same number of times). {words.no_static_graph} (Your training graph has "
+        "changed in this iteration, e.g., one parameter is unused in first iteration, but "
+        "then got used in the second iteration. this is not compatible with static_graph "
+        "set to True.)"
     )
 
 
@@ -241,7 +300,9 @@ def static_graph_too_late_error(words: Wording, iterations: int) -> ReductionErr
         f"{words.owner} has run {iterations} synced iteration(s)); "
         "the first iteration records the graph, so call it right after "
         f"construction, before the first {words.starts_iteration}, or "
-        f"build the {words.owner} with static_graph=True"
+        f"build the {words.owner} with static_graph=True (set_static_graph() should be "
+        "called before training loop starts and after DistributedDataParallel is "
+        "constructed.)"
     )
 
 

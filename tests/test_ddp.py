@@ -782,7 +782,11 @@ def test_logging_data_reports_configuration_buckets_and_timings() -> None:
         assert dataclasses.is_dataclass(data)
         with pytest.raises(dataclasses.FrozenInstanceError):
             data.iterations = 5  # type: ignore[misc]
-        assert as_dict == dataclasses.asdict(data)
+        # The record's fields, and torch's keys beside them.
+        assert {k: as_dict[k] for k in dataclasses.asdict(data)} == dataclasses.asdict(data)
+        assert (as_dict["iteration"], as_dict["has_rebuilt_buckets"]) == (3, 0)
+        assert as_dict["num_parameter_tensors"] == 6 and as_dict["output_device"] == -1
+        assert as_dict["num_buckets_reduced"] == len(data.bucket_sizes)
         assert (data.rank, data.world_size, data.process_group) == (rank, 2, "FakeProcessGroup")
         assert data.module_name == "Tower" and data.comm_hook == "allreduce_hook"
         assert data.find_unused_parameters and not data.static_graph
@@ -809,21 +813,24 @@ def test_logging_data_reports_configuration_buckets_and_timings() -> None:
 def test_the_group_is_torchs_default_group_or_the_one_given() -> None:
     """No group: the default group, which on fakepg's torch backend is used through its own
     FakeProcessGroup; a raw torch group likewise; the fake group itself, second or by
-    keyword. Each reduces over the rank's FakeProcessGroup."""
+    keyword. Each reduces over the rank's FakeProcessGroup; ``process_group`` is, as in
+    torch, the group given (the default group when none was)."""
 
-    def fn(pg: fakepg.FakeProcessGroup) -> list[bool]:
-        given: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
-            ((), {}),
-            ((dist.group.WORLD,), {}),
-            ((), {"process_group": dist.group.WORLD}),
-            ((pg,), {}),
-            ((), {"process_group": pg}),
+    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[bool, bool]]:
+        world = dist.group.WORLD
+        given: list[tuple[tuple[Any, ...], dict[str, Any], object]] = [
+            ((), {}, world),
+            ((world,), {}, world),
+            ((), {"process_group": world}, world),
+            ((pg,), {}, pg),
+            ((), {"process_group": pg}, pg),
         ]
-        return [DDP(tower(), *args, **kwargs).process_group is pg for args, kwargs in given]
+        wrappers = [(DDP(tower(), *args, **kwargs), shown) for args, kwargs, shown in given]
+        return [(ddp._group is pg, ddp.process_group is shown) for ddp, shown in wrappers]
 
     fakepg.register_torch_backend()
     for same in fakepg.run_torch(fn, 2, timeout=20.0):
-        assert same == [True] * 5
+        assert same == [(True, True)] * 5
 
 
 def test_without_a_group_or_a_default_group_the_error_says_what_to_do() -> None:
@@ -896,9 +903,6 @@ def test_a_module_on_one_gpu_takes_device_ids_and_gets_its_inputs_moved() -> Non
     [
         {"delay_all_reduce_named_params": [], "param_to_hook_all_reduce": None},
         {"param_to_hook_all_reduce": object()},
-        {"mixed_precision": object()},
-        {"device_mesh": object()},
-        {"skip_all_reduce_unused_params": True},
     ],
     ids=lambda kwargs: next(k for k, v in kwargs.items() if v is not None),
 )
@@ -907,6 +911,22 @@ def test_arguments_this_wrapper_cannot_honour_are_refused_by_name(kwargs: dict[s
     with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument) as info:
         DDP(tower(), world.group(0), **kwargs)
     assert f"{name} is not supported" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"mixed_precision": object()}, reducer.InvalidArgument, "param_dtype is missing"),
+        # A group given, and a mesh: torch's RuntimeError and phrase.
+        ({"device_mesh": object()}, RuntimeError, "Cannot specify both process_group and"),
+    ],
+    ids=["mixed_precision", "device_mesh"],
+)
+def test_bad_mixed_precision_or_device_mesh_is_refused_by_name(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with fakepg.World(1) as world, pytest.raises(error, match=match):
+        DDP(tower(), world.group(0), **kwargs)
 
 
 def test_check_reduction_warns_as_torchs_does() -> None:

@@ -1,0 +1,178 @@
+"""DDP's native mixed precision (``mixed_precision=``), as torch's ``_MixedPrecision``.
+
+The configuration names three dtypes, each optional: ``param_dtype`` (parameters and inputs
+during forward and backward, so the computation), ``reduce_dtype`` (the allreduce; default:
+``param_dtype``) and ``buffer_dtype`` (buffers, cast once at construction). Outside forward
+and backward the parameters are full precision (checkpoints, the optimizer).
+
+How, step for step as torch's DDP does it, so that the bits agree:
+
+- construction: every parameter not ignored gets ``_mp_param`` (a ``param_dtype`` tensor
+  with no storage yet) and ``_fp_param`` (its full-precision data); buffers are cast;
+- each forward: each parameter's ``_mp_param`` gets storage and a copy of the full-precision
+  values (a cast), an accumulated ``.grad`` is cast down too, and ``param.data`` becomes
+  ``_mp_param``; floating-point inputs are cast to ``param_dtype``;
+- backward: gradients arrive in ``param_dtype``. The reducer copies them into its buckets
+  (full precision: a widening copy, exact) and calls :func:`allreduce_and_upcast`, a comm
+  hook, which casts the bucket to ``reduce_dtype``, sums it over the ranks, divides by the
+  world size in ``reduce_dtype`` (torch's hook divides after the sum), and puts each of the
+  bucket's parameters back on its full-precision data, with its ``.grad`` widened; the
+  reducer then writes the reduced values into those ``.grad``. Parameters that do not
+  require a gradient go back to full precision when backward ends.
+
+The bucket stays in full precision here where torch's is in ``param_dtype``: the widening
+copy is exact and the cast to ``reduce_dtype`` rounds the same values, so the reduced bits
+are torch's. Gradients are not bucket views under mixed precision (``.grad`` changes dtype
+every iteration); the values are the same either way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .comm_hooks import GradBucket
+from .errors import InvalidArgument
+from .graph import at_backward_end
+from .process_group import ProcessGroup, ReduceOp
+
+__all__: list[str] = []
+
+
+class MixedPrecisionConfig(Protocol):
+    """What the wrapper reads of torch's ``_MixedPrecision`` (or any object like it)."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    buffer_dtype: torch.dtype | None
+
+
+def check_config(config: object) -> MixedPrecisionConfig:
+    """``config`` if it names dtypes where it names any; else a clear error."""
+    for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(config, field, None)
+        if not hasattr(config, field) or not (value is None or isinstance(value, torch.dtype)):
+            raise InvalidArgument(
+                "DistributedDataParallel: mixed_precision must be a "
+                "torch.nn.parallel.distributed._MixedPrecision (param_dtype, reduce_dtype, "
+                f"buffer_dtype: each a torch.dtype or None); {field} is "
+                f"{'missing' if not hasattr(config, field) else repr(value)}"
+            )
+    return config  # type: ignore[return-value]
+
+
+def _ignored(tensor: Tensor) -> bool:
+    return bool(getattr(tensor, "_ddp_ignored", False))
+
+
+def setup(config: MixedPrecisionConfig, module: nn.Module) -> None:
+    """Give each parameter its low-precision twin and cast the buffers (construction)."""
+    for param in module.parameters():
+        if _ignored(param) or hasattr(param, "_mp_param"):
+            continue
+        low = torch.zeros_like(param, dtype=config.param_dtype, requires_grad=param.requires_grad)
+        low.untyped_storage().resize_(0)  # storage comes at each forward
+        param._mp_param = low  # type: ignore[attr-defined]
+        param._fp_param = param.data  # type: ignore[attr-defined]
+    if config.buffer_dtype is not None:
+        for buffer in module.buffers():
+            if not _ignored(buffer):
+                buffer.data = buffer.to(dtype=config.buffer_dtype)
+
+
+def to_low_precision(config: MixedPrecisionConfig, module: nn.Module) -> None:
+    """Before forward: every parameter computes in ``param_dtype`` (torch's root copy)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if _ignored(param):
+                continue
+            low: Tensor = param._mp_param  # type: ignore[attr-defined]
+            full: Tensor = param._fp_param  # type: ignore[attr-defined]
+            storage = low.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(low.numel() * low.element_size())
+            low.copy_(full)  # a cast
+            if param.grad is not None and config.param_dtype is not None:
+                param.grad.data = param.grad.to(config.param_dtype)
+            param.data = low
+
+
+def cast_inputs(dtype: torch.dtype | None, inputs: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Floating-point tensors among the inputs, cast to ``dtype`` (torch's
+    ``_cast_forward_inputs``: nested containers too)."""
+    if dtype is None:
+        return inputs, kwargs
+    from torch.distributed.utils import _cast_forward_inputs  # torch's own, not copied
+
+    return _cast_forward_inputs(dtype, *inputs, **kwargs)
+
+
+def to_full_precision(params: Iterable[Tensor]) -> None:
+    """Back on full-precision data, the gradient widened (after the bucket's reduction)."""
+    for param in params:
+        full = getattr(param, "_fp_param", None)
+        if full is None:
+            continue
+        param.data = full
+        low: Tensor = param._mp_param  # type: ignore[attr-defined]
+        low.untyped_storage().resize_(0)
+        if param.grad is not None:
+            param.grad.data = param.grad.to(full.dtype)
+
+
+class _Owner(Protocol):
+    @property
+    def mixed_precision(self) -> MixedPrecisionConfig | None: ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+
+class UpcastState:
+    """The state of :func:`allreduce_and_upcast`: the wrapper (weakly) and its group."""
+
+    def __init__(self, owner: _Owner, group: ProcessGroup) -> None:
+        self.owner = weakref.ref(owner)
+        self.group = group
+        self.end_queued = False
+
+
+def allreduce_and_upcast(state: UpcastState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
+    """The comm hook mixed precision runs: reduce in ``reduce_dtype``, average, upcast.
+
+    See the module docstring. The division follows the sum, in ``reduce_dtype``, as in
+    torch's ``_reducer_allreduce_and_upcast_hook``.
+    """
+    owner = state.owner()
+    assert owner is not None  # the hook runs during the wrapper's backward
+    config = owner.mixed_precision
+    assert config is not None  # the hook is registered only with a configuration
+    buffer = bucket.buffer()
+    reduce_dtype = config.reduce_dtype or config.param_dtype or buffer.dtype
+    low = buffer.to(reduce_dtype)
+    # Waited for here: the parameters go back to full precision only once it is done.
+    state.group.allreduce([low], ReduceOp.SUM).wait()
+    low.div_(state.group.size())
+    to_full_precision(bucket.parameters())
+    if not state.end_queued:
+        state.end_queued = True
+        at_backward_end(lambda: _restore_frozen(state))
+    result = buffer.copy_(low) if low is not buffer else buffer
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(result)
+    return done
+
+
+def _restore_frozen(state: UpcastState) -> None:
+    """Parameters without a gradient hook (frozen) go back to full precision at the end."""
+    state.end_queued = False
+    owner = state.owner()
+    if owner is None:
+        return
+    for param in owner.module.parameters():
+        if not param.requires_grad and not _ignored(param):
+            to_full_precision([param])

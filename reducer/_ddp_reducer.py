@@ -1,0 +1,170 @@
+"""The reducer as ``DistributedDataParallel`` holds it: torch's reducer calls that tools read.
+
+torch's DDP exposes its C++ reducer as ``ddp.reducer``, and its tests and tools call a few
+of its methods: the used map of the last iteration, whether the set of unused parameters
+has stayed the same, the removal of the autograd hooks, futures to await at the end of
+backward (buffer comm hooks). :class:`DDPReducer` adds them to :class:`reducer.Reducer`
+without changing what it reduces. The graph search runs inside a profiler range named as
+torch names it (``search_unused_parameters``), so profiles read alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import errors
+from .buckets import Bucket
+from .comm_hooks import FutureWork
+from .graph import gradient_accumulator, is_future, remove_hooks
+from .reducer import Reducer
+
+__all__: list[str] = []
+
+
+class DDPReducer(Reducer):
+    """A :class:`reducer.Reducer` with the calls torch's DDP reducer offers its callers."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._local_used: Tensor | None = None
+        self._previous_unused: list[tuple[int, int]] | None = None
+        self._graph_static = True
+        self._post_backward_futures: list[torch.futures.Future[object]] = []
+        self._runtime_logging_sample_rate = 100  # torch's kDDPRuntimeLoggingSampleRate
+        # See _launch. Buckets reduced in the last iteration, and in the current one.
+        self.skip_all_reduce_unused_params = False
+        self.buckets_reduced = 0
+        self._reducing = 0
+
+    def _check_prior_reduction_finished(self) -> None:
+        """Raise torch's error, with this reducer's detail, where the previous iteration's
+        reduction did not finish (some parameter got no gradient). torch checks this when
+        an iteration starts and before it rebuilds buckets; so does the wrapper."""
+        with self._lock:
+            self._check_usable("prepare_for_backward")
+            if not self._require_finalize:
+                return
+            missing = [i for i, ready in enumerate(self._ready[0]) if not ready]
+            torch_text = ""
+            if missing:
+                torch_text = errors.torch_unfinished_text(
+                    self._rank(),
+                    missing,
+                    self._names,
+                    static=self._static.enabled,
+                    searched=self._find_unused,
+                )
+            error = errors.unfinished_error(
+                self._wording, self._rank(), self._ready, self._names, torch_text=torch_text
+            )
+            raise self._fail(error)
+
+    def prepare_for_backward(self, outputs: Sequence[Tensor] = ()) -> None:
+        self._check_prior_reduction_finished()
+        if outputs:
+            with torch.autograd.profiler.record_function("search_unused_parameters"):
+                super().prepare_for_backward(outputs)
+        else:
+            super().prepare_for_backward(outputs)
+        # torch's ddp_graph_static: false once the set of unused parameters has changed.
+        unused = list(self._unused)
+        if self._previous_unused is not None and unused != self._previous_unused:
+            self._graph_static = False
+        self._previous_unused = unused
+
+    # Note [Skipping buckets of unused parameters]
+    # With skip_all_reduce_unused_params, a bucket whose every parameter is unused in this
+    # iteration (found by the search, or recorded by the static graph) and got no gradient
+    # locally since the last synced step is not reduced: its contents (zeros) are its result,
+    # what the allreduce of zeros would give. Like torch's, this needs the same parameters
+    # unused on every rank at every iteration; where they differ, the ranks issue different
+    # collectives, and the wait for the first mismatched one times out.
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.index == 0:
+            self._reducing = 0
+        if (
+            self.skip_all_reduce_unused_params
+            and self._expect_autograd_hooks  # not a joined rank's shadow iteration
+            and all(
+                (0, i) in self._unused_set and not self._used[0][i] for i in bucket.variable_indices
+            )
+        ):
+            bucket.work = _Kept([r.contents for r in bucket.replicas])
+        else:
+            self._reducing += 1
+            super()._launch(bucket)
+        if bucket.index == len(self._buckets) - 1:
+            self.buckets_reduced = self._reducing
+
+    def _launch_used_map(self) -> None:
+        super()._launch_used_map()
+        assert self._used_map is not None  # just launched
+        self._local_used = self._used_map[1]  # allreduced in place: the global counts
+
+    def _finalize_backward(self) -> None:
+        super()._finalize_backward()
+        futures, self._post_backward_futures = self._post_backward_futures, []
+        for index, future in enumerate(futures):
+            FutureWork(future, index, self._timeout, "buffer comm hook").wait()  # type: ignore[arg-type]
+
+    def _refresh_accumulators(self) -> None:
+        """Find each parameter's gradient accumulator again: autograd makes a new one when
+        ``param.data`` changes dtype (mixed precision does, every forward), and the graph
+        search must know the new ones."""
+        with self._lock:
+            self._accumulators = {
+                gradient_accumulator(param): (r, i)
+                for r, replica in enumerate(self._replicas)
+                for i, param in enumerate(replica)
+            }
+
+    # torch's names ---------------------------------------------------------------------------
+
+    def _get_local_used_map(self) -> Tensor:
+        """Per parameter, on how many ranks it got a gradient in the last iteration that
+        searched for unused parameters (int32, as torch's). Zeros before the first."""
+        if self._local_used is None:
+            return torch.zeros(len(self._replicas[0]), dtype=torch.int32)
+        return self._local_used
+
+    def _ddp_graph_static(self) -> bool:
+        """Whether the set of unused parameters has been the same in every iteration."""
+        return self._graph_static
+
+    def _install_post_backward_futures(self, futures: Sequence[object]) -> None:
+        """Futures (of a buffer comm hook) to await when this iteration's backward ends."""
+        for future in futures:
+            if not is_future(future):
+                raise TypeError(
+                    "a buffer comm hook returns None or a list of torch.futures.Future, got "
+                    f"an element of type {type(future).__name__}"
+                )
+        self._post_backward_futures.extend(futures)  # type: ignore[arg-type]
+
+    def _remove_autograd_hooks(self) -> None:
+        """Take this reducer's hooks off the parameters (torch's name): after an error in
+        backward, so that a new wrapper can be built on the same module."""
+        remove_hooks(self._hook_handles)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        self._runtime_logging_sample_rate = int(sample_rate)
+
+
+class _Kept:
+    """A :class:`reducer.Work` that is already done: the bucket keeps its own contents."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self._tensors = tensors
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self) -> list[Tensor]:
+        return self._tensors
