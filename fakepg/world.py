@@ -418,7 +418,13 @@ class World:
     # ---------------------------------------------------------------------------------------
     # Running one thread per rank.
 
-    def run(self, fn: Callable[[FakeProcessGroup], T], *, per_rank_rng: bool = True) -> list[T]:
+    def run(
+        self,
+        fn: Callable[[FakeProcessGroup], T],
+        *,
+        per_rank_rng: bool = True,
+        stop_grace: float | None = None,
+    ) -> list[T]:
         """Call ``fn(pg)`` on one thread per rank of this world; results in rank order.
 
         The semantics of :func:`fakepg.run`, on a world that lives on between calls (models and
@@ -426,9 +432,19 @@ class World:
         only until every rank of this call has returned. If the ranks end the call having
         issued different numbers of collectives, they are out of step for good: the world is
         aborted, and the next call says so. ``per_rank_rng``: see :mod:`fakepg.rng`.
+        ``stop_grace``: after an abort, the seconds a rank computing outside any collective
+        gets to reach one before it is stopped, and again to stop (default ``min(timeout,
+        5)``); a rank still running after that (blocked in a C call) is left behind.
         """
         if not callable(fn):
             raise ValueError(f"World.run: fn must be callable, got {fn!r}")
+        grace_s = min(self.timeout, 5.0) if stop_grace is None else stop_grace
+        if isinstance(grace_s, bool) or not (
+            isinstance(grace_s, int | float) and 0 <= grace_s < math.inf
+        ):
+            raise ValueError(
+                f"World.run: stop_grace must be a finite number of seconds >= 0, got {stop_grace!r}"
+            )
         if self._abort is not None or self._closed:
             raise self._aborted_error(0, "World.run")
         results: list[Any] = [None] * self.world_size
@@ -473,7 +489,7 @@ class World:
         ]
         for thread in threads:
             thread.start()
-        stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
+        stuck = _join_ranks(self, threads, changed, grace_s=float(grace_s))
         with lock:
             own = self._own_failure
             if own is not None and all(exc is not own[1] for _, exc in failures):
@@ -505,9 +521,9 @@ class World:
         if self._abort is None:
             cause = "the world was closed"
         elif self._abort_rank is not None:
-            cause = f"rank {self._abort_rank} failed ({type(self._abort).__name__}: {self._abort})"
+            cause = f"rank {self._abort_rank} failed ({_exception_text(self._abort)})"
         else:
-            cause = f"the world was aborted ({type(self._abort).__name__}: {self._abort})"
+            cause = f"the world was aborted ({_exception_text(self._abort)})"
         return WorldAborted(
             f"fakepg: rank {rank} was stopped while it computed outside any collective, because "
             f"{cause}"
@@ -556,7 +572,7 @@ class World:
                 f"fakepg: the world was closed; {what} cannot complete on rank {rank}. Issue "
                 "collectives only inside `with World(...)` or before World.close()."
             )
-        cause = f"{type(self._abort).__name__}: {self._abort}"
+        cause = _exception_text(self._abort)
         if self._abort_rank is not None:
             cause = f"rank {self._abort_rank} failed ({cause})"
         return WorldAborted(
@@ -615,6 +631,13 @@ def _call_if_alive(method: weakref.WeakMethod[Callable[..., None]], *args: Any) 
 
 # -------------------------------------------------------------------------------------------
 # Error messages: what happened, which ranks, the likely cause, the fix.
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``CollectiveTimeout: ...``, or the bare type name for an exception without a message
+    (``KeyboardInterrupt``)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _describe(fingerprint: _c.Fingerprint, seq: int, channel: Channel) -> str:
@@ -746,6 +769,12 @@ def _uneven(channel: Channel, counts: list[int]) -> str:
 class _Stop(BaseException):
     """Delivered to a rank thread that is still running after the world was aborted or
     closed."""
+
+    def __str__(self) -> str:
+        return (
+            "fakepg: this rank was stopped while it computed outside any collective, because "
+            "the world was aborted or closed"
+        )
 
 
 def run(
