@@ -65,38 +65,33 @@ def install(
 ) -> Callable[[], None]:
     """Refuse ``known`` on rank threads (``rank_of_thread()`` is not None) until the returned
     function is called."""
-    lock = threading.Lock()  # guards wrapped: each class is wrapped once
-    wrapped: list[tuple[type, Any]] = []  # (class, its own __init__) to put back
-    done: set[str] = set()  # modules whose classes are wrapped
+    lock = threading.Lock()  # guards wrapped and pending: each class is wrapped once
+    wrapped: list[tuple[type, Any]] = []  # (class, its own __init__ or None) to put back
+    # The classes not wrapped yet. A module being imported is in sys.modules before its
+    # classes exist (an import inside it runs the check too): each class is wrapped when seen.
+    pending = {(singleton, name) for singleton in known for name in singleton.classes}
 
-    def wrap(singleton: Singleton, module: Any) -> None:
-        for name in singleton.classes:
-            cls = getattr(module, name, None)
-            if not isinstance(cls, type):
-                continue
-            original = cls.__dict__.get("__init__", object.__init__)
+    def wrap(singleton: Singleton, name: str, cls: type) -> None:
+        original = cls.__dict__.get("__init__", object.__init__)
 
-            @functools.wraps(original)
-            def refusing(
-                self: Any, *args: Any, _name: str = name, _init: Any = original, **kwargs: Any
-            ) -> None:
-                rank = rank_of_thread()
-                if rank is not None:
-                    raise SharedStateError(message(singleton, _name, rank, nproc))
-                _init(self, *args, **kwargs)
+        @functools.wraps(original)
+        def refusing(self: Any, *args: Any, **kwargs: Any) -> None:
+            rank = rank_of_thread()
+            if rank is not None:
+                raise SharedStateError(message(singleton, name, rank, nproc))
+            original(self, *args, **kwargs)
 
-            wrapped.append((cls, cls.__dict__.get("__init__")))
-            cls.__init__ = refusing  # type: ignore[misc]
+        wrapped.append((cls, cls.__dict__.get("__init__")))
+        cls.__init__ = refusing  # type: ignore[misc]
 
     def check() -> None:
-        for singleton in known:
-            module = sys.modules.get(singleton.module)
-            if module is None or singleton.module in done:
-                continue
-            with lock:
-                if singleton.module not in done:
-                    done.add(singleton.module)
-                    wrap(singleton, module)
+        with lock:
+            for singleton, name in list(pending):
+                module = sys.modules.get(singleton.module)
+                cls = getattr(module, name, None) if module is not None else None
+                if isinstance(cls, type):
+                    pending.discard((singleton, name))
+                    wrap(singleton, name, cls)
 
     real_import = builtins.__import__
 
@@ -104,7 +99,7 @@ def install(
     # every import statement checks, after it, whether a known module has appeared.
     def import_and_check(*args: Any, **kwargs: Any) -> Any:
         module = real_import(*args, **kwargs)
-        if len(done) < len(known):
+        if pending:
             check()
         return module
 
