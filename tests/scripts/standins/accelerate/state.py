@@ -4,14 +4,14 @@ rank finds the first rank's half-built state: a missing attribute, or the first 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 
 class PartialState:
-    _shared_state: dict[str, Any] = {}
+    _shared_state: ClassVar[dict[str, Any]] = {}  # the point: one per process
 
     def __init__(self) -> None:
         self.__dict__ = self._shared_state
@@ -29,7 +29,7 @@ class PartialState:
 
 
 class AcceleratorState:
-    _shared_state: dict[str, Any] = {}
+    _shared_state: ClassVar[dict[str, Any]] = {}  # the point: one per process
 
     def __init__(self) -> None:
         self.__dict__ = self._shared_state
