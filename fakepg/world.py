@@ -27,7 +27,11 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # world itself watches every collective. ``timeout`` seconds after the first rank issued it,
 # a collective that some rank has still not issued fails on every rank, with the error a
 # timed-out wait gives (it names the ranks that never issued it), unless some rank is inside
-# Work.wait, whose own deadline then decides. A failed collective fails its futures too: the
+# Work.wait, whose own deadline then decides. One watchdog per world keeps the deadlines of the
+# collectives that some rank has issued and some has not (each leaves it when its last rank
+# joins), in deadline order, and one timer entry for the earliest: its memory is the number of
+# collectives in flight, not the number issued within the last `timeout` seconds, as NCCL's
+# watchdog scans its work queue. A failed collective fails its futures too: the
 # callbacks waiting on them raise, their futures fail, and the rank's error ends the run.
 # (Once every rank has issued it, a collective's data moves and it finishes by itself.) A
 # callback that blocks on anything else is caught by its lane: see Note [Completion lanes]
@@ -160,6 +164,13 @@ class World:
         self._lock = threading.Lock()
         self._channels: dict[Hashable, Channel] = {}
         self._active: set[Collective] = set()  # not yet finished (pending or moving data)
+        # See Note [Every collective has a deadline]: the collectives some rank has not issued
+        # yet -> when the watchdog checks them (perf_counter_ns), in that order (insertion
+        # order: a deadline is the check time plus the timeout, and time only grows); and
+        # whether the timer holds the watchdog's one entry.
+        self._deadlines: dict[Collective, int] = {}
+        self._watchdog_armed = False
+        self._timeout_ns = math.ceil(self.timeout * 1e9)
         self._gone: set[int] = set()  # ranks that returned from the current run's function
         self._views: dict[tuple[Hashable, int], FakeProcessGroup] = {}
         self._abort: BaseException | None = None
@@ -285,6 +296,7 @@ class World:
             lands_at_ns = None
             if full:
                 del channel.pending[seq]
+                self._deadlines.pop(collective, None)  # its data moves; it ends by itself
                 if not collective.failed:
                     collective.started_ns = time.perf_counter_ns()
                     lands_at_ns = self._reserve_link(collective, nbytes, net_kind)
@@ -322,35 +334,47 @@ class World:
         if gone:
             collective.finish(_exited(collective, gone))
         else:
-            self._watch(weakref.ref(collective), collective.created_ns)
+            self._deadlines[collective] = collective.created_ns + self._timeout_ns
+            self._arm_watchdog_locked()
         return collective
 
-    def _watch(self, ref: weakref.ref[Collective], since_ns: int) -> None:
-        """Check the collective ``timeout`` after ``since_ns``. See Note [Every collective
-        has a deadline]. (A weak reference: the timer must not keep tensors alive.)"""
-        deadline = since_ns + math.ceil(self.timeout * 1e9)
-        with contextlib.suppress(RuntimeError):  # closing: close() fails what is unfinished
-            self.timer.call_at(deadline, lambda: self._watchdog(ref))
-
-    def _watchdog(self, ref: weakref.ref[Collective]) -> None:
-        """On the timer thread: fail the collective if some rank has not issued it yet and no
-        rank waits for it with a deadline of its own."""
-        collective = ref()
-        if collective is None or collective.done.is_set():
+    def _arm_watchdog_locked(self) -> None:
+        """Give the timer the watchdog's one entry, at the earliest deadline, unless it has
+        one (which is due no later). See Note [Every collective has a deadline]."""
+        if self._watchdog_armed or not self._deadlines:
             return
-        now = time.perf_counter_ns()
+        deadline = next(iter(self._deadlines.values()))
+        # Weakly: the timer must not keep the world (and its tensors) alive.
+        method = weakref.WeakMethod(self._watchdog)
+        with contextlib.suppress(RuntimeError):  # closing: close() fails what is unfinished
+            self.timer.call_at(deadline, lambda: _call_if_alive(method))
+            self._watchdog_armed = True
+
+    def _watchdog(self) -> None:
+        """On the timer thread: fail each collective past its deadline that some rank has not
+        issued yet and that no rank waits for with a deadline of its own; re-arm."""
         with self._lock:
-            if collective.channel.pending.get(collective.seq) is not collective:
-                return  # every rank issued it: its data moves and it finishes by itself
-            if collective.waiters > 0:
-                self._watch(ref, now)  # a waiter's own timeout will end it
-                return
-            joined = set(collective.fingerprints)
-            channel = collective.channel
-            elsewhere = self._p2p_elsewhere_locked(collective) if channel.is_p2p else ""
-            first = min(joined, key=lambda r: collective.launched_ns[r])
-            error = _timed_out(collective, None, self.timeout, joined, elsewhere, first)
-            collective.finish(error)
+            self._watchdog_armed = False
+            now = time.perf_counter_ns()
+            while self._deadlines:
+                collective, deadline = next(iter(self._deadlines.items()))
+                if deadline > now:
+                    break
+                del self._deadlines[collective]
+                if collective.done.is_set():
+                    continue  # failed while pending (abort, mismatch, a rank gone)
+                if collective.waiters > 0:
+                    # A waiter's own timeout will end it; look again a timeout from now (the
+                    # latest deadline there is: it goes last).
+                    self._deadlines[collective] = now + self._timeout_ns
+                    continue
+                joined = set(collective.fingerprints)
+                channel = collective.channel
+                elsewhere = self._p2p_elsewhere_locked(collective) if channel.is_p2p else ""
+                first = min(joined, key=lambda r: collective.launched_ns[r])
+                error = _timed_out(collective, None, self.timeout, joined, elsewhere, first)
+                collective.finish(error)
+            self._arm_watchdog_locked()
 
     def _wait_timed_out(self, collective: Collective, rank: int, timeout: float) -> None:
         """Fail ``collective`` for every rank because ``rank``'s wait passed ``timeout``."""
