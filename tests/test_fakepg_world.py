@@ -157,3 +157,34 @@ def test_the_watchdog_holds_only_the_collectives_in_flight() -> None:
     # Flat: the last 2,000 iterations added at most 100 tracked objects (noise from the
     # interpreter itself), where they used to add tens of thousands.
     assert counts[2] - counts[0] <= 100, counts
+
+
+def test_an_abort_without_a_message_names_its_type_alone() -> None:
+    """Ctrl-C aborts with a bare KeyboardInterrupt: the errors read "aborted because
+    KeyboardInterrupt; ...", not "KeyboardInterrupt: ;"."""
+    with fakepg.World(2) as world:
+        pending = world.group(0).allreduce([torch.zeros(1)])
+        world.abort(KeyboardInterrupt())
+        with pytest.raises(fakepg.WorldAborted) as exc:
+            pending.wait()
+    assert "the world was aborted because KeyboardInterrupt; allreduce #0" in str(exc.value)
+
+
+def test_run_stops_a_computing_rank_after_stop_grace() -> None:
+    """After an abort, a rank computing in Python is stopped within ``stop_grace`` (here 0 s:
+    at once) and run raises the first failure; a bad stop_grace is refused."""
+    released = threading.Event()
+
+    def fn(pg: FakeProcessGroup) -> None:
+        if pg.rank() == 0:
+            raise RuntimeError("rank 0 fails")
+        while not released.is_set():  # computes, never reaching a collective
+            time.sleep(0.001)
+
+    with fakepg.World(2, timeout=60.0) as world:
+        with pytest.raises(RuntimeError, match="rank 0 fails"):
+            world.run(fn, stop_grace=0)
+        released.set()
+    for bad in (-1, float("inf"), True):
+        with fakepg.World(1) as world, pytest.raises(ValueError, match="stop_grace must be"):
+            world.run(lambda pg: None, stop_grace=bad)
