@@ -616,16 +616,16 @@ class _Launch:
         print("\n".join(lines), file=out, flush=True)
         return _INTERRUPTED if self.interrupted else 1
 
-    def _where(self, rank: int, first: int | None) -> list[str]:
-        """Rank ``rank``'s part of "where every rank was".
+    # Note [A rank's stack at the first failure]
+    # A stack taken from another thread is a snapshot of a moving target: a rank may be
+    # returning from a collective that has just completed, and then fail on its next line
+    # (the abort reaches it there). Its own traceback says where it really stopped, so a rank
+    # that failed after the first shows that; the snapshot is kept for ranks that ended
+    # without an error after it, and a rank that never ended shows where it is now.
 
-        # Note [A rank's stack at the first failure]
-        # A stack taken from another thread is a snapshot of a moving target: a rank may be
-        # returning from a collective that has just completed, and then fail on its next line
-        # (the abort reaches it there). Its own traceback says where it really stopped, so a
-        # rank that failed after the first shows that; the snapshot is kept for ranks that
-        # ended without an error after it, and a rank that never ended shows where it is now.
-        """
+    def _where(self, rank: int, first: int | None) -> list[str]:
+        """Rank ``rank``'s part of "where every rank was". See Note [A rank's stack at the
+        first failure]."""
         outcome = self.outcomes[rank]
         if rank == first and outcome.error is not None:
             tb = self._format(traceback.extract_tb(outcome.error.__traceback__), collapse=True)
@@ -645,8 +645,8 @@ class _Launch:
         if outcome.code is None:
             return (
                 f"rank {rank}: did not end: still running {2 * _STOP_GRACE_S:g} s after the "
-                "other ranks were stopped (blocked in a C call such as time.sleep, or in a lock "
-                "of its own), so the launch abandoned its thread"
+                "abort (blocked in a C call such as time.sleep, or in a lock of its own), so the "
+                "launch abandoned its thread"
             )
         return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
 
