@@ -11,7 +11,8 @@ them on a thread of the rank's own. See Note [Completion lanes].
 # ``count_issue_locked`` are safe from any thread. ``close`` is called once by the owner (the
 # world): it lets every lane deliver what is queued, joins every thread with a deadline, and
 # returns the threads still alive after it. Lock order: the world's lock, a collective's lock,
-# then ``Completions.lock``; a lane never calls out (a callback, the world) while holding it.
+# then ``Completions.lock``, then the timer's (a stall check is armed under it); a lane never
+# calls out (a callback, the world) while holding it.
 
 # Note [Completion lanes]
 # A collective's done-callbacks for rank r (its torch future's ``then`` chains, ``add_done_

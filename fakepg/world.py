@@ -160,7 +160,9 @@ class World:
         )
         # _lock guards every field below, every Channel's fields and the membership fields of
         # each Collective; it is never held while running a callback or waiting. Lock order:
-        # World._lock, then a Collective's own lock, then the completions' lock.
+        # World._lock, then a Collective's own lock, then the completions' lock, then the
+        # timer's (the watchdog is armed under World._lock; the timer never calls out holding
+        # its own).
         self._lock = threading.Lock()
         self._channels: dict[Hashable, Channel] = {}
         self._active: set[Collective] = set()  # not yet finished (pending or moving data)
