@@ -60,14 +60,18 @@ __all__ = ["add_arguments", "run"]
 # global random generators (torch's generator is per rank: see fakepg.rng).
 
 # Frames above the script (left out of stacks), and frames of the plumbing every torch call
-# of a rank passes through (left out too).
+# or import of a rank passes through (left out too).
 _LAUNCHER_FILES = (
     os.path.join("", "threading.py"),
     os.path.join("", "runpy.py"),
     os.path.join("fakepg", "world.py"),
     os.path.join("reducer", "tools", "launch", "__init__.py"),
 )
-_PLUMBING_FILES = (os.path.join("fakepg", "rng.py"), os.path.join("torch", "overrides.py"))
+_PLUMBING_FILES = (
+    os.path.join("fakepg", "rng.py"),
+    os.path.join("torch", "overrides.py"),
+    os.path.join("reducer", "tools", "launch", "singletons.py"),  # every import statement
+)
 _RULE = "=" * 60
 _THIN = "-" * 60
 # After the first failure, a rank computing outside any collective gets this long to reach one
