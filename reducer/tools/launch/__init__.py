@@ -458,9 +458,7 @@ class _Launch:
         try:
             self.world.run(self.rank_main, per_rank_rng=per_rank_rng, stop_grace=_STOP_GRACE_S)
         except KeyboardInterrupt:
-            if not self.interrupted:
-                raise
-            raise KeyboardInterrupt from None
+            raise
         except BaseException:  # recorded per rank by rank_main; reported below
             pass
         finally:
