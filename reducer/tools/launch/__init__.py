@@ -457,10 +457,9 @@ class _Launch:
         self.running = True
         try:
             self.world.run(self.rank_main, per_rank_rng=per_rank_rng, stop_grace=_STOP_GRACE_S)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:  # recorded per rank by rank_main; reported below
-            pass
+        except BaseException as exc:  # recorded per rank by rank_main; reported below
+            if isinstance(exc, KeyboardInterrupt) and self.interrupted:
+                raise  # the second Ctrl-C (a rank's own KeyboardInterrupt is its failure)
         finally:
             self.running = False
 
