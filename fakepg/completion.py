@@ -11,7 +11,8 @@ them on a thread of the rank's own. See Note [Completion lanes].
 # ``count_issue_locked`` are safe from any thread. ``close`` is called once by the owner (the
 # world): it lets every lane deliver what is queued, joins every thread with a deadline, and
 # returns the threads still alive after it. Lock order: the world's lock, a collective's lock,
-# then ``Completions.lock``; a lane never calls out (a callback, the world) while holding it.
+# then ``Completions.lock``, then the timer's (a stall check is armed under it); a lane never
+# calls out (a callback, the world) while holding it.
 
 # Note [Completion lanes]
 # A collective's done-callbacks for rank r (its torch future's ``then`` chains, ``add_done_
@@ -84,8 +85,10 @@ class Lane:
         self.wake = threading.Condition(owner.lock)  # notified on post, replacement and close
         self.thread: threading.Thread | None = None  # the one thread that takes from queue
         self.current: _Item | None = None  # what ``thread`` is running; None while idle
-        self.runs = 0  # items started: identifies the current one for the stall check
         self.quiet_since_ns = 0  # the current item's start, or its last collective's end
+        # Whether the timer holds this lane's one stall check (see _watch_locked): one entry
+        # per lane, not one per callback run.
+        self.watched = False
         self.in_flight = 0  # collectives its callbacks issued that are not finished yet
         self.in_callback: set[threading.Thread] = set()  # threads inside item.run now
         self.retired: list[threading.Thread] = []  # replaced after a stall; joined at close
@@ -161,11 +164,9 @@ class Completions:
                         return
                     item = lane.queue.popleft()
                     lane.current = item
-                    lane.runs += 1
-                    runs = lane.runs
-                    started = lane.quiet_since_ns = time.perf_counter_ns()
+                    lane.quiet_since_ns = time.perf_counter_ns()
                     lane.in_callback.add(me)
-                self._watch(lane, runs, started + self._timeout_ns)
+                    self._watch_locked(lane, lane.quiet_since_ns + self._timeout_ns)
                 error: BaseException | None = None
                 try:
                     item.run()
@@ -185,25 +186,31 @@ class Completions:
     # ---------------------------------------------------------------------------------------
     # Stalls. See Note [Completion lanes].
 
-    def _watch(self, lane: Lane, runs: int, at_ns: int) -> None:
+    def _watch_locked(self, lane: Lane, at_ns: int) -> None:
+        """Have the lane checked at ``at_ns``, unless a check is due already (it looks at
+        whatever item runs then, and re-arms for it)."""
+        if lane.watched:
+            return
         with contextlib.suppress(RuntimeError):  # closing: close() bounds what is left
-            self._timer.call_at(at_ns, lambda: self._check(lane, runs))
+            self._timer.call_at(at_ns, lambda: self._check(lane))
+            lane.watched = True
 
-    def _check(self, lane: Lane, runs: int) -> None:
-        """On the timer thread, at the current item's deadline: is the lane stuck?"""
+    def _check(self, lane: Lane) -> None:
+        """On the timer thread: has the lane's current item been quiet (no collective of its
+        own in flight) for the timeout?"""
         now = time.perf_counter_ns()
         with self.lock:
-            if lane.runs != runs or lane.current is None or self._closed:
-                return  # that item is done (or close() deals with it)
-            if lane.in_flight > 0 or now - lane.quiet_since_ns < self._timeout_ns:
-                stuck = None
-                again = max(now, lane.quiet_since_ns) + self._timeout_ns
-            else:
-                what = lane.current.what
-                stuck = self._replace_locked(lane)
-        if stuck is None:
-            self._watch(lane, runs, again)
-            return
+            lane.watched = False
+            if lane.current is None or self._closed:
+                return  # idle (the next item arms a check) or closing (close() bounds it)
+            if lane.in_flight > 0:
+                self._watch_locked(lane, now + self._timeout_ns)
+                return
+            if now - lane.quiet_since_ns < self._timeout_ns:
+                self._watch_locked(lane, lane.quiet_since_ns + self._timeout_ns)
+                return
+            what = lane.current.what
+            stuck = self._replace_locked(lane)
         self._on_failure(lane.rank, what, None)
         self._stop(lane, stuck)
 

@@ -27,7 +27,11 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # world itself watches every collective. ``timeout`` seconds after the first rank issued it,
 # a collective that some rank has still not issued fails on every rank, with the error a
 # timed-out wait gives (it names the ranks that never issued it), unless some rank is inside
-# Work.wait, whose own deadline then decides. A failed collective fails its futures too: the
+# Work.wait, whose own deadline then decides. One watchdog per world keeps the deadlines of the
+# collectives that some rank has issued and some has not (each leaves it when its last rank
+# joins), in deadline order, and one timer entry for the earliest: its memory is the number of
+# collectives in flight, not the number issued within the last `timeout` seconds, as NCCL's
+# watchdog scans its work queue. A failed collective fails its futures too: the
 # callbacks waiting on them raise, their futures fail, and the rank's error ends the run.
 # (Once every rank has issued it, a collective's data moves and it finishes by itself.) A
 # callback that blocks on anything else is caught by its lane: see Note [Completion lanes]
@@ -159,10 +163,19 @@ class World:
         )
         # _lock guards every field below, every Channel's fields and the membership fields of
         # each Collective; it is never held while running a callback or waiting. Lock order:
-        # World._lock, then a Collective's own lock, then the completions' lock.
+        # World._lock, then a Collective's own lock, then the completions' lock, then the
+        # timer's (the watchdog is armed under World._lock; the timer never calls out holding
+        # its own).
         self._lock = threading.Lock()
         self._channels: dict[Hashable, Channel] = {}
         self._active: set[Collective] = set()  # not yet finished (pending or moving data)
+        # See Note [Every collective has a deadline]: the collectives some rank has not issued
+        # yet -> when the watchdog checks them (perf_counter_ns), in that order (insertion
+        # order: a deadline is the check time plus the timeout, and time only grows); and
+        # whether the timer holds the watchdog's one entry.
+        self._deadlines: dict[Collective, int] = {}
+        self._watchdog_armed = False
+        self._timeout_ns = math.ceil(self.timeout * 1e9)
         self._gone: set[int] = set()  # ranks that returned from the current run's function
         self._views: dict[tuple[Hashable, int], FakeProcessGroup] = {}
         self._abort: BaseException | None = None
@@ -310,6 +323,7 @@ class World:
             lands_at_ns = None
             if full:
                 del channel.pending[seq]
+                self._deadlines.pop(collective, None)  # its data moves; it ends by itself
                 if not collective.failed:
                     collective.started_ns = time.perf_counter_ns()
                     lands_at_ns = self._reserve_link(collective, nbytes, net_kind)
@@ -347,35 +361,47 @@ class World:
         if gone:
             collective.finish(_exited(collective, gone))
         else:
-            self._watch(weakref.ref(collective), collective.created_ns)
+            self._deadlines[collective] = collective.created_ns + self._timeout_ns
+            self._arm_watchdog_locked()
         return collective
 
-    def _watch(self, ref: weakref.ref[Collective], since_ns: int) -> None:
-        """Check the collective ``timeout`` after ``since_ns``. See Note [Every collective
-        has a deadline]. (A weak reference: the timer must not keep tensors alive.)"""
-        deadline = since_ns + math.ceil(self.timeout * 1e9)
-        with contextlib.suppress(RuntimeError):  # closing: close() fails what is unfinished
-            self.timer.call_at(deadline, lambda: self._watchdog(ref))
-
-    def _watchdog(self, ref: weakref.ref[Collective]) -> None:
-        """On the timer thread: fail the collective if some rank has not issued it yet and no
-        rank waits for it with a deadline of its own."""
-        collective = ref()
-        if collective is None or collective.done.is_set():
+    def _arm_watchdog_locked(self) -> None:
+        """Give the timer the watchdog's one entry, at the earliest deadline, unless it has
+        one (which is due no later). See Note [Every collective has a deadline]."""
+        if self._watchdog_armed or not self._deadlines:
             return
-        now = time.perf_counter_ns()
+        deadline = next(iter(self._deadlines.values()))
+        # Weakly: the timer must not keep the world (and its tensors) alive.
+        method = weakref.WeakMethod(self._watchdog)
+        with contextlib.suppress(RuntimeError):  # closing: close() fails what is unfinished
+            self.timer.call_at(deadline, lambda: _call_if_alive(method))
+            self._watchdog_armed = True
+
+    def _watchdog(self) -> None:
+        """On the timer thread: fail each collective past its deadline that some rank has not
+        issued yet and that no rank waits for with a deadline of its own; re-arm."""
         with self._lock:
-            if collective.channel.pending.get(collective.seq) is not collective:
-                return  # every rank issued it: its data moves and it finishes by itself
-            if collective.waiters > 0:
-                self._watch(ref, now)  # a waiter's own timeout will end it
-                return
-            joined = set(collective.fingerprints)
-            channel = collective.channel
-            elsewhere = self._p2p_elsewhere_locked(collective) if channel.is_p2p else ""
-            first = min(joined, key=lambda r: collective.launched_ns[r])
-            error = _timed_out(collective, None, self.timeout, joined, elsewhere, first)
-            collective.finish(error)
+            self._watchdog_armed = False
+            now = time.perf_counter_ns()
+            while self._deadlines:
+                collective, deadline = next(iter(self._deadlines.items()))
+                if deadline > now:
+                    break
+                del self._deadlines[collective]
+                if collective.done.is_set():
+                    continue  # failed while pending (abort, mismatch, a rank gone)
+                if collective.waiters > 0:
+                    # A waiter's own timeout will end it; look again a timeout from now (the
+                    # latest deadline there is: it goes last).
+                    self._deadlines[collective] = now + self._timeout_ns
+                    continue
+                joined = set(collective.fingerprints)
+                channel = collective.channel
+                elsewhere = self._p2p_elsewhere_locked(collective) if channel.is_p2p else ""
+                first = min(joined, key=lambda r: collective.launched_ns[r])
+                error = _timed_out(collective, None, self.timeout, joined, elsewhere, first)
+                collective.finish(error)
+            self._arm_watchdog_locked()
 
     def _wait_timed_out(self, collective: Collective, rank: int, timeout: float) -> None:
         """Fail ``collective`` for every rank because ``rank``'s wait passed ``timeout``."""
@@ -443,7 +469,13 @@ class World:
     # ---------------------------------------------------------------------------------------
     # Running one thread per rank.
 
-    def run(self, fn: Callable[[FakeProcessGroup], T], *, per_rank_rng: bool = True) -> list[T]:
+    def run(
+        self,
+        fn: Callable[[FakeProcessGroup], T],
+        *,
+        per_rank_rng: bool = True,
+        stop_grace: float | None = None,
+    ) -> list[T]:
         """Call ``fn(pg)`` on one thread per rank of this world; results in rank order.
 
         The semantics of :func:`fakepg.run`, on a world that lives on between calls (models and
@@ -451,9 +483,19 @@ class World:
         only until every rank of this call has returned. If the ranks end the call having
         issued different numbers of collectives, they are out of step for good: the world is
         aborted, and the next call says so. ``per_rank_rng``: see :mod:`fakepg.rng`.
+        ``stop_grace``: after an abort, the seconds a rank computing outside any collective
+        gets to reach one before it is stopped, and again to stop (default ``min(timeout,
+        5)``); a rank still running after that (blocked in a C call) is left behind.
         """
         if not callable(fn):
             raise ValueError(f"World.run: fn must be callable, got {fn!r}")
+        grace_s = min(self.timeout, 5.0) if stop_grace is None else stop_grace
+        if isinstance(grace_s, bool) or not (
+            isinstance(grace_s, int | float) and 0 <= grace_s < math.inf
+        ):
+            raise ValueError(
+                f"World.run: stop_grace must be a finite number of seconds >= 0, got {stop_grace!r}"
+            )
         if self._abort is not None or self._closed:
             raise self._aborted_error(0, "World.run")
         results: list[Any] = [None] * self.world_size
@@ -498,7 +540,7 @@ class World:
         ]
         for thread in threads:
             thread.start()
-        stuck = _join_ranks(self, threads, changed, grace_s=min(self.timeout, 5.0))
+        stuck = _join_ranks(self, threads, changed, grace_s=float(grace_s))
         with lock:
             own = self._own_failure
             if own is not None and all(exc is not own[1] for _, exc in failures):
@@ -530,9 +572,9 @@ class World:
         if self._abort is None:
             cause = "the world was closed"
         elif self._abort_rank is not None:
-            cause = f"rank {self._abort_rank} failed ({type(self._abort).__name__}: {self._abort})"
+            cause = f"rank {self._abort_rank} failed ({_exception_text(self._abort)})"
         else:
-            cause = f"the world was aborted ({type(self._abort).__name__}: {self._abort})"
+            cause = f"the world was aborted ({_exception_text(self._abort)})"
         return WorldAborted(
             f"fakepg: rank {rank} was stopped while it computed outside any collective, because "
             f"{cause}"
@@ -581,7 +623,7 @@ class World:
                 f"fakepg: the world was closed; {what} cannot complete on rank {rank}. Issue "
                 "collectives only inside `with World(...)` or before World.close()."
             )
-        cause = f"{type(self._abort).__name__}: {self._abort}"
+        cause = _exception_text(self._abort)
         if self._abort_rank is not None:
             cause = f"rank {self._abort_rank} failed ({cause})"
         return WorldAborted(
@@ -640,6 +682,13 @@ def _call_if_alive(method: weakref.WeakMethod[Callable[..., None]], *args: Any) 
 
 # -------------------------------------------------------------------------------------------
 # Error messages: what happened, which ranks, the likely cause, the fix.
+
+
+def _exception_text(exc: BaseException) -> str:
+    """``CollectiveTimeout: ...``, or the bare type name for an exception without a message
+    (``KeyboardInterrupt``)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _describe(fingerprint: _c.Fingerprint, seq: int, channel: Channel) -> str:
@@ -771,6 +820,12 @@ def _uneven(channel: Channel, counts: list[int]) -> str:
 class _Stop(BaseException):
     """Delivered to a rank thread that is still running after the world was aborted or
     closed."""
+
+    def __str__(self) -> str:
+        return (
+            "fakepg: this rank was stopped while it computed outside any collective, because "
+            "the world was aborted or closed"
+        )
 
 
 def run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,19 +34,27 @@ NAMES = [
 ]
 
 
-def no_gpu_env() -> dict[str, str]:
-    """This environment with every GPU hidden (so the test means the same on a GPU machine)."""
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+def no_gpu_env(tmp_dir: Path) -> dict[str, str]:
+    """This environment with every GPU hidden (so the test means the same on a GPU machine),
+    and the script told to run the interpreter that runs the tests (``$PYTHON``). A ``python``
+    that cannot run anything comes first on PATH: a script that took ``python`` from PATH
+    instead (on many machines one without torch) fails every test here."""
+    stub = tmp_dir / "python"
+    stub.write_text("#!/bin/sh\necho 'python from PATH was run' >&2\nexit 97\n")
+    stub.chmod(0o755)
+    path = f"{tmp_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable, "PATH": path}
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=no_gpu_env(),
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        return subprocess.run(
+            ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=no_gpu_env(Path(tmp)),
+        )
 
 
 def test_without_a_gpu_it_runs_nothing_says_why_and_exits_0() -> None:

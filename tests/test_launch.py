@@ -10,6 +10,7 @@ CLI in this process, which is the same code path.
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -177,8 +178,6 @@ def test_each_rank_has_its_own_environment_argv_and_main(
             f"[rank{rank}]: {rank} {rank} 3 set by {rank} "
             f"['{rank}', '3', '3', '127.0.0.1', '29500'] ['--flag', 'x']"
         )
-    import os
-
     assert "MINE" not in os.environ  # the real environment was never touched
 
 
@@ -324,6 +323,14 @@ def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
     finally:
         process.kill()
     assert process.returncode == 130
+    # A clean message, every rank stopped, and torchrun's summary; no launcher traceback.
+    assert "KeyboardInterrupt: ;" not in err, err
+    assert not [line for line in err.splitlines() if line.startswith("Traceback")], err
+    summary = err[err.index("spin.py FAILED") :]
+    assert "Root Cause (first observed failure):\n  [0]: interrupted (Ctrl-C, SIGINT)" in summary
+    assert "[1]: rank 0: exitcode 1: WorldAborted" in summary
+    assert "the launch was interrupted (Ctrl-C)" in summary
+    assert "[2]: rank 1: exitcode 1: fakepg: this rank was stopped" in summary
     report = err[err.index("[launch] interrupted; where every rank is:") :]
     rank0 = report[report.index("[launch] rank 0:") : report.index("[launch] rank 1:")]
     rank1 = report[report.index("[launch] rank 1:") :]
@@ -331,3 +338,245 @@ def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
     # Normally rank 0 waits in the barrier and rank 1 sleeps in its loop:
     assert "line 7, in <module>\n    dist.barrier()" in rank0 or "line 5" in rank0, rank0
     assert "line 9, in <module>\n    time.sleep(0.01)" in rank1 or "line 5" in rank1, rank1
+
+
+# -------------------------------------------------------------------------------------------
+# Imports and process-wide state on rank threads.
+
+
+def test_a_lazily_importing_package_is_imported_once_before_the_ranks_start() -> None:
+    """tests/scripts/lazypkg fails every time two threads ask for a lazy name at once (as
+    transformers' lazy module may): the script's leading imports, and the attributes it reads
+    from modules imported there, are done once before the rank threads start."""
+    done = launch_process("--nproc", "2", str(SCRIPTS / "lazy_imports.py"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        "[rank0]: rank 0: Model Config",
+        "[rank1]: rank 1: Model Config",
+    ]
+
+
+def test_an_import_that_fails_is_reported_by_every_rank_at_the_scripts_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As torchrun's workers would: each rank's own traceback, at the script's line."""
+    script = write(tmp_path, "missing.py", "import os\nimport no_such_module_for_launch\n")
+    assert cli.main(["launch", "--nproc", "2", str(script)]) == 1
+    err = capsys.readouterr().err
+    for rank in (0, 1):
+        assert f'[rank{rank}]:   File "{script}", line 2, in <module>' in err
+        assert (
+            f"[rank{rank}]: ModuleNotFoundError: No module named 'no_such_module_for_launch'" in err
+        )
+    assert "Failures:\n  [1]: rank " in err and ": exitcode 1: ModuleNotFoundError" in err
+
+
+def test_imports_after_other_statements_are_left_to_the_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An import may need what the script did before it (here sys.path): only the leading
+    block runs early."""
+    package = tmp_path / "deps"
+    package.mkdir()
+    (package / "needs_path_for_launch.py").write_text("VALUE = 7\n")
+    script = write(
+        tmp_path,
+        "late.py",
+        f"""
+        import sys
+        sys.path.insert(0, {str(package)!r})
+        import needs_path_for_launch
+        print(needs_path_for_launch.VALUE)
+        """,
+    )
+    try:
+        assert cli.main(["launch", "--nproc", "2", str(script)]) == 0
+    finally:
+        sys.modules.pop("needs_path_for_launch", None)
+        while str(package) in sys.path:
+            sys.path.remove(str(package))
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[rank0]: 7", "[rank1]: 7"]
+
+
+def test_accelerates_per_process_state_is_refused_on_rank_threads() -> None:
+    """Accelerate's state is one per process (every instance shares a class-level dict): on
+    rank threads both ranks would get the first rank's index (or an AttributeError). A
+    stand-in of it (tests/scripts/standins/accelerate) is refused on every rank, saying why
+    and what to do."""
+    done = launch_process("--nproc", "2", str(SCRIPTS / "standins" / "accelerate_train.py"))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "process index" not in done.stdout
+    root = done.stderr[done.stderr.index("Root Cause (first observed failure):") :]
+    assert "SharedStateError: accelerate.state.AcceleratorState on rank " in root
+    assert "keeps one state per process" in root
+    assert "It does not work on rank threads" in root
+    assert "`accelerate launch` or torchrun" in root
+
+
+def test_the_refusal_ends_with_the_launch() -> None:
+    """Off rank threads, and after the launch, the classes are as they were."""
+    from reducer.tools.launch import singletons
+
+    class PartialState:
+        def __init__(self) -> None:
+            self.made = True
+
+    module = ModuleType("accelerate.state")
+    module.PartialState = PartialState  # type: ignore[attr-defined]
+    rank: list[int | None] = [None]
+    sys.modules["accelerate.state"] = module
+    try:
+        restore = singletons.install(lambda: rank[0], 2)
+        try:
+            assert PartialState().made  # not a rank thread
+            rank[0] = 1
+            with pytest.raises(singletons.SharedStateError, match="on rank 1: Accelerate"):
+                PartialState()
+        finally:
+            restore()
+        assert PartialState().made
+        assert "__init__" in PartialState.__dict__ and PartialState.__init__.__name__ == "__init__"
+        assert not hasattr(PartialState.__init__, "__wrapped__")
+    finally:
+        del sys.modules["accelerate.state"]
+
+
+# -------------------------------------------------------------------------------------------
+# The launcher's own defects: errors, stacks, stuck ranks, Ctrl-C, torchrun's flags.
+
+
+def test_a_script_that_does_not_compile_is_an_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write(tmp_path, "broken.py", "import os\nx = (\n")
+    assert cli.main(["launch", "--nproc", "2", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m reducer launch: error: {script} does not compile:\n")
+    assert f'File "{script}", line 2' in err and "SyntaxError: '(' was never closed" in err
+    assert "Traceback" not in err
+
+
+def test_fakepg_frames_are_folded_unless_full_stacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write(
+        tmp_path,
+        "desync2.py",
+        """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(3))
+        else:
+            dist.broadcast(torch.ones(3), src=0)
+        """,
+    )
+    fakepg_frame = f'{Path("fakepg", "work.py")}", line '
+    assert cli.main(["launch", "--nproc", "2", str(script)]) == 1
+    err = capsys.readouterr().err
+    report = err[err.index("[launch] where every rank was") :]
+    assert fakepg_frame not in report
+    assert "frame(s) in libraries (innermost: wait in work.py:" in report
+    assert cli.main(["launch", "--nproc", "2", "--full-stacks", str(script)]) == 1
+    assert fakepg_frame in capsys.readouterr().err
+
+
+def test_each_rank_is_shown_where_it_stopped_not_in_a_finished_collective(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 fails right after an all_reduce that rank 0 is still returning from (held
+    there half a second by a profile function, as a busy machine may hold it): a snapshot
+    would show rank 0 inside that finished all_reduce. The report shows where rank 0
+    stopped, its own traceback: the barrier of the next line, which the abort failed."""
+    script = write(
+        tmp_path,
+        "consistent.py",
+        """
+        import sys, time
+        import torch, torch.distributed as dist
+
+        def slow_return(frame, event, arg):
+            code = frame.f_code
+            in_work = code.co_filename.endswith("work.py")
+            if event == "return" and code.co_name == "wait" and in_work:
+                time.sleep(0.5)
+
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            sys.setprofile(slow_return)
+        dist.all_reduce(torch.ones(2))
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 fails")
+        sys.setprofile(None)
+        dist.barrier()
+        """,
+    )
+    assert cli.main(["launch", "--nproc", "2", "--timeout", "30", str(script)]) == 1
+    err = capsys.readouterr().err
+    report = err[err.index("[launch] where every rank was when rank 1 failed:") :]
+    rank0 = report[report.index("[launch] rank 0") : report.index("[launch] rank 1")]
+    barrier = script.read_text().splitlines().index("dist.barrier()") + 1
+    assert f"line {barrier}, in <module>\n    dist.barrier()" in rank0, rank0
+    assert "dist.all_reduce" not in rank0, rank0
+
+
+def test_a_rank_stuck_in_c_code_is_said_to_be_abandoned() -> None:
+    script_dir = SCRIPTS  # a real process: the abandoned thread must not outlive this test
+    done = launch_process(
+        "--nproc", "2", "--timeout", "2", str(script_dir / "stuck_in_c.py"), timeout=120
+    )
+    assert done.returncode == 1
+    err = done.stderr
+    assert "[launch] rank 1 (did not stop; abandoned here):" in err
+    stuck = err[err.index("[launch] rank 1 (did not stop; abandoned here):") :]
+    assert "time.sleep(60)" in stuck.split("=" * 60)[0]
+    assert "rank 1: did not end: still running 2 s after" in err
+    assert "so the launch abandoned its thread" in err
+    assert "stopped by the launch" not in err
+
+
+def test_the_usage_error_names_only_what_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the following arguments are required: script\n" in err
+    assert "script_args" not in err.splitlines()[-1]
+
+
+def test_torchruns_single_node_flags_are_accepted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write(tmp_path, "size.py", "import os\nprint(os.environ['WORLD_SIZE'])\n")
+    flags = ["--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+    assert cli.main(["launch", *flags, str(script)]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[rank0]: 2", "[rank1]: 2"]
+    assert cli.main(["launch", "--nnodes=1:1", str(script)]) == 0  # and a default of 1 rank
+    assert capsys.readouterr().out.splitlines() == ["[rank0]: 1"]
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        want = accelerator.device_count()
+    else:
+        want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert cli.main(["launch", "--nproc-per-node", "auto", str(script)]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == sorted(
+        f"[rank{r}]: {want}" for r in range(int(want or 1))
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--nnodes", "2"], "--nnodes 2: a launch runs the ranks of one node"),
+        (["--nnodes", "1:4"], "only --nnodes 1 (or 1:1). For several nodes, use torchrun"),
+        (["--nproc-per-node", "many"], "--nproc-per-node takes a number of ranks, auto, cpu"),
+        (["--nproc-per-node", "0"], "--nproc must be >= 1, got 0"),
+    ],
+)
+def test_torchrun_flags_a_launch_cannot_honour_are_refused(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["launch", *args, str(NANOGPT)]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert "no such script" not in err  # --nnodes is an option, never the script

@@ -13,11 +13,14 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from reducer.tools import validate
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHECKS = [
     "exact average",
@@ -304,3 +307,42 @@ def test_the_cli_lists_the_device_option() -> None:
     )
     assert out.returncode == 0, out.stderr[-600:]
     assert "--device {cpu,cuda}" in out.stdout
+
+
+TEARDOWN_PROBE = (
+    "import atexit, runpy, sys; "
+    "atexit.register(lambda: print('interpreter teardown ran', flush=True)); "
+    "sys.argv = ['reducer', *sys.argv[1:]]; "
+    "runpy.run_module('reducer', run_name='__main__', alter_sys=True)"
+)
+
+
+@pytest.mark.parametrize("command", ["validate", "launch"])
+def test_python_m_reducer_validate_leaves_without_interpreter_teardown(
+    command: str, tmp_path: Path
+) -> None:
+    """``torchrun -m reducer validate`` runs reducer/__main__.py: like validate's own
+    ``__main__``, it must end a settled rank with os._exit, before interpreter teardown (where
+    gloo's C++ threads winding down sometimes abort the process with SIGABRT after a passing
+    table). An atexit handler shows whether teardown ran. ``launch`` must still run it: a
+    training script's atexit handlers are its own."""
+    if command == "validate":
+        # Skips at once, exit code 0, on any machine (the GPUs hidden).
+        args = ["validate", "--backend", "nccl", "--nproc", "1"]
+    else:
+        script = tmp_path / "hello.py"
+        script.write_text("print('hello')\n")
+        args = ["launch", "--nproc", "1", str(script)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run(
+        [sys.executable, "-c", TEARDOWN_PROBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = "interpreter teardown ran" in out.stdout
+    assert ran == (command == "launch"), out.stdout

@@ -1,9 +1,9 @@
 """Run a torchrun-style training script on N rank threads of one fake world: debug it on a
 laptop, with every rank's stack when it hangs.
 
-    python -m reducer launch --nproc 4 train.py --batch-size 8
-    python -m reducer launch --nproc 2 --timeout 20 --network 10gbe train.py
-    python -m reducer launch --nproc 2 -m mypackage.train
+    python -m reducer launch --nproc-per-node 2 tests/scripts/nanogpt_train.py --backend nccl
+    python -m reducer launch --nproc 2 --timeout 5 tests/scripts/deadlock.py
+    python -m reducer launch --standalone --nnodes 1 --nproc-per-node 4 -m package.train
 
 The script runs unmodified as ``__main__`` on each of N threads, with sys.argv as given. Each
 thread sees its own RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
@@ -14,12 +14,16 @@ prefixed with its rank (``[rank0]: ...``); the exit code is torchrun's (1 if any
 
 When a collective times out, ranks disagree on one (a desync), or a rank fails or returns while
 others wait, the launch says which ranks are missing from which collective and prints every
-rank's Python stack as it was at that moment. So does Ctrl-C.
+rank's Python stack. So does Ctrl-C, which then stops every rank and prints the summary.
+
+torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
+takes a number, auto, cpu or gpu, as torchrun's (default 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import builtins
 import contextlib
 import inspect
@@ -37,6 +41,7 @@ from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+from . import imports, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -48,22 +53,33 @@ __all__ = ["add_arguments", "run"]
 # sys.stdout and sys.stderr (RankOutput: lines prefixed by rank), and
 # torch.distributed.init_process_group (joins the fake world on the calling rank's thread).
 # sys.argv and sys.path[0] are the script's, as for `python script.py`, and the same on every
-# rank. What stays shared: torch's intra-op threads (set to one per rank unless
+# rank. The script's leading imports run once before the ranks start (see Note [Imports before
+# the ranks start] in .imports), and known one-per-process state is refused on rank threads
+# (.singletons). What stays shared: torch's intra-op threads (set to one per rank unless
 # OMP_NUM_THREADS is set, as torchrun does), the working directory, sys.modules (a module the
 # script imports is imported once, and its globals are shared), and Python's and NumPy's
 # global random generators (torch's generator is per rank: see fakepg.rng).
 
 # Frames above the script (left out of stacks), and frames of the plumbing every torch call
-# of a rank passes through (left out too).
+# or import of a rank passes through (left out too).
 _LAUNCHER_FILES = (
     os.path.join("", "threading.py"),
     os.path.join("", "runpy.py"),
     os.path.join("fakepg", "world.py"),
     os.path.join("reducer", "tools", "launch", "__init__.py"),
 )
-_PLUMBING_FILES = (os.path.join("fakepg", "rng.py"), os.path.join("torch", "overrides.py"))
+_PLUMBING_FILES = (
+    os.path.join("fakepg", "rng.py"),
+    os.path.join("torch", "overrides.py"),
+    os.path.join("reducer", "tools", "launch", "singletons.py"),  # every import statement
+)
 _RULE = "=" * 60
 _THIN = "-" * 60
+# After the first failure, a rank computing outside any collective gets this long to reach one
+# (where the abort wakes it) before it is stopped, and as long again to stop; a rank still
+# running after that is blocked in a C call or a lock of its own, and is abandoned.
+_STOP_GRACE_S = 1.0
+_INTERRUPTED = 130  # the exit code of a launch stopped by Ctrl-C, as a shell reports SIGINT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,9 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc",
-        type=int,
-        required=True,
-        help="number of ranks (threads)",
+        default="1",
+        help="number of ranks (threads): a number, or as torchrun's: auto (one per GPU, else "
+        "one per CPU core), cpu, gpu (default 1)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        default="1",
+        help="torchrun's; a launch is one node: only 1 (or 1:1)",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="torchrun's; accepted (the rendezvous is the in-memory world)",
     )
     parser.add_argument(
         "--timeout",
@@ -125,35 +151,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the target as a module (python -m), as torchrun's -m",
     )
     parser.add_argument("script", help="the training script (or module, with -m)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    rest = parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="the script's arguments"
+    )
+    rest.required = False  # argparse counts a REMAINDER as required in its usage error
+
+
+def _nproc_count(value: object) -> int:
+    """--nproc-per-node as torchrun reads it: a number, auto, cpu or gpu."""
+    import torch
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        count = int(value)
+    elif value in ("auto", "cpu"):
+        accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+        if value == "auto" and accelerator is not None and accelerator.is_available():
+            count = accelerator.device_count()
+        elif value == "auto" and accelerator is None and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+        else:
+            count = _cpu_count()
+    elif value == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "--nproc-per-node gpu: no GPU visible here (torch.cuda.is_available() is "
+                "False); pass a number of ranks"
+            )
+        count = torch.cuda.device_count()
+    else:
+        raise ValueError(
+            f"--nproc-per-node takes a number of ranks, auto, cpu or gpu (as torchrun's), "
+            f"got {value!r}"
+        )
+    if count < 1:
+        raise ValueError(f"--nproc must be >= 1, got {count}")
+    return count
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _check_nnodes(text: str) -> None:
+    if text.strip() not in ("1", "1:1"):
+        raise ValueError(
+            f"--nnodes {text}: a launch runs the ranks of one node, as threads of this "
+            "process; only --nnodes 1 (or 1:1). For several nodes, use torchrun"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     """Launch ``args.script`` on ``args.nproc`` rank threads; torchrun's exit code."""
     import fakepg  # the CLI tools may; the reducer itself never imports the fake world
 
-    prog = "python -m reducer launch"
-    if isinstance(args.nproc, bool) or args.nproc < 1:
-        print(f"{prog}: error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
-        return 2
     try:
+        nproc = _nproc_count(args.nproc)
+        _check_nnodes(str(args.nnodes))
         network = None if args.network is None else fakepg.parse_network(args.network)
-        ranks = _parse_filter(args.ranks_filter, args.nproc)
+        ranks = _parse_filter(args.ranks_filter, nproc)
         target = _Target.load(args.script, module=args.module)
-        world = fakepg.World(args.nproc, timeout=args.timeout, network=network)
+        world = fakepg.World(nproc, timeout=args.timeout, network=network)
+    except SyntaxError as exc:
+        # As `python script.py` would: the error line, then where (exit code 1, as python's).
+        where = "".join(traceback.format_exception_only(exc)).rstrip("\n")
+        print(f"{_PROG}: error: {args.script} does not compile:\n{where}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, OSError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
-    check = _replica_check(args, world)
+    check = _replica_check(args, world, nproc)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     launch.check = check
     with world, check or contextlib.nullcontext(), launch.installed():
+        if not launch.preimport():
+            return _INTERRUPTED
         try:
-            world.run(launch.rank_main, per_rank_rng=not args.shared_rng)
-        except KeyboardInterrupt:
-            return 130
-        except BaseException:  # recorded per rank by rank_main; reported below
-            pass
+            launch.run_ranks(per_rank_rng=not args.shared_rng)
+        except KeyboardInterrupt:  # a second Ctrl-C: quit without waiting for the ranks
+            print(f"[launch] interrupted again: {_PROG} quits now", file=launch.real_stderr)
+            return _INTERRUPTED
     if check is None:
         return launch.report(sys.stderr)
     # When the check stopped the ranks, its report is the launch's.
@@ -162,14 +243,17 @@ def run(args: argparse.Namespace) -> int:
     return int(check.exit_code(code))
 
 
-def _replica_check(args: argparse.Namespace, world: Any) -> Any:
+def _replica_check(args: argparse.Namespace, world: Any, nproc: int) -> Any:
     """The replica check of the launch (see reducer.tools.check), or None with --no-check."""
     if not getattr(args, "check", False):
         return None
     from reducer.tools.check import ReplicaCheck
 
     stop = not getattr(args, "check_keep_going", False)
-    return ReplicaCheck(args.nproc, world=world, stop=stop, out=sys.stderr)
+    return ReplicaCheck(nproc, world=world, stop=stop, out=sys.stderr)
+
+
+_PROG = "python -m reducer launch"
 
 
 def _parse_filter(text: str | None, nproc: int) -> set[int] | None:
@@ -187,21 +271,35 @@ def _parse_filter(text: str | None, nproc: int) -> set[int] | None:
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """The script (compiled once, run as ``__main__`` on every rank) or module."""
+    """The script (compiled once, run as ``__main__`` on every rank) or module, and its
+    syntax tree (None where its source is not found), for the imports before the ranks."""
 
     name: str
     path: Path | None
     code: CodeType | None
+    tree: ast.Module | None = None
+    is_package: bool = False  # -m of a package: its __main__ runs
 
     @classmethod
     def load(cls, name: str, *, module: bool) -> _Target:
         if module:
-            return cls(name, None, None)
+            tree, is_package = _module_tree(name)
+            return cls(name, None, None, tree, is_package)
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"no such script: {name}")
         # Named as given, as `python path` names it in tracebacks.
-        return cls(name, path, compile(path.read_bytes(), str(path), "exec"))
+        tree = ast.parse(path.read_bytes(), str(path))
+        return cls(name, path, compile(tree, str(path), "exec"), tree)
+
+    def preimport(self) -> None:
+        """See Note [Imports before the ranks start] in .imports."""
+        if self.tree is None:
+            return
+        package = None
+        if self.path is None:  # a module: its relative imports resolve in its package
+            package = self.name if self.is_package else self.name.rpartition(".")[0]
+        imports.preimport(self.tree, self.argv0, package)
 
     def execute(self) -> None:
         if self.code is None:
@@ -226,6 +324,27 @@ class _Target:
         return self.name if self.path is None else str(self.path)
 
 
+def _module_tree(name: str) -> tuple[ast.Module | None, bool]:
+    """The syntax tree of what ``python -m name`` runs (None if its source is not a file
+    here), and whether ``name`` is a package. Finding it imports its parent packages, as
+    running it would; an error is left to the ranks, which report it as python -m would."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+        is_package = spec is not None and spec.submodule_search_locations is not None
+        if is_package:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+    except (ImportError, ValueError):
+        return None, False
+    if spec is None or not spec.has_location or not str(spec.origin).endswith(".py"):
+        return None, is_package
+    try:
+        return ast.parse(Path(str(spec.origin)).read_bytes(), str(spec.origin)), is_package
+    except (OSError, SyntaxError, ValueError):
+        return None, is_package
+
+
 @dataclass(slots=True)
 class _Outcome:
     code: int | None = None  # None: still running or never started; 0: success
@@ -236,7 +355,8 @@ class _Launch:
     """One launch: the rank threads' function, the process-wide state it swaps, the report.
 
     # Guarantees: rank_main runs on the world's rank threads; _lock guards the outcomes, the
-    # first failure and the stacks taken then. report() runs after every rank has ended.
+    # first failure and the stacks taken then. preimport(), run_ranks() and report() run on
+    # the launching thread, report() after every rank has ended or been abandoned.
     """
 
     def __init__(
@@ -266,6 +386,9 @@ class _Launch:
         self.real_stderr: Any = sys.stderr
         self._thread_rank = threading.local()  # .rank: the rank of a rank thread
         self.check: Any = None  # the replica check, told which thread is which rank
+        self.running = False  # the rank threads run (set by run_ranks)
+        self.interrupted = False  # Ctrl-C stopped the ranks
+        self._interrupt: threading.Thread | None = None  # aborts the world after a Ctrl-C
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -291,6 +414,7 @@ class _Launch:
         if self.target.path is not None:
             sys.path.insert(0, str(self.target.path.resolve().parent))
         dist.init_process_group = c10d.init_process_group = init
+        restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -298,10 +422,18 @@ class _Launch:
         finally:
             if handler is not None:
                 signal.signal(signal.SIGINT, handler)
+            if self._interrupt is not None:
+                self._interrupt.join()
+            restore_singletons()
             dist.init_process_group = c10d.init_process_group = torch_init
             sys.argv, sys.path[:] = argv, path
             sys.stdout, sys.stderr = real_out, real_err
             os.environ = real_environ  # noqa: B003 (the real one back)
+
+    def rank_of_thread(self) -> int | None:
+        """The rank whose thread calls this, or None on any other thread."""
+        rank: int | None = getattr(self._thread_rank, "rank", None)
+        return rank
 
     def _init_process_group(self, torch_init: Any) -> Any:
         """``init_process_group`` for the launch: any backend, on the fake world."""
@@ -311,7 +443,7 @@ class _Launch:
         launch = self
 
         def init_process_group(*args: Any, **kwargs: Any) -> None:
-            rank = getattr(launch._thread_rank, "rank", None)
+            rank = launch.rank_of_thread()
             if rank is None:  # not a rank thread: torch's own
                 torch_init(*args, **kwargs)
                 return
@@ -328,6 +460,39 @@ class _Launch:
 
         init_process_group.__doc__ = torch_init.__doc__
         return init_process_group
+
+    def preimport(self) -> bool:
+        """The script's leading imports, once, on this thread, before the ranks start, with
+        rank 0's environment and output (see Note [Imports before the ranks start] in
+        .imports). False if Ctrl-C stopped it."""
+        assert self.environ is not None and self.stdout is not None and self.stderr is not None
+        self.environ.bind(rank_environment(0, self.nproc))
+        self.stdout.bind(0)
+        self.stderr.bind(0)
+        try:
+            self.target.preimport()
+        except KeyboardInterrupt:
+            print(
+                "[launch] interrupted while importing the script's modules", file=self.real_stderr
+            )
+            return False
+        finally:
+            self.stdout.finish()
+            self.stderr.finish()
+            self.environ.unbind()
+        return True
+
+    def run_ranks(self, *, per_rank_rng: bool) -> None:
+        """Run the script on every rank; a failure is recorded per rank (see report). A
+        second Ctrl-C raises KeyboardInterrupt without waiting for the ranks."""
+        self.running = True
+        try:
+            self.world.run(self.rank_main, per_rank_rng=per_rank_rng, stop_grace=_STOP_GRACE_S)
+        except BaseException as exc:  # recorded per rank by rank_main; reported below
+            if isinstance(exc, KeyboardInterrupt) and self.interrupted:
+                raise  # the second Ctrl-C (a rank's own KeyboardInterrupt is its failure)
+        finally:
+            self.running = False
 
     # ---------------------------------------------------------------------------------------
     # The rank threads.
@@ -362,8 +527,13 @@ class _Launch:
                 raise  # a consequence of the check's stop, which reports it
             # What the worker process would print before dying (prefixed by rank).
             frames = self._format(traceback.extract_tb(exc.__traceback__), collapse=True)
-            last = "".join(traceback.format_exception_only(exc)).rstrip("\n")
-            print(f"Traceback (most recent call last):\n{frames}\n{last}", file=self.stderr)
+            if _is_world_stop(exc):
+                print(
+                    f"Stopped by the launch at (most recent call last):\n{frames}", file=self.stderr
+                )
+            else:
+                last = "".join(traceback.format_exception_only(exc)).rstrip("\n")
+                print(f"Traceback (most recent call last):\n{frames}\n{last}", file=self.stderr)
             raise
         else:
             self._record(rank, 0, None)
@@ -383,27 +553,37 @@ class _Launch:
     def _record(self, rank: int, code: int, error: BaseException | None) -> None:
         with self._lock:
             self.outcomes[rank] = _Outcome(code, error)
-            if code != 0 and self.first is None:
+            if code != 0 and self.first is None and not self.interrupted:
                 # Before the world's abort wakes anyone: where every other rank is right now.
                 self.first = rank
                 self.stacks = self._stacks(exclude=rank)
 
-    def _stacks(self, exclude: int | None) -> dict[int, str]:
+    def _stacks(self, exclude: int | None = None, only: int | None = None) -> dict[int, str]:
         frames = sys._current_frames()
         out = {}
         for rank, ident in sorted(self.idents.items()):
             frame = frames.get(ident)
-            if rank != exclude and frame is not None:
+            if rank != exclude and only in (None, rank) and frame is not None:
                 out[rank] = self._format(traceback.extract_stack(frame), collapse=True)
         return out
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
-        stacks = self._stacks(exclude=None)
+        if not self.running or self.interrupted:
+            raise KeyboardInterrupt  # before the ranks start, or a second Ctrl-C: at once
+        self.interrupted = True
+        stacks = self._stacks()
         lines = ["[launch] interrupted; where every rank is:"]
         for rank, stack in stacks.items():
             lines += [f"[launch] rank {rank}:", stack]
+        lines.append("[launch] stopping every rank (Ctrl-C again to quit at once)")
         print("\n".join(lines), file=self.real_stderr, flush=True)
-        raise KeyboardInterrupt
+        # Not on this thread: a signal handler runs between any two bytecodes of the main
+        # thread, which may hold the world's lock then. The ranks wake, and run() reports.
+        reason = KeyboardInterrupt("the launch was interrupted (Ctrl-C)")
+        self._interrupt = threading.Thread(
+            target=self.world.abort, args=(reason,), name="launch-interrupt", daemon=True
+        )
+        self._interrupt.start()
 
     def _format(
         self,
@@ -446,24 +626,20 @@ class _Launch:
     def report(self, out: Any) -> int:
         failed = [r for r, o in enumerate(self.outcomes) if o.code not in (0, None)]
         never = [r for r, o in enumerate(self.outcomes) if o.code is None]
-        if not failed and not never:
+        if not failed and not never and not self.interrupted:
             return 0
         lines = []
-        first = self.first
+        first = None if self.interrupted else self.first
         if first is not None:
             error = self.outcomes[first].error
             lines.append(f"[launch] rank {first} failed first: {_one_line(error)}")
             lines.append(f"[launch] where every rank was when rank {first} failed:")
             for rank in range(self.nproc):
-                if rank == first:
-                    assert error is not None
-                    frames = traceback.extract_tb(error.__traceback__)
-                    tb = self._format(frames, collapse=True)
-                    lines += [f"[launch] rank {rank} (failed here):", tb]
-                elif rank in self.stacks:
-                    lines += [f"[launch] rank {rank}:", self.stacks[rank]]
-                else:
-                    lines.append(f"[launch] rank {rank}: had ended")
+                lines += self._where(rank, first)
+        elif never:
+            lines.append("[launch] where the ranks that did not stop are:")
+            for rank in never:
+                lines += self._where(rank, None)
         lines += [_RULE, f"{self.target.name} FAILED", _THIN, "Failures:"]
         others = [r for r in failed if r != first] + never
         if not others:
@@ -471,23 +647,58 @@ class _Launch:
         for i, rank in enumerate(others, start=1):
             lines.append(f"  [{i}]: {self._describe(rank)}")
         lines += [_THIN, "Root Cause (first observed failure):"]
-        lines.append(f"  [0]: {self._describe(first) if first is not None else 'none recorded'}")
-        lines.append(_RULE)
+        if self.interrupted:
+            root = "interrupted (Ctrl-C, SIGINT): the launch stopped every rank"
+        else:
+            root = self._describe(first) if first is not None else "none recorded"
+        lines += [f"  [0]: {root}", _RULE]
         print("\n".join(lines), file=out, flush=True)
-        return 1
+        return _INTERRUPTED if self.interrupted else 1
+
+    # Note [A rank's stack at the first failure]
+    # A stack taken from another thread is a snapshot of a moving target: a rank may be
+    # returning from a collective that has just completed, and then fail on its next line
+    # (the abort reaches it there). Its own traceback says where it really stopped, so a rank
+    # that failed after the first shows that; the snapshot is kept for ranks that ended
+    # without an error after it, and a rank that never ended shows where it is now.
+
+    def _where(self, rank: int, first: int | None) -> list[str]:
+        """Rank ``rank``'s part of "where every rank was". See Note [A rank's stack at the
+        first failure]."""
+        outcome = self.outcomes[rank]
+        if rank == first and outcome.error is not None:
+            tb = self._format(traceback.extract_tb(outcome.error.__traceback__), collapse=True)
+            return [f"[launch] rank {rank} (failed here):", tb]
+        if outcome.code is None:
+            now = self._stacks(only=rank).get(rank, "  (no Python frames)")
+            return [f"[launch] rank {rank} (did not stop; abandoned here):", now]
+        if outcome.error is not None:
+            tb = self._format(traceback.extract_tb(outcome.error.__traceback__), collapse=True)
+            return [f"[launch] rank {rank} (stopped here after rank {first} failed):", tb]
+        if rank in self.stacks:
+            return [f"[launch] rank {rank} (then ended without error):", self.stacks[rank]]
+        return [f"[launch] rank {rank}: had ended"]
 
     def _describe(self, rank: int) -> str:
         outcome = self.outcomes[rank]
         if outcome.code is None:
-            return f"rank {rank}: did not end (stopped by the launch)"
+            return (
+                f"rank {rank}: did not end: still running {2 * _STOP_GRACE_S:g} s after the "
+                "abort (blocked in a C call such as time.sleep, or in a lock of its own), so the "
+                "launch abandoned its thread"
+            )
         return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
 
 
 def _library_dirs() -> tuple[str, ...]:
+    """Where the frames folded in stacks live: the standard library, site-packages (torch),
+    fakepg (wherever it is installed) and this launcher."""
+    import fakepg
+
     paths = sysconfig.get_paths()
     here = Path(__file__).resolve().parent
     dirs = {paths["stdlib"], paths["purelib"], paths["platlib"], str(here)}
-    dirs.add(str(here.parent / "fakepg"))
+    dirs.add(str(Path(fakepg.__file__).resolve().parent))
     return tuple(os.path.join(d, "") for d in dirs)
 
 
@@ -509,9 +720,17 @@ def _exit_code(exc: SystemExit, stderr: Any) -> int:
     return 1
 
 
+def _is_world_stop(exc: BaseException) -> bool:
+    """The fake world's stop, delivered to a rank computing after an abort (a BaseException
+    private to fakepg.world, so that a script's ``except Exception`` does not swallow it)."""
+    return not isinstance(exc, Exception) and type(exc).__module__ == "fakepg.world"
+
+
 def _one_line(error: BaseException | None) -> str:
     if error is None:
         return "(no exception)"
+    if _is_world_stop(error):
+        return str(error)
     if isinstance(error, SystemExit):
         return f"SystemExit({error.code!r})"
     first_line = str(error).strip().split("\n", 1)[0]

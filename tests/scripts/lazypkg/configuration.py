@@ -1,0 +1,5 @@
+"""The lazily imported submodule behind ``lazypkg.Config``."""
+
+
+class Config:
+    pass
