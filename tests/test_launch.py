@@ -580,3 +580,25 @@ def test_torchrun_flags_a_launch_cannot_honour_are_refused(
     err = capsys.readouterr().err
     assert words in err
     assert "no such script" not in err  # --nnodes is an option, never the script
+
+
+def test_the_launch_examples_name_scripts_that_exist() -> None:
+    """Every ``python -m reducer launch`` example in the README and in the command's help runs
+    a script of this repository (a newcomer copies them)."""
+    from reducer.tools import launch
+
+    texts = [(ROOT / "README.md").read_text(), launch.__doc__ or ""]
+    examples = [
+        line
+        for text in texts
+        for line in text.replace("\\\n", " ").splitlines()
+        if "python -m reducer launch " in line
+    ]
+    assert len(examples) >= 6, examples
+    for line in examples:
+        words = line.split("python -m reducer launch ", 1)[1].split()
+        scripts = [word for word in words if word.endswith(".py")]
+        modules = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "-m"]
+        scripts += [module.replace(".", "/") + ".py" for module in modules]
+        for script in scripts:
+            assert (ROOT / script).is_file(), f"{script} (in: {line.strip()})"

@@ -3,7 +3,7 @@ laptop, with every rank's stack when it hangs.
 
     python -m reducer launch --nproc-per-node 2 tests/scripts/nanogpt_train.py --backend nccl
     python -m reducer launch --nproc 2 --timeout 5 tests/scripts/deadlock.py
-    python -m reducer launch --standalone --nnodes 1 --nproc-per-node 4 -m package.train
+    python -m reducer launch --standalone --nnodes 1 --nproc 4 -m tests.scripts.nanogpt_train
 
 The script runs unmodified as ``__main__`` on each of N threads, with sys.argv as given. Each
 thread sees its own RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
