@@ -401,20 +401,6 @@ class DivideInDDP(_Reducer):
         self._scaling = "divide"
 
 
-class _Everything(set[tuple[int, int]]):
-    def __contains__(self, key: object) -> bool:
-        return True
-
-
-class ViewsAlwaysMultiply(BucketViews):
-    """Bucket views multiply by 1 / W even where autograd accumulated into the view in
-    place (torch divides those)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fresh = _Everything()
-
-
 # -------------------------------------------------------------------------------------------
 # Comm hooks.
 
@@ -795,11 +781,6 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuilt buckets keep old views",
         "views",
         _in("reducer.reducer", "BucketViews", KeepOldViews),
-    ),
-    (
-        "views always multiply",
-        "views",
-        _in("reducer.reducer", "BucketViews", ViewsAlwaysMultiply),
     ),
     (
         "bucket views ignore strides",

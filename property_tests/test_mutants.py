@@ -379,13 +379,6 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
-    # Bucket views whose .grad is the view across iterations (not set to None).
-    "views always multiply": Case(
-        ddp_scenarios(model=dense_all_used, mode="plain", as_view=True, hook="none"),
-        check_ddp,
-        lambda s: s.world_size == 3,
-        max_ranks=3,
-    ),
     "no_sync ignored": Case(
         ddp_scenarios(model=dense_all_used, mode="plain", hook="none"),
         check_ddp,

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rank_input, seeded
+from helpers import mlp, rank_input, reducer_for, seeded
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local
@@ -36,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import fakepg
 import reducer
+from property_tests.reference import rank_order_average
 
 WORLD_SIZES = [3, 5, 6]
 STEPS = 3
@@ -291,3 +292,49 @@ def test_join_with_uneven_inputs_bitwise_with_torchs(
     for rank, (ours, theirs) in enumerate(results):
         assert len(ours) == len(theirs) == batches[rank] + 1
     assert_bitwise(results)
+
+
+# -------------------------------------------------------------------------------------------
+# The bare Reducer's option.
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("scaling", ["divide", "reciprocal"])
+def test_reducer_scales_as_its_gradient_scaling_says(scaling: str, as_view: bool) -> None:
+    """At W = 3 each mode gives its own reference's bits (and the two references differ)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
+        model = mlp()
+        with reducer_for(
+            model, pg, gradient_scaling=scaling, gradient_as_bucket_view=as_view
+        ) as red:
+            assert red.gradient_scaling == scaling
+            red.prepare_for_backward([])
+            model(rank_input(pg.rank(), (4, 6))).pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    results = fakepg.run(fn, 3, timeout=20.0)
+    per_rank = []
+    for rank in range(3):
+        model = mlp()
+        model(rank_input(rank, (4, 6))).pow(2).sum().backward()
+        per_rank.append([p.grad for p in model.parameters()])
+    differ = False
+    for i in range(len(per_rank[0])):
+        column = [g[i] for g in per_rank]
+        want = rank_order_average(column, 3, scaling=scaling)  # type: ignore[arg-type]
+        other = rank_order_average(
+            column, 3, scaling="divide" if scaling != "divide" else "reciprocal"
+        )
+        assert want is not None and other is not None
+        differ = differ or not torch.equal(want, other)
+        for rank, grads in enumerate(results):
+            assert torch.equal(grads[i], want), f"parameter {i}, rank {rank}"
+    assert differ, "the two roundings agree on this data: the test would not tell them apart"
+
+
+def test_an_unknown_gradient_scaling_is_refused() -> None:
+    with fakepg.World(1) as world, pytest.raises(reducer.InvalidArgument, match="gradient_scaling"):
+        reducer.Reducer(
+            [[nn.Parameter(torch.ones(2))]], [[0]], world.group(0), gradient_scaling="mul"
+        )  # type: ignore[arg-type]
