@@ -233,7 +233,7 @@ CONFIGS = [{}, {"as_view": True}, {"find_unused": True}, {"no_sync": True}]
 CONFIG_IDS = ["default", "views", "unused", "no_sync"]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fake_world_same_bits_as_torch_ddp(device: str, world_size: int) -> None:
     """Both wrappers in the same rank threads on one fake world; this one on the rank's
