@@ -9,6 +9,7 @@ test runs a real process for the exit codes.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -513,3 +514,37 @@ def test_the_fake_world_tells_an_observer_each_collective() -> None:
         (1, "allreduce", (0, 1), 1, 16),
         (1, "broadcast", (0, 1), 1, 16),
     ]
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+@pytest.mark.parametrize("kind", BOTH)
+def test_three_ranks_average_exactly_with_and_without_bucket_views(
+    kind: str, bucket_view: bool
+) -> None:
+    """At W = 3 the roundings of an average differ (1/3 is inexact): torch's DDP multiplies by
+    1/W, or divides in place when gradients are bucket views; every one is accepted, and
+    gradient accumulation with no_sync and zero_grad(set_to_none=False) stays exact."""
+    import reducer
+
+    def train(pg: Any) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        wrapper = (
+            nn.parallel.DistributedDataParallel
+            if kind == "torch"
+            else reducer.DistributedDataParallel
+        )
+        ddp = wrapper(model, gradient_as_bucket_view=bucket_view)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            for micro in range(2):
+                seed = 10 * step + micro + 100 * pg.rank()
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    ddp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+
+    check = run_checked(train, world_size=3)
+    assert not check.findings, check.findings
+    assert check.steps == 3 and check.compared == 4

@@ -349,6 +349,15 @@ def _comm_hook(wrapper: nn.Module) -> str | None:
     return None
 
 
+# Note [The roundings of an exact average]
+# The fake world adds in rank order, so an average is exact up to where its division rounds,
+# and reducers round in one of three places: torch's DDP multiplies each gradient by 1/W as it
+# copies it into the bucket (sum of g_r * (1/W)), but divides in place when the gradient is
+# already a view of its bucket (gradient_as_bucket_view: sum of g_r / W); a reducer may also
+# divide the sum (sum / W). For a power-of-two W the three are the same bits; for others they
+# may differ in the last place, and each is a correct average. Anything else is not.
+
+
 def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -> Finding | None:
     """Where a wrapper reduced parameter ``i`` on every rank: is it the exact rank-order
     average of the ranks' local gradients? Skipped when a rank's local gradient is unknown."""
@@ -380,16 +389,22 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     if any(g.is_sparse or g.shape != got.shape or g.dtype != got.dtype for g in grads):
         return None
     scale = 1.0 / world
+    # See Note [The roundings of an exact average].
     expected = _rank_order_sum([g * scale for g in grads])
-    if _bits_equal(expected, got):
+    total = _rank_order_sum(grads)
+    averages = (expected, _rank_order_sum([g / world for g in grads]), total / world)
+    if any(_bits_equal(average, got) for average in averages):
         return None
     hook = _comm_hook(wrappers[0])
-    if _bits_equal(_rank_order_sum(grads), got):
+    if _bits_equal(total, got):
         cause = (
             "it is the sum of the local gradients, not their average (a missing division by "
             "the world size)"
         )
-    elif _bits_equal(expected * scale, got):
+    elif any(
+        _bits_equal(average * scale, got) or _bits_equal(average / world, got)
+        for average in averages
+    ):
         cause = f"it is the average divided by the world size again (divided by {world} twice)"
     elif _bits_equal(grads[0], got):
         cause = "it is rank 0's local gradient, unreduced (a comm hook that dropped its bucket?)"
@@ -405,7 +420,8 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     via = f" (comm hook {hook})" if hook is not None else ""
     text = (
         f"gradient of {name!r} {where} is identical on every rank but is not the exact "
-        f"rank-order average of the ranks' local gradients (sum of g_r * (1/{world})){via}: "
+        f"rank-order average of the ranks' local gradients (sum of g_r * (1/{world}), of "
+        f"g_r / {world}, or the sum / {world}){via}: "
         f"{cause}."
     )
     return Finding("error", step, "wrong average", text, name)
