@@ -15,6 +15,10 @@ prefixed with its rank (``[rank0]: ...``); the exit code is torchrun's (1 if any
 When a collective times out, ranks disagree on one (a desync), or a rank fails or returns while
 others wait, the launch says which ranks are missing from which collective and prints every
 rank's Python stack as it was at that moment. So does Ctrl-C.
+
+At every optimizer step the replica check (reducer.tools.check) compares every rank's
+parameters and gradients bit for bit and, at the first divergence, stops the ranks, says why
+and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
 """
 
 from __future__ import annotations
