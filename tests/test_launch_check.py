@@ -548,3 +548,26 @@ def test_three_ranks_average_exactly_with_and_without_bucket_views(
     check = run_checked(train, world_size=3)
     assert not check.findings, check.findings
     assert check.steps == 3 and check.compared == 4
+
+
+def test_a_rank_that_crashes_wakes_the_ranks_waiting_at_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "crash_before_step.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "w = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('boom on rank 1')\n"
+        "opt.step()\n"
+    )
+    assert cli.main(["launch", "--nproc", "2", "--timeout", "600", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "[0]: rank 1: exitcode 1: ValueError: boom on rank 1" in err  # the root cause
+    assert (
+        "rank 0: exitcode 1: WorldAborted: the replica check stopped waiting at optimizer step 0"
+        in err
+    )
+    assert "_check.py" not in err.split("[launch]")[0].split("[rank0]")[-1]  # folded away

@@ -241,7 +241,16 @@ class ReplicaCheck:
                     self.world.abort(RanksDiverged(str(exc)))
                 raise RanksDiverged(str(exc)) from None
             return
-        raise RuntimeError(f"replica check: stopped at {exc}") from None
+        if exc.kind == "aborted":
+            import fakepg
+
+            # What a rank blocked in a collective would get: the failure is elsewhere.
+            raise fakepg.WorldAborted(
+                f"the replica check stopped waiting at optimizer step {arrival.step} "
+                f"({arrival.line}) on rank {arrival.rank}: {exc}. Look at the first failure; "
+                "this one is a consequence."
+            ) from None
+        raise RuntimeError(f"replica check: {exc}") from None
 
     # ---------------------------------------------------------------------------------------
     # The judge (on the last rank to arrive, while the others wait).

@@ -491,6 +491,7 @@ def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     here = Path(__file__).resolve().parent
     dirs = {paths["stdlib"], paths["purelib"], paths["platlib"], str(here)}
+    dirs.add(str(here.parent / "check"))  # the replica check's hooks run inside optimizer.step
     dirs.add(str(here.parent / "fakepg"))
     return tuple(os.path.join(d, "") for d in dirs)
 
