@@ -571,3 +571,18 @@ def test_a_rank_that_crashes_wakes_the_ranks_waiting_at_the_step(
         in err
     )
     assert "_check.py" not in err.split("[launch]")[0].split("[rank0]")[-1]  # folded away
+
+
+def test_the_public_api_is_all() -> None:
+    import types
+
+    import reducer.tools.check as package
+
+    public = {
+        name
+        for name in dir(package)
+        if not name.startswith("_")
+        and name != "annotations"
+        and not isinstance(getattr(package, name), types.ModuleType)
+    }
+    assert set(package.__all__) == public
