@@ -391,9 +391,11 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     scale = 1.0 / world
     # See Note [The roundings of an exact average].
     expected = _rank_order_sum([g * scale for g in grads])
+    if _bits_equal(expected, got):
+        return None  # the usual case, and every case at a power-of-two world size
     total = _rank_order_sum(grads)
     averages = (expected, _rank_order_sum([g / world for g in grads]), total / world)
-    if any(_bits_equal(average, got) for average in averages):
+    if any(_bits_equal(average, got) for average in averages[1:]):
         return None
     hook = _comm_hook(wrappers[0])
     if _bits_equal(total, got):
