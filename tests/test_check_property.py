@@ -88,12 +88,9 @@ def test_the_check_agrees_with_the_schedule(kind: str, drawn: tuple[int, list[li
 
 
 def test_a_check_that_compares_only_two_ranks_dies(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _audit._differ
-
-    def first_two(values: Any) -> list[int]:
-        return real(values[:2])
-
-    monkeypatch.setattr(_audit, "_differ", first_two)
+    differ, agree = _audit._differ, _audit._agree
+    monkeypatch.setattr(_audit, "_differ", lambda values: differ(values[:2]))
+    monkeypatch.setattr(_audit, "_agree", lambda per_rank: agree(per_rank[:2]))
     # Rank 2 alone skips the sync of the last micro-step: only ranks 0 and 1 agree.
     with pytest.raises(AssertionError):
         check_schedule("torch", 3, [[False, True], [False, True], [True, False]])

@@ -9,6 +9,7 @@ last to arrive audits them all (see :mod:`._audit`); the first error stops every
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -401,6 +402,7 @@ def _caller_line() -> str:
     return "?"
 
 
+@functools.lru_cache(maxsize=256)
 def _short(filename: str) -> str:
     try:
         return str(Path(filename).resolve().relative_to(Path.cwd()))
