@@ -586,3 +586,13 @@ def test_the_public_api_is_all() -> None:
         and not isinstance(getattr(package, name), types.ModuleType)
     }
     assert set(package.__all__) == public
+
+
+@pytest.mark.parametrize("ddp", BOTH)
+def test_uneven_inputs_under_join_are_a_note(ddp: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = launch(capsys, "uneven_join.py", "--ddp", ddp, "--variant", "clean")
+    assert code == 0, err
+    assert "NOTE: ranks reached optimizer step 2 unevenly under a wrapper's join()" in err
+    assert "verdict: the ranks stayed in sync" in err
+    sums = param_sums(out)
+    assert len(sums) == 2 and sums[0] == sums[1]

@@ -227,6 +227,15 @@ class ReplicaCheck:
 
     def _broken_meeting(self, exc: RendezvousBroken, arrival: Arrival) -> None:
         self._broken = True
+        if exc.kind in ("ended", "stall") and self._joining():
+            text = (
+                f"ranks reached optimizer step {arrival.step} unevenly under a wrapper's "
+                "join() (uneven inputs: the ranks that ran out shadow the others' "
+                "reductions): they step a different number of times by design; not checked "
+                "from this step on."
+            )
+            self._add([Finding("note", arrival.step, "uneven inputs", text, "join")])
+            return
         if exc.kind in ("ended", "stall"):
             title = (
                 "ranks stepped differently" if exc.kind == "ended" else "only some ranks reduced"
@@ -252,6 +261,15 @@ class ReplicaCheck:
                 "this one is a consequence."
             ) from None
         raise RuntimeError(f"replica check: {exc}") from None
+
+    def _joining(self) -> bool:
+        """Whether a wrapper ran its forward inside its ``join()`` context since the last
+        step, on some rank (torch's DDP and this project's both keep ``_join_config``)."""
+        return any(
+            getattr(getattr(f.wrapper, "_join_config", None), "enable", False)
+            for record in self.records
+            for f in list(record.forwards)
+        )
 
     # ---------------------------------------------------------------------------------------
     # The judge (on the last rank to arrive, while the others wait).
