@@ -289,6 +289,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
     # Every rank reduced, yet they differ.
     unchanged = all(
         (local := a.record.local.get(id(a.params[i]))) is not None
+        and local[0] is not None
         and _bits_equal(local[0], a.params[i].grad)  # type: ignore[arg-type]
         for a in arrivals
     )
@@ -296,6 +297,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         world = len(arrivals)
         scaled = all(
             (local := a.record.local.get(id(a.params[i]))) is not None
+            and local[0] is not None
             and _bits_equal(local[0] * (1.0 / world), a.params[i].grad)  # type: ignore[arg-type]
             for a in arrivals
         )
@@ -440,7 +442,7 @@ def _average_case(
         if not reduced or not any(f.synced for f in forwards):
             return None  # reduced by hand, or not by a wrapper: no known arithmetic
     locals_ = [a.record.local.get(id(a.params[i])) for a in arrivals]
-    if any(loc is None for loc in locals_):
+    if any(loc is None or loc[0] is None for loc in locals_):
         return None
     for a in arrivals:
         grad = a.params[i].grad
@@ -454,7 +456,7 @@ def _average_case(
             return Finding("note", step, "changed after backward", text, "changed")
     got = arrivals[0].params[i].grad
     assert got is not None
-    grads = [loc[0] for loc in locals_]  # type: ignore[index]
+    grads = [loc[0] for loc in locals_ if loc is not None and loc[0] is not None]
     if any(g.is_sparse or g.shape != got.shape or g.dtype != got.dtype for g in grads):
         return None
     return (i, grads, got)
