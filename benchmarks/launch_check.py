@@ -2,13 +2,15 @@
 on the nanoGPT-style script (tests/scripts/nanogpt_train.py, torch's DDP, gradient
 accumulation), at N ranks.
 
-Two measures, each the median of ``--repeats`` interleaved runs: the wall time of a whole
-launch process (what a user waits for: interpreter, torch import, the run), and the time of
-the launch itself inside one warm process (``cli.main``, the run alone: where the check's
-per-step work shows). The anchor is the same launch with ``--no-check``, in the same run.
+Two measures, interleaved (every repeat runs both variants in turn, so drift and other load
+hit both alike): the wall time of a whole launch process (what a user waits for: interpreter,
+torch import, the run; ``--process-repeats``), and the time of the launch itself inside one
+warm process (``cli.main``, the run alone: where the check's per-step work shows;
+``--repeats``). Each as the median and the minimum (the least disturbed run, on a shared
+machine). The anchor is the same launch with ``--no-check``, in the same run.
 
     python benchmarks/launch_check.py                       # N = 2, 4; 3 and 20 steps
-    python benchmarks/launch_check.py --nprocs 2 --steps 3 --repeats 3
+    python benchmarks/launch_check.py --nprocs 2 --steps 3 --repeats 3 --process-repeats 1
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nprocs", default="2,4")
     parser.add_argument("--steps", default="3,20")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--process-repeats", type=int, default=3)
     args = parser.parse_args()
     nprocs = [int(n) for n in args.nprocs.split(",")]
     steps_list = [int(s) for s in args.steps.split(",")]
@@ -78,15 +81,39 @@ def main() -> None:
         for steps in steps_list:
             times: dict[tuple[str, bool], list[float]] = {}
             in_process_seconds(launch_args(nproc, steps, True))  # warm-up
-            for _ in range(args.repeats):
+            for repeat in range(max(args.repeats, args.process_repeats)):
                 for check in (False, True):  # interleaved: drift hits both alike
                     a = launch_args(nproc, steps, check)
-                    times.setdefault(("process", check), []).append(process_seconds(a))
-                    times.setdefault(("in-process", check), []).append(in_process_seconds(a))
+                    if repeat < args.process_repeats:
+                        times.setdefault(("process", check), []).append(process_seconds(a))
+                    if repeat < args.repeats:
+                        times.setdefault(("in-process", check), []).append(in_process_seconds(a))
             for where in ("process", "in-process"):
-                plain, checked = median(times[(where, False)]), median(times[(where, True)])
-                rows.append([nproc, steps, where, plain, checked, checked / plain])
-    headers = ["N", "steps", "measured", "--no-check s", "checked s", "ratio"]
+                plain, checked = times[(where, False)], times[(where, True)]
+                rows.append(
+                    [
+                        nproc,
+                        steps,
+                        where,
+                        median(plain),
+                        median(checked),
+                        median(checked) / median(plain),
+                        min(plain),
+                        min(checked),
+                        min(checked) / min(plain),
+                    ]
+                )
+    headers = [
+        "N",
+        "steps",
+        "measured",
+        "plain s",
+        "checked s",
+        "ratio",
+        "min plain",
+        "min checked",
+        "min ratio",
+    ]
     print(table(headers, rows))
 
 

@@ -27,3 +27,19 @@ def test_property_throughput_runs_every_configuration() -> None:
     # The three configurations, each with its three examples counted.
     assert len(rows) == 3, out
     assert all(line.split("|")[2].strip() == "3" for line in rows), out
+
+
+def test_launch_check_measures_both_variants() -> None:
+    out = _run(
+        "benchmarks/launch_check.py",
+        "--nprocs",
+        "2",
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--process-repeats",
+        "1",
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out

@@ -9,6 +9,7 @@ test runs a real process for the exit codes.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -513,3 +514,85 @@ def test_the_fake_world_tells_an_observer_each_collective() -> None:
         (1, "allreduce", (0, 1), 1, 16),
         (1, "broadcast", (0, 1), 1, 16),
     ]
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+@pytest.mark.parametrize("kind", BOTH)
+def test_three_ranks_average_exactly_with_and_without_bucket_views(
+    kind: str, bucket_view: bool
+) -> None:
+    """At W = 3 the roundings of an average differ (1/3 is inexact): torch's DDP multiplies by
+    1/W, or divides in place when gradients are bucket views; every one is accepted, and
+    gradient accumulation with no_sync and zero_grad(set_to_none=False) stays exact."""
+    import reducer
+
+    def train(pg: Any) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        wrapper = (
+            nn.parallel.DistributedDataParallel
+            if kind == "torch"
+            else reducer.DistributedDataParallel
+        )
+        ddp = wrapper(model, gradient_as_bucket_view=bucket_view)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            for micro in range(2):
+                seed = 10 * step + micro + 100 * pg.rank()
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    ddp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+
+    check = run_checked(train, world_size=3)
+    assert not check.findings, check.findings
+    assert check.steps == 3 and check.compared == 4
+
+
+def test_a_rank_that_crashes_wakes_the_ranks_waiting_at_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "crash_before_step.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "w = torch.nn.Parameter(torch.ones(2))\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('boom on rank 1')\n"
+        "opt.step()\n"
+    )
+    assert cli.main(["launch", "--nproc", "2", "--timeout", "600", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "[0]: rank 1: exitcode 1: ValueError: boom on rank 1" in err  # the root cause
+    assert (
+        "rank 0: exitcode 1: WorldAborted: the replica check stopped waiting at optimizer step 0"
+        in err
+    )
+    assert "_check.py" not in err.split("[launch]")[0].split("[rank0]")[-1]  # folded away
+
+
+def test_the_public_api_is_all() -> None:
+    import types
+
+    import reducer.tools.check as package
+
+    public = {
+        name
+        for name in dir(package)
+        if not name.startswith("_")
+        and name != "annotations"
+        and not isinstance(getattr(package, name), types.ModuleType)
+    }
+    assert set(package.__all__) == public
+
+
+@pytest.mark.parametrize("ddp", BOTH)
+def test_uneven_inputs_under_join_are_a_note(ddp: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = launch(capsys, "uneven_join.py", "--ddp", ddp, "--variant", "clean")
+    assert code == 0, err
+    assert "NOTE: ranks reached optimizer step 2 unevenly under a wrapper's join()" in err
+    assert "verdict: the ranks stayed in sync" in err
+    sums = param_sums(out)
+    assert len(sums) == 2 and sums[0] == sums[1]

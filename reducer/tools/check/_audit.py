@@ -70,6 +70,76 @@ def before_step(arrivals: Sequence[Arrival]) -> Audit:
             "or parameters of different shapes: a sharded optimizer? Not compared."
         )
         return Audit([Finding("note", step, "different parameters", text, f"shapes@{line}")], 0, 0)
+    # See Note [All parameters at once].
+    replicas = [[_replica(p) for p in a.params] for a in arrivals]
+    idx = [i for i in range(len(first.params)) if all(r[i] is not None for r in replicas)]
+    if not _agree([[r[i] for i in idx] for r in replicas]):  # type: ignore[misc]
+        return _first_difference(arrivals)
+    grads = [[_replica_grad(a.params[i]) for i in idx] for a in arrivals]
+    some = [k for k in range(len(idx)) if any(g[k] is not None for g in grads)]
+    present = [k for k in some if all(g[k] is not None for g in grads)]
+    if len(present) != len(some) or not _agree([[g[k] for k in present] for g in grads]):  # type: ignore[misc]
+        return _first_difference(arrivals)
+    findings: list[Finding] = []
+    cases = []
+    for k in present:
+        case = _average_case(arrivals, idx[k])
+        if isinstance(case, Finding):
+            if not any(f.key == case.key for f in findings):
+                findings.append(case)
+        elif case is not None:
+            cases.append(case)
+    if not _averages_agree(cases, len(arrivals)):
+        names = _names(first.record)
+        for k in present:
+            i = idx[k]
+            name = names.get(
+                id(first.params[i]), f"parameter {i} (shape {list(first.params[i].shape)})"
+            )
+            wrong = _check_average(arrivals, i, name, f"before optimizer step {step} ({line})")
+            if wrong is not None and not any(f.key == wrong.key for f in findings):
+                findings.append(wrong)
+            if wrong is not None and wrong.level == "error":
+                return Audit(findings, len(idx), len(first.params) - len(idx))
+    findings.extend(_waste(arrivals))
+    return Audit(findings, len(idx), len(first.params) - len(idx))
+
+
+# Note [All parameters at once]
+# Comparing parameter by parameter costs a few torch calls per parameter and rank, with every
+# rank waiting; so the check first compares each rank's parameters (then gradients, then
+# averages) as one buffer of bytes, made of all of them, against rank 0's, and looks at them
+# one by one only when those differ, to name the first. The averages are elementwise, so
+# computing them over the concatenated gradients gives the same bits as one by one.
+
+
+def _agree(per_rank: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether every rank's tensors are bit-identical to rank 0's, all at once."""
+    if not per_rank or not per_rank[0]:
+        return True
+    blobs = [torch.cat([_bits(t) for t in tensors]) for tensors in per_rank]
+    return all(b.shape == blobs[0].shape and bool(torch.equal(b, blobs[0])) for b in blobs[1:])
+
+
+def _averages_agree(cases: list[tuple[int, list[Tensor], Tensor]], world: int) -> bool:
+    """Whether every case's gradient is the product-form average (sum of g_r * (1/W)), all
+    cases of a dtype at once. False means: look one by one."""
+    by_dtype: dict[torch.dtype, list[tuple[int, list[Tensor], Tensor]]] = {}
+    for case in cases:
+        by_dtype.setdefault(case[2].dtype, []).append(case)
+    scale = 1.0 / world
+    for group in by_dtype.values():
+        ranks = [torch.cat([c[1][r].reshape(-1) for c in group]) for r in range(world)]
+        got = torch.cat([c[2].reshape(-1) for c in group])
+        if not _bits_equal(_rank_order_sum([g * scale for g in ranks]), got):
+            return False
+    return True
+
+
+def _first_difference(arrivals: Sequence[Arrival]) -> Audit:
+    """The parameters one by one, up to the first that differs (see before_step)."""
+    first = arrivals[0]
+    step, line = first.step, first.line
     names = _names(first.record)
     findings: list[Finding] = []
     compared = sharded = 0
@@ -219,6 +289,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
     # Every rank reduced, yet they differ.
     unchanged = all(
         (local := a.record.local.get(id(a.params[i]))) is not None
+        and local[0] is not None
         and _bits_equal(local[0], a.params[i].grad)  # type: ignore[arg-type]
         for a in arrivals
     )
@@ -226,6 +297,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         world = len(arrivals)
         scaled = all(
             (local := a.record.local.get(id(a.params[i]))) is not None
+            and local[0] is not None
             and _bits_equal(local[0] * (1.0 / world), a.params[i].grad)  # type: ignore[arg-type]
             for a in arrivals
         )
@@ -349,20 +421,28 @@ def _comm_hook(wrapper: nn.Module) -> str | None:
     return None
 
 
-def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -> Finding | None:
-    """Where a wrapper reduced parameter ``i`` on every rank: is it the exact rank-order
-    average of the ranks' local gradients? Skipped when a rank's local gradient is unknown."""
-    world = len(arrivals)
+# Note [The roundings of an exact average]
+# The fake world adds in rank order, so an average is exact up to where its division rounds,
+# and reducers round in one of three places: torch's DDP multiplies each gradient by 1/W as it
+# copies it into the bucket (sum of g_r * (1/W)), but divides in place when the gradient is
+# already a view of its bucket (gradient_as_bucket_view: sum of g_r / W); a reducer may also
+# divide the sum (sum / W). For a power-of-two W the three are the same bits; for others they
+# may differ in the last place, and each is a correct average. Anything else is not.
+
+
+def _average_case(
+    arrivals: Sequence[Arrival], i: int
+) -> tuple[int, list[Tensor], Tensor] | Finding | None:
+    """(i, the ranks' local gradients, the reduced gradient) where a wrapper reduced parameter
+    ``i`` on every rank and nothing changed it since; a note where something did; None where
+    the arithmetic is not known (reduced by hand, a local gradient unknown)."""
     step = arrivals[0].step
-    wrappers = []
     for a in arrivals:
         forwards, reduced = _governing(a.record, a.params[i])
-        synced = [f for f in forwards if f.synced]
-        if not reduced or not synced:
+        if not reduced or not any(f.synced for f in forwards):
             return None  # reduced by hand, or not by a wrapper: no known arithmetic
-        wrappers.append(synced[-1].wrapper)
     locals_ = [a.record.local.get(id(a.params[i])) for a in arrivals]
-    if any(loc is None for loc in locals_):
+    if any(loc is None or loc[0] is None for loc in locals_):
         return None
     for a in arrivals:
         grad = a.params[i].grad
@@ -376,20 +456,41 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
             return Finding("note", step, "changed after backward", text, "changed")
     got = arrivals[0].params[i].grad
     assert got is not None
-    grads = [loc[0] for loc in locals_]  # type: ignore[index]
+    grads = [loc[0] for loc in locals_ if loc is not None and loc[0] is not None]
     if any(g.is_sparse or g.shape != got.shape or g.dtype != got.dtype for g in grads):
         return None
+    return (i, grads, got)
+
+
+def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -> Finding | None:
+    """Where a wrapper reduced parameter ``i`` on every rank: is it the exact rank-order
+    average of the ranks' local gradients? Skipped when a rank's local gradient is unknown."""
+    case = _average_case(arrivals, i)
+    if case is None or isinstance(case, Finding):
+        return case
+    _, grads, got = case
+    world = len(arrivals)
+    step = arrivals[0].step
+    wrappers = [_governing(a.record, a.params[i])[0][-1].wrapper for a in arrivals]
     scale = 1.0 / world
+    # See Note [The roundings of an exact average].
     expected = _rank_order_sum([g * scale for g in grads])
     if _bits_equal(expected, got):
+        return None  # the usual case, and every case at a power-of-two world size
+    total = _rank_order_sum(grads)
+    averages = (expected, _rank_order_sum([g / world for g in grads]), total / world)
+    if any(_bits_equal(average, got) for average in averages[1:]):
         return None
     hook = _comm_hook(wrappers[0])
-    if _bits_equal(_rank_order_sum(grads), got):
+    if _bits_equal(total, got):
         cause = (
             "it is the sum of the local gradients, not their average (a missing division by "
             "the world size)"
         )
-    elif _bits_equal(expected * scale, got):
+    elif any(
+        _bits_equal(average * scale, got) or _bits_equal(average / world, got)
+        for average in averages
+    ):
         cause = f"it is the average divided by the world size again (divided by {world} twice)"
     elif _bits_equal(grads[0], got):
         cause = "it is rank 0's local gradient, unreduced (a comm hook that dropped its bucket?)"
@@ -405,7 +506,8 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     via = f" (comm hook {hook})" if hook is not None else ""
     text = (
         f"gradient of {name!r} {where} is identical on every rank but is not the exact "
-        f"rank-order average of the ranks' local gradients (sum of g_r * (1/{world})){via}: "
+        f"rank-order average of the ranks' local gradients (sum of g_r * (1/{world}), of "
+        f"g_r / {world}, or the sum / {world}){via}: "
         f"{cause}."
     )
     return Finding("error", step, "wrong average", text, name)
@@ -453,9 +555,14 @@ def after_step(arrivals: Sequence[Arrival]) -> Audit:
     step, line = first.step, first.line
     if any(len(a.params) != len(first.params) for a in arrivals):
         return Audit([], 0, 0)
-    names = _names(first.record)
     findings: list[Finding] = []
+    replicas = [[_replica(p) for p in a.params] for a in arrivals]
+    idx = [i for i in range(len(first.params)) if all(r[i] is not None for r in replicas)]
+    agree = _agree([[r[i] for i in idx] for r in replicas])  # type: ignore[misc]
+    names = {} if agree else _names(first.record)
     for i, param in enumerate(first.params):
+        if agree:
+            break  # See Note [All parameters at once].
         values = _present([_replica(a.params[i]) for a in arrivals])
         if values is None or any(v.shape != values[0].shape for v in values):
             continue
@@ -471,6 +578,16 @@ def after_step(arrivals: Sequence[Arrival]) -> Audit:
             findings.append(Finding("error", step, "parameters differ", text, name))
             return Audit(findings, 0, 0)
     buffers = [_buffers(a.record) for a in arrivals]
+    common = [
+        name
+        for name, buf in buffers[0].items()
+        if all(
+            (v := b.get(name)) is not None and v.shape == buf.shape and v.dtype == buf.dtype
+            for b in buffers
+        )
+    ]
+    if _agree([[b[name] for name in common] for b in buffers]):
+        return Audit(findings, 0, 0)
     for name, buf in buffers[0].items():
         values = _present([b.get(name) for b in buffers])
         if values is None or any(v.shape != buf.shape or v.dtype != buf.dtype for v in values):

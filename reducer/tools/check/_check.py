@@ -9,6 +9,7 @@ last to arrive audits them all (see :mod:`._audit`); the first error stops every
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -226,6 +227,15 @@ class ReplicaCheck:
 
     def _broken_meeting(self, exc: RendezvousBroken, arrival: Arrival) -> None:
         self._broken = True
+        if exc.kind in ("ended", "stall") and self._joining():
+            text = (
+                f"ranks reached optimizer step {arrival.step} unevenly under a wrapper's "
+                "join() (uneven inputs: the ranks that ran out shadow the others' "
+                "reductions): they step a different number of times by design; not checked "
+                "from this step on."
+            )
+            self._add([Finding("note", arrival.step, "uneven inputs", text, "join")])
+            return
         if exc.kind in ("ended", "stall"):
             title = (
                 "ranks stepped differently" if exc.kind == "ended" else "only some ranks reduced"
@@ -241,7 +251,25 @@ class ReplicaCheck:
                     self.world.abort(RanksDiverged(str(exc)))
                 raise RanksDiverged(str(exc)) from None
             return
-        raise RuntimeError(f"replica check: stopped at {exc}") from None
+        if exc.kind == "aborted":
+            import fakepg
+
+            # What a rank blocked in a collective would get: the failure is elsewhere.
+            raise fakepg.WorldAborted(
+                f"the replica check stopped waiting at optimizer step {arrival.step} "
+                f"({arrival.line}) on rank {arrival.rank}: {exc}. Look at the first failure; "
+                "this one is a consequence."
+            ) from None
+        raise RuntimeError(f"replica check: {exc}") from None
+
+    def _joining(self) -> bool:
+        """Whether a wrapper ran its forward inside its ``join()`` context since the last
+        step, on some rank (torch's DDP and this project's both keep ``_join_config``)."""
+        return any(
+            getattr(getattr(f.wrapper, "_join_config", None), "enable", False)
+            for record in self.records
+            for f in list(record.forwards)
+        )
 
     # ---------------------------------------------------------------------------------------
     # The judge (on the last rank to arrive, while the others wait).
@@ -392,6 +420,7 @@ def _caller_line() -> str:
     return "?"
 
 
+@functools.lru_cache(maxsize=256)
 def _short(filename: str) -> str:
     try:
         return str(Path(filename).resolve().relative_to(Path.cwd()))

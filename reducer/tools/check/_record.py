@@ -73,7 +73,9 @@ class RankRecord:
     forwards: list[Forward] = field(default_factory=list)
     collectives: list[Issued] = field(default_factory=list)
     # id(param) -> (the local accumulated gradient, the clock when autograd accumulated it).
-    local: dict[int, tuple[Tensor, int]] = field(default_factory=dict)
+    # The gradient only where the rank's last wrapper forward armed a reduction: that is the
+    # one a reducer reduces; under no_sync it would be overwritten unread (the clock is kept).
+    local: dict[int, tuple[Tensor | None, int]] = field(default_factory=dict)
     accumulated: dict[int, Tensor] = field(default_factory=dict)  # id(param) -> param
     # id(param) -> (id(.grad), its version) when the last backward ended, the reducers'
     # finalize included: a gradient changed since (clipping, unscaling) is not a reducer's.
@@ -160,12 +162,15 @@ def _on_gradient(
     record, param = record_ref(), param_ref()
     if record is None or param is None or not record.active:
         return
-    with torch.no_grad():
-        previous = param.grad
-        if previous is None or previous.layout != grad.layout or previous.shape != grad.shape:
-            local = grad.detach().clone()
-        else:
-            local = previous + grad
+    forwards = record.forwards
+    local = None
+    if not forwards or forwards[-1].synced:
+        with torch.no_grad():
+            previous = param.grad
+            if previous is None or previous.layout != grad.layout or previous.shape != grad.shape:
+                local = grad.detach().clone()
+            else:
+                local = previous + grad
     record.local[id(param)] = (local, record.tick())
     record.accumulated[id(param)] = param
     if not record.end_queued:

@@ -14,7 +14,12 @@ prefixed with its rank (``[rank0]: ...``); the exit code is torchrun's (1 if any
 
 When a collective times out, ranks disagree on one (a desync), or a rank fails or returns while
 others wait, the launch says which ranks are missing from which collective and prints every
-rank's Python stack. So does Ctrl-C, which then stops every rank and prints the summary.
+rank's Python stack as it was at that moment. So does Ctrl-C, which then stops every rank and
+prints the summary.
+
+At every optimizer step the replica check (reducer.tools.check) compares every rank's
+parameters and gradients bit for bit and, at the first divergence, stops the ranks, says why
+and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
 takes a number, auto, cpu or gpu, as torchrun's (default 1).
@@ -698,6 +703,7 @@ def _library_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     here = Path(__file__).resolve().parent
     dirs = {paths["stdlib"], paths["purelib"], paths["platlib"], str(here)}
+    dirs.add(str(here.parent / "check"))  # the replica check's hooks run inside optimizer.step
     dirs.add(str(Path(fakepg.__file__).resolve().parent))
     return tuple(os.path.join(d, "") for d in dirs)
 
