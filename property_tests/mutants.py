@@ -555,6 +555,17 @@ def _replace_but_dicts(obj: Any, replacement: dict[int, Tensor]) -> Any:
     return _replace_tensors(obj, replacement)
 
 
+class JoinedRankUsesEverything(_Reducer):
+    """A rank that has run out of inputs (join) reports every parameter as used in the steps
+    it shadows: a parameter no training rank used gets a zero gradient, not left alone."""
+
+    def _shadow_iteration(self, *, used_map: bool) -> None:
+        super()._shadow_iteration(used_map=False)
+        if used_map:
+            used = torch.ones(len(self._replicas[0]), dtype=torch.int32)
+            self._process_group.allreduce([used]).wait()
+
+
 class IgnoreSyncToggle(_DDP):
     """Reduces at every forward with grad enabled: ``require_backward_grad_sync = False``
     (and so ``no_sync()``) is ignored."""
@@ -858,6 +869,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "joined rank's used map says all used",
+        "DDP wrapper",
+        _reducer_class(JoinedRankUsesEverything),
+    ),
     (
         "ignored parameters reduced",
         "DDP wrapper",
