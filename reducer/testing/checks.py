@@ -204,6 +204,7 @@ class _RankTrace:
     names: list[str]
     buffers: list[dict[str, Tensor]]  # per step the rank trained, after it: by name
     final: list[Tensor]  # the parameters at the end (after join's final sync)
+    rng: list[Tensor]  # with rank_seeds: the rank's generator state at the end
 
 
 def _full(t: Tensor | None) -> Tensor | None:
@@ -246,7 +247,7 @@ def _play(
                 setup(wrapper, pg)
             params = list(model.parameters())
             names = [name for name, _ in model.named_parameters()]
-            trace = _RankTrace([], [], names, [], [])
+            trace = _RankTrace([], [], names, [], [], [])
             if s.rank_seeds is not None:
                 torch.manual_seed(s.rank_seeds[rank])  # this rank thread's own generator
             joined = wrapper.join() if s.uneven else contextlib.nullcontext()  # type: ignore[operator]
@@ -264,6 +265,8 @@ def _play(
                     trace.params.append([_full(p) for p in params])  # type: ignore[misc]
                     trace.buffers.append(_buffers(model))
             trace.final.extend(_full(p) for p in params)  # type: ignore[misc]
+            if s.rank_seeds is not None:
+                trace.rng.append(torch.get_rng_state())  # this rank thread's generator
         except Exception as exc:
             if not isinstance(exc, fakepg.FakePGError):
                 with lock:
@@ -321,6 +324,7 @@ class _Reference:
     params: list[list[list[Tensor]]]  # per step, per rank, after the update
     buffers: list[list[dict[str, Tensor]]]  # per step, per rank, after it
     final: list[Tensor]  # the parameters every rank ends with (uneven inputs: the last joiner's)
+    rng: list[Tensor]  # with rank_seeds: per rank, where its own draws leave its stream
 
 
 class _RankStreams:
@@ -335,6 +339,9 @@ class _RankStreams:
                 for seed in seeds:
                     torch.manual_seed(seed)
                     self._states.append(torch.get_rng_state())
+
+    def states(self) -> list[Tensor]:
+        return [] if self._states is None else list(self._states)
 
     @contextlib.contextmanager
     def of(self, rank: int) -> Iterator[None]:
@@ -356,7 +363,7 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
     models = [s.make_model() for _ in range(s.world_size)]
     names = [name for name, _ in models[0].named_parameters()]
     params = [list(m.parameters()) for m in models]
-    ref = _Reference([], [], [], [])
+    ref = _Reference([], [], [], [], [])
     streams = _RankStreams(s.rank_seeds)
     for step in range(s.steps):
         if broadcast_buffers:
@@ -389,6 +396,7 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
     # The highest rank of those that trained longest: join's final sync takes its model.
     last = max(range(s.world_size), key=lambda r: (sum(s.trains(k, r) for k in range(s.steps)), r))
     ref.final.extend(p.detach().clone() for p in params[last])
+    ref.rng.extend(streams.states())
     return ref
 
 
@@ -478,6 +486,13 @@ def check_data_parallel(
         return
     want = _reference(s, _average_for(scaling, average), broadcast_buffers=broadcast_buffers)
     for rank, run in enumerate(runs):
+        # A stream shared with another rank ends elsewhere, whatever order the draws took
+        # (each step has a collective, so the other rank has seeded before this one ends).
+        if s.rank_seeds is not None and not torch.equal(run.rng[0], want.rng[rank]):
+            raise AssertionError(
+                f"rank {rank}: its random stream is not its own: after training, its generator "
+                "is not where its own draws from its own seed leave it"
+            )
         for step in range(len(run.grads)):
             for i, name in enumerate(run.names):
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
