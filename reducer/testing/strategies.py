@@ -27,6 +27,13 @@ bucket, everything used), so a failing property reports a minimal counterexample
   backward (``create_graph=True``, a gradient penalty), a second backward through the same
   graph, a new reducer on the same models after ``close()``, a slow network.
 
+For the wrapper checks (:mod:`reducer.testing.checks`), :func:`training_scenarios` draws a
+:class:`~reducer.testing.checks.TrainingScenario` of a user's own model factory and inputs
+(world size, steps, unused parts per rank and step, bucket caps and other wrapper options,
+ignored parameters, per-rank random streams, uneven inputs), and
+:func:`generated_training_scenarios` does it for the random models above (optionally with
+buffers, one of them reassigned by forward; non-contiguous parameters; dropout).
+
 The number of synced iterations is drawn by the multi-iteration state machine
 (the project's ``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
