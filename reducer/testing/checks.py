@@ -5,8 +5,9 @@
 FSDP2 run there too) with the wrapper ``make_wrapper(module, pg)`` returns, and after every
 step compares each rank's gradients and parameters with the exact reference: every rank's
 local gradient from plain autograd, combined in ascending rank order (the fake world's
-order), then the same SGD update. A scenario with a ``refusal`` expects every rank to raise
-an error matching it instead.
+order), then the same SGD update; and the buffers each rank holds, the parameters join
+leaves every rank with (uneven inputs), each rank's random stream. A scenario with a
+``refusal`` expects every rank to raise an error matching it instead.
 
 :func:`check_comm_hook` does the same for a comm hook registered on a wrapper (torch's DDP
 by default), without updating the parameters (so that a lossy hook's error does not carry
@@ -16,8 +17,8 @@ what the hook applied against the running sum of the exact averages: the bound t
 feedback keeps, and a hook that drops its residual breaks.
 
 Both compare as ``torch.testing.assert_close`` reports: where (rank, step, parameter name),
-by how much, against which bound. Models must be deterministic (no dropout, or dropout
-whose stream the model seeds itself): the reference replays them on the calling thread.
+by how much, against which bound. Models must be deterministic given each rank's seed
+(``TrainingScenario.rank_seeds``): the reference replays them on the calling thread.
 
 Wrapper factories for the usual wrappers: :func:`torch_ddp`, :func:`reducer_ddp`,
 :func:`fsdp2` (its parameters compared in full).
