@@ -9,17 +9,26 @@ a second backward through one graph, generation alone): the rest of the time is 
 the reducer. The target is 30 examples/s on 2 cores for worlds of up to 4 ranks and models of up
 to 8 parameters (the first row).
 
+A second table measures the wrapper checks of ``reducer.testing.checks`` (property 6,
+``property_tests/test_wrappers.py``): examples per second of ``check_data_parallel`` with
+torch's DDP, this project's DDP and FSDP2 on the scenarios the property draws (models of up
+to 6 parameters, 1 to 4 ranks, 1 to 3 SGD steps, buffers, ignored parameters, layouts,
+dropout); the anchor is the check's reference alone on the same examples (plain models, no
+world, no wrapper; generation included).
+
 Tiny tensors on many threads: by default torch gets one intra-op thread (``--threads``), as
 the test suite does (see conftest.py); more only oversubscribe the cores the ranks share.
 
-    python benchmarks/property_throughput.py [--examples 300] [--threads 1]
+    python benchmarks/property_throughput.py [--examples 300] [--wrapper-examples N]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,10 +38,34 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from typing import Any
+
 from _common import machine, table
 
+import reducer
+from reducer.testing import (
+    TrainingScenario,
+    bucket_caps_mb,
+    check_data_parallel,
+    fsdp2,
+    generated_training_scenarios,
+    reducer_ddp,
+    sum_then_divide,
+    torch_ddp,
+)
+from reducer.testing.checks import _reference
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
+from reducer.testing.model import ModelSpec
+from reducer.testing.reference import rank_order_average
 from reducer.testing.strategies import model_specs, scenarios
+
+# This project's DDP rounds as torch's where the reducer offers the choice (see
+# property_tests/test_wrappers.py).
+_OUR_SCALING: Any = (
+    "reciprocal"
+    if "gradient_scaling" in inspect.signature(reducer.Reducer.__init__).parameters
+    else "divide"
+)
 
 CONFIGS: dict[str, st.SearchStrategy[Scenario]] = {
     "<= 4 ranks, 1 replica, <= 8 params, all used": scenarios(
@@ -75,9 +108,91 @@ def _rate(strategy: st.SearchStrategy[Scenario], examples: int, full: bool) -> t
     return count, count / (time.perf_counter() - start)
 
 
+_WRAPPER_SCENARIOS = generated_training_scenarios(
+    model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
+    bucket_caps=bucket_caps_mb(),
+    options={"find_unused_parameters": True},
+    buffers=None,
+    layouts=None,
+    dropout=None,
+    ignore=True,
+)
+
+
+def _float32(spec: ModelSpec) -> ModelSpec:
+    # A parameter group of fully_shard has one dtype.
+    return ModelSpec(tuple(replace(b, dtype=torch.float32) for b in spec.branches), spec.seed)
+
+
+_FSDP2_SCENARIOS = generated_training_scenarios(
+    model=model_specs(max_branches=2, max_params=4, allow_sparse=False, allow_unused=False).map(
+        _float32
+    ),
+    max_steps=2,
+)
+
+
+def _check_rate(
+    strategy: st.SearchStrategy[TrainingScenario], examples: int, check: Any
+) -> tuple[int, float]:
+    count = 0
+
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(strategy)
+    def prop(scenario: TrainingScenario) -> None:
+        nonlocal count
+        count += 1
+        check(scenario)
+
+    start = time.perf_counter()
+    prop()
+    return count, count / (time.perf_counter() - start)
+
+
+def _reference_only(average: Any) -> Any:
+    """The anchor: the check's reference alone (plain models, no world, no wrapper)."""
+
+    def run(s: TrainingScenario) -> None:
+        # A private function of the checks: the benchmark measures what it costs.
+        _reference(s, average, broadcast_buffers=True)
+
+    return run
+
+
+def _rank_order(scaling: Any) -> Any:
+    return lambda column, w: rank_order_average(column, w, scaling=scaling)
+
+
+WRAPPERS: dict[str, tuple[st.SearchStrategy[TrainingScenario], Any, Any]] = {
+    "torch's DDP (property 6)": (
+        _WRAPPER_SCENARIOS,
+        lambda s: check_data_parallel(torch_ddp(), s),
+        _reference_only(_rank_order("reciprocal")),
+    ),
+    "this project's DDP (property 6)": (
+        _WRAPPER_SCENARIOS,
+        lambda s: check_data_parallel(reducer_ddp(), s, scaling=_OUR_SCALING),
+        _reference_only(_rank_order(_OUR_SCALING)),
+    ),
+    "FSDP2 fully_shard (property 6)": (
+        _FSDP2_SCENARIOS,
+        lambda s: check_data_parallel(fsdp2(), s, average=sum_then_divide, check_strides=False),
+        _reference_only(sum_then_divide),
+    ),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--wrapper-examples", type=int, default=None, help="default: --examples")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -93,6 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         "examples/s",
         "anchor: no world, no reducer (examples/s)",
         "time in world + reducer",
+    ]
+    print(table(headers, rows))
+    print("\n# the wrapper checks (check_data_parallel)\n")
+    rows = []
+    wrapper_examples = args.wrapper_examples or args.examples
+    for name, (strategy, check, anchor_check) in WRAPPERS.items():
+        count, rate = _check_rate(strategy, wrapper_examples, check)
+        _, anchor = _check_rate(strategy, wrapper_examples, anchor_check)
+        rows.append([name, count, rate, anchor, f"{1 - rate / anchor:.0%}"])
+    headers = [
+        "wrapper",
+        "examples",
+        "examples/s",
+        "anchor: the reference alone (examples/s)",
+        "time in world + wrapper",
     ]
     print(table(headers, rows))
 

@@ -3,12 +3,16 @@
 Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
 :class:`reducer.Reducer`, :class:`reducer.DistributedDataParallel` or the reducer's
 ``BucketViews`` overriding one method, a replacement for one function that ``reducer.reducer``,
-``reducer.graph`` or ``reducer.ddp`` calls, or a broken ``compute_bucket_assignment_by_size``.
+``reducer.graph``, ``reducer.ddp``, ``reducer.buckets`` or ``reducer.comm_hooks`` calls, a
+broken ``compute_bucket_assignment_by_size``, a broken piece of the fake world (its
+reduce_scatter, its per-rank random streams), or a broken comm hook of torch's own (run by
+torch's DDP).
 :func:`applied` puts one in place of the real code for everything that looks it up at call
 time (the properties do), so a property that lets any of them pass is too weak.
 :data:`CATALOGUE` holds them all, by short name, grouped by what they break: averaging, unused
 parameters, accumulation, comm hooks, checkpointing and higher-order backward, the DDP
-wrapper's outputs and buckets, teardown, bucket assignment and errors.
+wrapper's outputs, buckets, buffers, ignored parameters and join, teardown, bucket
+assignment and errors, the fake world, torch's comm hooks.
 
 ``property_tests/test_mutants.py`` checks, within CI's time, that each is caught and shrunk
 by the property meant for it, on a narrowed search; ``benchmarks/harness_power.py`` runs the
@@ -564,6 +568,17 @@ def _replace_but_dicts(obj: Any, replacement: dict[int, Tensor]) -> Any:
     return _replace_tensors(obj, replacement)
 
 
+class JoinedRankUsesEverything(_Reducer):
+    """A rank that has run out of inputs (join) reports every parameter as used in the steps
+    it shadows: a parameter no training rank used gets a zero gradient, not left alone."""
+
+    def _shadow_iteration(self, *, used_map: bool) -> None:
+        super()._shadow_iteration(used_map=False)
+        if used_map:
+            used = torch.ones(len(self._replicas[0]), dtype=torch.int32)
+            self._process_group.allreduce([used]).wait()
+
+
 class IgnoreSyncToggle(_DDP):
     """Reduces at every forward with grad enabled: ``require_backward_grad_sync = False``
     (and so ``no_sync()``) is ignored."""
@@ -868,6 +883,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "joined rank's used map says all used",
+        "DDP wrapper",
+        _reducer_class(JoinedRankUsesEverything),
+    ),
     (
         "ignored parameters reduced",
         "DDP wrapper",

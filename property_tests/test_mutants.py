@@ -44,7 +44,13 @@ from .test_errors import (
 from .test_multi_iteration import TrainingMachine
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
-from .test_wrappers import check_fsdp2, check_our_ddp, fsdp2_scenarios, wrapper_scenarios
+from .test_wrappers import (
+    check_fsdp2,
+    check_our_ddp,
+    check_our_join,
+    fsdp2_scenarios,
+    wrapper_scenarios,
+)
 
 # Generate, then shrink; no explain phase (it reruns variants of the shrunk example).
 SEARCH = settings(
@@ -307,6 +313,14 @@ CASES: dict[str, Case] = {
     # One rank is enough: the .grad of a transposed weight, a view of its bucket.
     "bucket views ignore strides": Case(
         wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp
+    ),
+    # Two ranks, uneven: the one still training skips a branch after the other ran out.
+    "joined rank's used map says all used": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, ignore=False, uneven=True
+        ),
+        check_our_join,
+        lambda s: s.world_size == 2,
     ),
     # Two ranks: an ignored parameter's gradient is averaged.
     "ignored parameters reduced": Case(

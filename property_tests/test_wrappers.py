@@ -10,6 +10,8 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
+- both under ``join()`` with uneven inputs: a rank that ran out contributes zeros, and all
+  end with the parameters of the rank that trained last;
 - both with dropout (half the models), each rank seeding its own random stream on its
   thread: the reference replays each rank's stream;
 - both with non-contiguous parameters (half the models: matrices column-major, conv2d
@@ -50,8 +52,8 @@ from reducer.testing import (
     torch_ddp,
 )
 from reducer.testing.harness import note_size
-from reducer.testing.model import ModelSpec
-from reducer.testing.strategies import model_specs
+from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, loss_of
+from reducer.testing.strategies import GeneratedTraining, model_specs
 
 # This project's DDP scales as torch does ("reciprocal") where the reducer offers the choice
 # (``gradient_scaling``); before that, it divided ("divide"). Read from the code under test.
@@ -68,23 +70,29 @@ def wrapper_scenarios(
     layouts: bool | None = None,
     as_view: bool | None = None,
     dropout: bool | None = None,
+    ignore: bool = True,
+    uneven: bool = False,
+    unused: bool = True,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
     buffer updated in place, one that forward reassigns), ``layouts`` (matrices column-major,
     conv2d weights channels_last: ``.grad`` must keep those strides), ``as_view``
     (``gradient_as_bucket_view``), ``dropout`` (each rank seeds its own stream on its thread).
-    Parameters and buffers the wrapper ignores are drawn too (each one time in four)."""
+    With ``ignore``, parameters and buffers the wrapper ignores are drawn too (each one time in
+    four); with ``uneven``, ranks run out of inputs at different steps (under ``join()``);
+    ``unused=False``: every branch runs."""
     views = st.booleans() if as_view is None else st.just(as_view)
     return generated_training_scenarios(
-        model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
+        model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
         bucket_caps=bucket_caps_mb(),
         options={"find_unused_parameters": True},
         drawn_options={"gradient_as_bucket_view": views},
         buffers=buffers,
         layouts=layouts,
-        ignore=True,
+        ignore=ignore,
         dropout=dropout,
+        uneven=uneven,
     )
 
 
@@ -167,6 +175,55 @@ class NaiveDataParallel(nn.Module):
 def test_a_users_wrapper_averages_exactly(s: TrainingScenario) -> None:
     _note_plain(s)
     check_data_parallel(NaiveDataParallel, s, scaling="reciprocal")
+
+
+# Uneven inputs under join(): ranks run out at different steps and contribute zeros to the
+# others' steps; all end with the last joiner's parameters. Without buffers (synced under
+# join from a rank still training, not rank 0) and without ignored parameters (join's final
+# sync leaves them to each rank).
+_UNEVEN = wrapper_scenarios(buffers=False, ignore=False, uneven=True)
+
+
+def check_our_join(s: TrainingScenario) -> None:
+    check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
+
+
+@given(_UNEVEN)
+def test_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"uneven: {s.uneven}")
+    check_our_join(s)
+
+
+# torch's join: every branch used (see the pinned difference below).
+@given(wrapper_scenarios(buffers=False, ignore=False, uneven=True, unused=False))
+def test_torch_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    check_data_parallel(torch_ddp(), s, scaling="reciprocal")
+
+
+def test_torch_join_gives_zeros_to_a_parameter_no_training_rank_used() -> None:
+    # Rank 0 runs out after one step; in the second, rank 1 (the only one training) skips
+    # branch 1. torch's joined rank contributes its last used map (where branch 1 was used),
+    # not an empty one, so the parameter gets a zero gradient instead of none: an optimizer
+    # with weight decay or momentum then still moves it. This project's join leaves it alone.
+    spec = ModelSpec((BranchSpec("proj"), BranchSpec("proj", optional=True)))
+    model = GeneratedTraining(spec)
+
+    def args(seed: int, active: set[int]) -> tuple[Any, ...]:
+        return (branch_inputs(spec, seed), frozenset(active))
+
+    scenario = TrainingScenario(
+        model.make_model,
+        ((args(0, {0, 1}), args(1, {0, 1})), (None, args(2, {0}))),
+        loss=loss_of,
+        options={"find_unused_parameters": True},
+    )
+    check_data_parallel(reducer_ddp(), scenario, scaling=OUR_DDP_SCALING)
+    with pytest.raises(
+        AssertionError, match=r"parameter 1 .*expected no gradient .*got a gradient"
+    ):
+        check_data_parallel(torch_ddp(), scenario, scaling="reciprocal")
 
 
 # -------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 FSDP2 run there too) with the wrapper ``make_wrapper(module, pg)`` returns, and after every
 step compares each rank's gradients and parameters with the exact reference: every rank's
 local gradient from plain autograd, combined in ascending rank order (the fake world's
-order), then the same SGD update. A scenario with a ``refusal`` expects every rank to raise
-an error matching it instead.
+order), then the same SGD update; and the buffers each rank holds, the parameters join
+leaves every rank with (uneven inputs), each rank's random stream. A scenario with a
+``refusal`` expects every rank to raise an error matching it instead.
 
 :func:`check_comm_hook` does the same for a comm hook registered on a wrapper (torch's DDP
 by default), without updating the parameters (so that a lossy hook's error does not carry
@@ -16,8 +17,8 @@ what the hook applied against the running sum of the exact averages: the bound t
 feedback keeps, and a hook that drops its residual breaks.
 
 Both compare as ``torch.testing.assert_close`` reports: where (rank, step, parameter name),
-by how much, against which bound. Models must be deterministic (no dropout, or dropout
-whose stream the model seeds itself): the reference replays them on the calling thread.
+by how much, against which bound. Models must be deterministic given each rank's seed
+(``TrainingScenario.rank_seeds``): the reference replays them on the calling thread.
 
 Wrapper factories for the usual wrappers: :func:`torch_ddp`, :func:`reducer_ddp`,
 :func:`fsdp2` (its parameters compared in full).
@@ -94,10 +95,15 @@ class TrainingScenario:
     rank calls ``torch.manual_seed(rank_seeds[rank])`` on its thread before the first step,
     and draws its random numbers (dropout) from that stream, its own (the fake world gives
     every rank thread a generator of its own); the reference replays each rank's stream.
+    Uneven inputs: ``inputs[step][rank]`` is None once that rank has run out of batches (from
+    some step on); every rank then trains inside the wrapper's ``join()``, and a rank that has
+    run out contributes zeros to the others' steps (``divide_by_initial_world_size``: the
+    average over every rank); after the last step every rank holds the parameters of the
+    highest rank that trained last.
     """
 
     make_model: Callable[[], nn.Module]
-    inputs: tuple[tuple[tuple[Any, ...], ...], ...]
+    inputs: tuple[tuple[tuple[Any, ...] | None, ...], ...]
     loss: Callable[[Any], Tensor] = sum_of_squares
     options: Mapping[str, Any] = field(default_factory=dict)
     refusal: str | None = None
@@ -114,6 +120,13 @@ class TrainingScenario:
                 f"TrainingScenario: every step needs inputs for every rank; got steps of "
                 f"{[len(step) for step in self.inputs]} ranks"
             )
+        for rank in range(len(self.inputs[0])):
+            ran = [self.inputs[k][rank] is not None for k in range(len(self.inputs))]
+            if ran != sorted(ran, reverse=True) or not ran[0]:
+                raise ValueError(
+                    f"TrainingScenario: rank {rank} must train from the first step until its "
+                    f"inputs run out (None from then on), got {ran}"
+                )
         if self.rank_seeds is not None and len(self.rank_seeds) != len(self.inputs[0]):
             raise ValueError(
                 f"TrainingScenario: rank_seeds needs one seed per rank ({len(self.inputs[0])}), "
@@ -123,6 +136,21 @@ class TrainingScenario:
     @property
     def world_size(self) -> int:
         return len(self.inputs[0])
+
+    @property
+    def uneven(self) -> bool:
+        """Does some rank run out of inputs before the others (a run under ``join()``)?"""
+        return any(args is None for step in self.inputs for args in step)
+
+    def trains(self, step: int, rank: int) -> bool:
+        return self.inputs[step][rank] is not None
+
+    def args(self, step: int, rank: int) -> tuple[Any, ...]:
+        """The forward's arguments of ``rank`` in ``step`` (it must train then)."""
+        args = self.inputs[step][rank]
+        if args is None:
+            raise ValueError(f"rank {rank} has no inputs in step {step}: it ran out before")
+        return args
 
     @property
     def steps(self) -> int:
@@ -172,10 +200,12 @@ def fsdp2(**options: Any) -> WrapperFactory:
 
 @dataclass(frozen=True, slots=True)
 class _RankTrace:
-    grads: list[Grads]  # per step
-    params: list[list[Tensor]]  # per step, after the update
+    grads: list[Grads]  # per step the rank trained
+    params: list[list[Tensor]]  # per step the rank trained, after the update
     names: list[str]
-    buffers: list[dict[str, Tensor]]  # per step, after it: the module's buffers by name
+    buffers: list[dict[str, Tensor]]  # per step the rank trained, after it: by name
+    final: list[Tensor]  # the parameters at the end (after join's final sync)
+    rng: list[Tensor]  # with rank_seeds: the rank's generator state at the end
 
 
 def _full(t: Tensor | None) -> Tensor | None:
@@ -218,18 +248,26 @@ def _play(
                 setup(wrapper, pg)
             params = list(model.parameters())
             names = [name for name, _ in model.named_parameters()]
-            trace = _RankTrace([], [], names, [])
+            trace = _RankTrace([], [], names, [], [], [])
             if s.rank_seeds is not None:
                 torch.manual_seed(s.rank_seeds[rank])  # this rank thread's own generator
-            for step in range(s.steps):
-                for p in params:
-                    p.grad = None
-                s.loss(wrapper(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
-                trace.grads.append([_full(p.grad) for p in params])
-                if s.lr:
-                    _sgd(params, s.lr)
-                trace.params.append([_full(p) for p in params])  # type: ignore[misc]
-                trace.buffers.append(_buffers(model))
+            joined = wrapper.join() if s.uneven else contextlib.nullcontext()  # type: ignore[operator]
+            with joined:
+                for step in range(s.steps):
+                    if not s.trains(step, rank):
+                        break
+                    for p in params:
+                        p.grad = None
+                    output = wrapper(*s.args(step, rank))
+                    s.loss(output).backward()  # type: ignore[no-untyped-call]
+                    trace.grads.append([_full(p.grad) for p in params])
+                    if s.lr:
+                        _sgd(params, s.lr)
+                    trace.params.append([_full(p) for p in params])  # type: ignore[misc]
+                    trace.buffers.append(_buffers(model))
+            trace.final.extend(_full(p) for p in params)  # type: ignore[misc]
+            if s.rank_seeds is not None:
+                trace.rng.append(torch.get_rng_state())  # this rank thread's generator
         except Exception as exc:
             if not isinstance(exc, fakepg.FakePGError):
                 with lock:
@@ -286,6 +324,8 @@ class _Reference:
     grads: list[list[Grads]]  # per step, per rank
     params: list[list[list[Tensor]]]  # per step, per rank, after the update
     buffers: list[list[dict[str, Tensor]]]  # per step, per rank, after it
+    final: list[Tensor]  # the parameters every rank ends with (uneven inputs: the last joiner's)
+    rng: list[Tensor]  # with rank_seeds: per rank, where its own draws leave its stream
 
 
 class _RankStreams:
@@ -300,6 +340,9 @@ class _RankStreams:
                 for seed in seeds:
                     torch.manual_seed(seed)
                     self._states.append(torch.get_rng_state())
+
+    def states(self) -> list[Tensor]:
+        return [] if self._states is None else list(self._states)
 
     @contextlib.contextmanager
     def of(self, rank: int) -> Iterator[None]:
@@ -321,19 +364,22 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
     models = [s.make_model() for _ in range(s.world_size)]
     names = [name for name, _ in models[0].named_parameters()]
     params = [list(m.parameters()) for m in models]
-    ref = _Reference([], [], [])
+    ref = _Reference([], [], [], [], [])
     streams = _RankStreams(s.rank_seeds)
     for step in range(s.steps):
         if broadcast_buffers:
             synced = {n: b for n, b in _buffers(models[0]).items() if n not in s.ignored}
             for model in models[1:]:
                 _load_buffers(model, synced)
-        local = []
+        local: list[Grads] = []
         for rank, model in enumerate(models):
             for p in params[rank]:
                 p.grad = None
+            if not s.trains(step, rank):  # run out: contributes zeros (join)
+                local.append([None] * len(names))
+                continue
             with streams.of(rank):
-                s.loss(model(*s.inputs[step][rank])).backward()  # type: ignore[no-untyped-call]
+                s.loss(model(*s.args(step, rank))).backward()  # type: ignore[no-untyped-call]
             local.append([_full(p.grad) for p in params[rank]])
         for i, name in enumerate(names):
             if name in s.ignored:
@@ -343,10 +389,15 @@ def _reference(s: TrainingScenario, average: Average, *, broadcast_buffers: bool
                 params[rank][i].grad = None if averaged is None else averaged.clone()
         ref.grads.append([[_full(p.grad) for p in ps] for ps in params])
         if s.lr:
-            for ps in params:
-                _sgd(ps, s.lr)
+            for rank, ps in enumerate(params):
+                if s.trains(step, rank):
+                    _sgd(ps, s.lr)
         ref.params.append([[p.detach().clone() for p in ps] for ps in params])
         ref.buffers.append([_buffers(m) for m in models])
+    # The highest rank of those that trained longest: join's final sync takes its model.
+    last = max(range(s.world_size), key=lambda r: (sum(s.trains(k, r) for k in range(s.steps)), r))
+    ref.final.extend(p.detach().clone() for p in params[last])
+    ref.rng.extend(streams.states())
     return ref
 
 
@@ -436,7 +487,14 @@ def check_data_parallel(
         return
     want = _reference(s, _average_for(scaling, average), broadcast_buffers=broadcast_buffers)
     for rank, run in enumerate(runs):
-        for step in range(s.steps):
+        # A stream shared with another rank ends elsewhere, whatever order the draws took
+        # (each step has a collective, so the other rank has seeded before this one ends).
+        if s.rank_seeds is not None and not torch.equal(run.rng[0], want.rng[rank]):
+            raise AssertionError(
+                f"rank {rank}: its random stream is not its own: after training, its generator "
+                "is not where its own draws from its own seed leave it"
+            )
+        for step in range(len(run.grads)):
             for i, name in enumerate(run.names):
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
                 _compare(
@@ -456,6 +514,13 @@ def check_data_parallel(
                 )
             for name, value in expected.items():
                 _compare(got[name], value, f"rank {rank}, step {step}, buffer {name!r}")
+        steps_run = sum(s.trains(k, rank) for k in range(s.steps))
+        if len(run.grads) != steps_run:
+            raise AssertionError(f"rank {rank}: ran {len(run.grads)} steps, expected {steps_run}")
+        if s.uneven:
+            for i, name in enumerate(run.names):
+                where = f"rank {rank}, parameter {i} ({name!r}), after join"
+                _compare(run.final[i], want.final[i], f"{where} (the last joiner's)")
 
 
 def check_comm_hook(
@@ -491,7 +556,7 @@ def check_comm_hook(
     for rank, run in enumerate(runs):
         sums: list[Tensor | None] = [None] * len(run.names)
         exact: list[Tensor | None] = [None] * len(run.names)
-        for step in range(s.steps):
+        for step in range(len(run.grads)):
             for i, name in enumerate(run.names):
                 where = f"rank {rank}, step {step}, parameter {i} ({name!r})"
                 got, w = run.grads[step][i], want[step][rank][i]

@@ -27,6 +27,13 @@ bucket, everything used), so a failing property reports a minimal counterexample
   backward (``create_graph=True``, a gradient penalty), a second backward through the same
   graph, a new reducer on the same models after ``close()``, a slow network.
 
+For the wrapper checks (:mod:`reducer.testing.checks`), :func:`training_scenarios` draws a
+:class:`~reducer.testing.checks.TrainingScenario` of a user's own model factory and inputs
+(world size, steps, unused parts per rank and step, bucket caps and other wrapper options,
+ignored parameters, per-rank random streams, uneven inputs), and
+:func:`generated_training_scenarios` does it for the random models above (optionally with
+buffers, one of them reassigned by forward; non-contiguous parameters; dropout).
+
 The number of synced iterations is drawn by the multi-iteration state machine
 (the project's ``property_tests/test_multi_iteration.py``), whose rules are the iterations.
 """
@@ -599,6 +606,7 @@ def training_scenarios(
     lr: float = 0.1,
     ignore: bool = False,
     rank_seeds: bool = False,
+    uneven: bool = False,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
@@ -613,15 +621,21 @@ def training_scenarios(
     ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
     parameters and buffers (by name) are drawn for the wrapper to ignore. With
     ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
-    here. Shrinks toward one rank, one step, nothing skipped, nothing ignored.
+    here. With ``uneven``, each rank runs out of inputs after its own number of steps (the
+    wrapper's ``join()``). Shrinks toward one rank, one step, nothing skipped, nothing ignored.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
     parts = tuple(range(optional_parts))
-    inputs = []
+    lengths = [draw(st.integers(1, count)) if uneven else count for _ in range(world_size)]
+    count = max(lengths)
+    inputs: list[tuple[tuple[Any, ...] | None, ...]] = []
     for step in range(count):
-        per_rank = []
+        per_rank: list[tuple[Any, ...] | None] = []
         for rank in range(world_size):
+            if step >= lengths[rank]:
+                per_rank.append(None)  # this rank has run out
+                continue
             # Seeded by rank and step too: ranks see different data even where every drawn
             # seed shrinks to 0 (identical inputs would hide a wrong average).
             seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
@@ -750,13 +764,14 @@ def generated_training_scenarios(
     layouts: bool | None = False,
     ignore: bool = False,
     dropout: bool | None = False,
+    uneven: bool = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
     :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
-    rank seeding its own stream."""
+    rank seeding its own stream; ``uneven``: see :func:`training_scenarios`."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
@@ -778,5 +793,6 @@ def generated_training_scenarios(
             lr=lr,
             ignore=ignore,
             rank_seeds=generated.dropout,
+            uneven=uneven,
         )
     )
