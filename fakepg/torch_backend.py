@@ -57,12 +57,12 @@ in fakepg.collectives). :func:`run_torch` does all of it for you::
 # reducer.ProcessGroup; the coalesced forms of all_gather_into_tensor and reduce_scatter_tensor
 # are one collective each), except allreduce_coalesced, which issues one fake allreduce per
 # tensor. send and recv are matched per pair and tag (see Note [Point-to-point matching] in
-# fakepg.world), so batch_isend_irecv works as torch runs it, one op at a time. A receive from
-# any source is refused (its match would depend on thread timing). torch's Python-side
-# ``dist.monitored_barrier`` accepts only gloo groups; registering the backend lets it call a
-# fakepg group's own monitored_barrier (see _install_monitored_barrier). The works are
-# completed, and their futures' callbacks run, on each rank's own completion thread (see Note
-# [Completion lanes] in fakepg.completion).
+# fakepg.world), so batch_isend_irecv works as torch runs it, one op at a time (registering the
+# backend wraps it: see _install_batch_isend_irecv). A receive from any source is refused (its
+# match would depend on thread timing). torch's Python-side ``dist.monitored_barrier`` accepts
+# only gloo groups; registering the backend lets it call a fakepg group's own monitored_barrier
+# (see _install_monitored_barrier). The works are completed, and their futures' callbacks run,
+# on each rank's own completion thread (see Note [Completion lanes] in fakepg.completion).
 
 # Note [The bindings' argument forms]
 # torch's C++ bindings give each collective of a ProcessGroup two forms: the one torch's
@@ -174,6 +174,7 @@ def register_torch_backend() -> None:
         _keep_the_cuda_device_guard()
         _install_per_thread_worlds()
         _install_monitored_barrier()
+        _install_batch_isend_irecv()
         _install_forward_pass_work_handle()
         if not hasattr(dist.Backend, _BACKEND.upper()):
             dist.Backend.register_backend(
@@ -877,8 +878,8 @@ def _install_per_thread_worlds() -> None:
 
 
 # -------------------------------------------------------------------------------------------
-# dist.monitored_barrier for fakepg groups. See Note [How torch collectives map to the fake
-# world].
+# dist.monitored_barrier and dist.batch_isend_irecv for fakepg groups. See Note [How torch
+# collectives map to the fake world].
 
 _torch_monitored_barrier = dist.monitored_barrier
 
@@ -903,6 +904,42 @@ def _install_monitored_barrier() -> None:
     if dist.monitored_barrier is not _monitored_barrier:
         dist.monitored_barrier = _monitored_barrier
         _c10d.monitored_barrier = _monitored_barrier
+
+
+_torch_batch_isend_irecv = dist.batch_isend_irecv
+
+
+def _batch_isend_irecv(p2p_op_list: Any) -> list[Any]:
+    """``dist.batch_isend_irecv``: one op at a time on a fakepg group, as torch runs it for a
+    backend that does not coalesce; torch's own for any other group, and for anything it
+    should refuse (an empty list, ops that are not P2POp or name different groups)."""
+    ops = p2p_op_list if isinstance(p2p_op_list, list) else []
+    group = getattr(ops[0], "group", None) if ops else None
+    if (
+        not ops
+        or not all(isinstance(op, dist.P2POp) and op.group is group for op in ops)
+        or not isinstance(group if group is not None else _c10d._get_default_group(), _TorchGroup)
+    ):
+        return _torch_batch_isend_irecv(p2p_op_list)
+    works = []
+    for op in ops:
+        peer = {"group_dst" if op.op is dist.isend else "group_src": op.group_peer}
+        work = op.op(op.tensor, group=op.group, tag=op.tag, **peer)
+        if work is not None:
+            works.append(work)
+    return works
+
+
+def _install_batch_isend_irecv() -> None:
+    """Let ``dist.batch_isend_irecv`` run on fakepg groups, once.
+
+    torch 2.14 calls ``group._get_backend(device)`` for any ProcessGroup to learn whether it
+    coalesces; a Python backend is the group itself, with no backend object to return, so the
+    call raises. The public function is wrapped: groups of other backends go to torch's own.
+    """
+    if dist.batch_isend_irecv is not _batch_isend_irecv:
+        dist.batch_isend_irecv = _batch_isend_irecv
+        _c10d.batch_isend_irecv = _batch_isend_irecv
 
 
 # -------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The supported range starts at the oldest torch the whole test suite has been run
 passed (README, "Supported torch versions"). Older releases are refused when ``reducer`` is
 first imported (``fakepg`` imports it too), before any module uses an API they may lack: on
 them the package does not merely fail to start, some of its features hang or compute wrong
-gradients (torch 2.4: torch's DDP hangs under ``launch`` past its timeout, gradients under
+gradients (torch 2.4.1: torch's DDP hangs under ``launch`` past its timeout, gradients under
 reentrant checkpointing are wrong), which is worse than a clear error. Newer releases than the
 newest tested are accepted: torch keeps the public APIs used here, and the suite says if not.
 """

@@ -1,10 +1,13 @@
-"""The CUDA device guard's no-GPU stand-in outlives the rank threads. See Note [The CUDA device
-guard on rank threads] in fakepg.torch_backend.
+"""What fakepg's torch backend does so that every supported torch runs it alike.
 
-On a CUDA build of torch without a GPU (torch 2.11 from the package index, on a CPU machine),
-FSDP2 worlds started one after another from a thread that ends crashed the process with a
-segfault; on a CPU build or with a GPU the subprocess test passes either way, and the
-unit tests below check the mechanism on every build.
+The CUDA device guard's no-GPU stand-in outlives the rank threads (see Note [The CUDA device
+guard on rank threads] in fakepg.torch_backend). On a CUDA build of torch without a GPU (torch
+2.11 from the package index, on a CPU machine), FSDP2 worlds started one after another from a
+thread that ends crashed the process with a segfault; on a CPU build or with a GPU the
+subprocess test passes either way, and the unit tests below check the mechanism on every build.
+
+``dist.batch_isend_irecv`` runs a fakepg group's ops one at a time: torch 2.14 asks any
+ProcessGroup for a backend object, which a Python backend does not have, and raised.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import fakepg
 from fakepg import torch_backend
@@ -103,3 +107,30 @@ def test_with_a_gpu_nothing_is_done(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     fakepg.register_torch_backend()
     assert ensure_calls == []
+
+
+def test_batch_isend_irecv_on_fakepg_one_op_at_a_time_and_torchs_checks_kept() -> None:
+    world_size = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[float], int, list[str]]:
+        r = pg.rank()
+        got = torch.zeros(2)
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, torch.full((2,), float(r)), (r + 1) % world_size),
+                dist.P2POp(dist.irecv, got, (r - 1) % world_size),
+            ]
+        )
+        for work in works:
+            work.wait()
+        refused = []
+        for bad in ([], ["not an op"]):  # torch's own function answers these
+            with pytest.raises((IndexError, ValueError)) as info:
+                dist.batch_isend_irecv(bad)  # type: ignore[arg-type]
+            refused.append(type(info.value).__name__)
+        return got.tolist(), len(works), refused
+
+    for r, (got, works, refused) in enumerate(fakepg.run_torch(fn, world_size, timeout=20.0)):
+        assert got == [float((r - 1) % world_size)] * 2 and works == 2
+        assert refused == ["IndexError", "ValueError"]
+    assert dist.batch_isend_irecv is torch_backend._batch_isend_irecv
