@@ -373,7 +373,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffer.
         """
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_name = getattr(hook, "__name__", None) or type(hook).__name__
+        self._comm_hook_name = (  # torch logs the qualified name
+            getattr(hook, "__qualname__", None)
+            or getattr(hook, "__name__", None)
+            or type(hook).__name__
+        )
 
     def _set_static_graph(self) -> None:
         """Promise the same graph every iteration, as ``static_graph=True`` does; torch's
