@@ -336,7 +336,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if divisor != self._divisor:
             self.reducer._set_divisor(divisor)
             self._divisor = divisor
-        self._timings.forward(forward_ns, self.reducer.last_iteration)
+        self._timings.forward(forward_ns, self.reducer.last_iteration, start)
         searching = self.find_unused_parameters and not self.static_graph
         recording = self.static_graph and self.reducer.iterations == 0
         tensors = find_tensors(output) if searching or self.static_graph else []
@@ -615,9 +615,10 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's name for :meth:`logging_data`, as a dict: its fields, then the other keys
         of torch's logging data that have a meaning here (see torch_logging_data). Where a
-        field and a torch key share a name, the field is kept."""
+        field and a torch key share a name, torch's format is used (this is torch's call);
+        :meth:`logging_data` has the fields as they are."""
         data = self.logging_data()
-        return {**torch_logging_data(self, data), **dataclasses.asdict(data)}
+        return {**dataclasses.asdict(data), **torch_logging_data(self, data)}
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch's call: how often (in iterations, after the first 10) torch samples its
@@ -628,6 +629,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{sample_rate!r}"
             )
         self.reducer._set_ddp_runtime_logging_sample_rate(sample_rate)
+        self._timings.sample_rate = sample_rate
 
     # ---------------------------------------------------------------------------------------
     # torch's calls, for tools and torch's own helpers.
