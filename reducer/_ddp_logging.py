@@ -118,6 +118,7 @@ class _Wrapper(Protocol):
     _buckets_rebuilt: bool
     _join_config: Any
     _timings: Timings
+    _logged_error: str | None
     reducer: Any
 
 
@@ -136,7 +137,7 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
     the last iteration torch's logger would have sampled). Keys of CUDA events and NCCL
     settings are absent (see the README)."""
     sample = ddp._timings.sampled
-    failure = ddp.reducer._failure
+    failure = ddp._logged_error or ddp.reducer._failure
     errors = {} if failure is None else {"has_error": 1, "error": str(failure)}
     group = ddp._torch_group
     backend = dist.get_backend(group) if group is not None else data.process_group

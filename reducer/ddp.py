@@ -103,7 +103,13 @@ from ._ddp_setup import (
 )
 from .buckets import compute_bucket_assignment_by_size, sparse_gradient_flags
 from .comm_hooks import CommHook
-from .errors import DDP_WORDING, InvalidArgument, InvalidArgumentType, InvalidModel
+from .errors import (
+    DDP_WORDING,
+    InvalidArgument,
+    InvalidArgumentType,
+    InvalidModel,
+    ReducerError,
+)
 from .process_group import ProcessGroup
 from .stats import IterationStats
 
@@ -262,6 +268,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook_name: str | None = None
         self._timings = Timings()
         self._ddp_sink_clone = True
+        self._logged_error: str | None = None  # the last error raised, for the logging data
         self._build_reducer()
         if static_graph:
             self._set_static_graph()
@@ -303,6 +310,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     # ---------------------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return self._forward(inputs, kwargs)
+        except ReducerError as error:
+            self._logged_error = f"{type(error).__name__}: {error}"  # for the logging data
+            raise
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.reducer._check_usable("forward")
         grad_enabled = torch.is_grad_enabled()
         synced = grad_enabled and self.require_backward_grad_sync
@@ -387,7 +401,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "You've set static_graph to be True, no need to set it again.", stacklevel=2
             )
             return
-        self.reducer._set_static_graph()
+        try:
+            self.reducer._set_static_graph()
+        except ReducerError as error:
+            self._logged_error = f"{type(error).__name__}: {error}"  # for the logging data
+            raise
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn(
