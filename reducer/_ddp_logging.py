@@ -152,7 +152,7 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
         "bucket_cap_bytes": ddp.bucket_bytes_cap,
         "backend_name": backend,
         "iteration": sample[0] if sample else 0,
-        "dtypes": ", ".join(_TORCH_DTYPE_NAMES.get(d, d) for d in data.dtypes),
+        "dtypes": ", ".join(sorted(_TORCH_DTYPE_NAMES.get(d, d) for d in data.dtypes)),
         "num_parameter_tensors": data.num_parameters,
         "bucket_sizes": ", ".join(map(str, data.bucket_sizes)),
         "has_rebuilt_buckets": int(ddp._buckets_rebuilt),
