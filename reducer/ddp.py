@@ -636,7 +636,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         field and a torch key share a name, torch's format is used (this is torch's call);
         :meth:`logging_data` has the fields as they are."""
         data = self.logging_data()
-        return {**dataclasses.asdict(data), **torch_logging_data(self, data)}
+        found = {**dataclasses.asdict(data), **torch_logging_data(self, data)}
+        if data.comm_hook is None:
+            del found["comm_hook"]  # torch's has the key only once a hook is registered
+        return found
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch's call: how often (in iterations, after the first 10) torch samples its
