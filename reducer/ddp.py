@@ -309,6 +309,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---------------------------------------------------------------------------------------
 
+    # torch.compile(ddp) runs the wrapper eagerly, module included: its bookkeeping (locks,
+    # clocks, collectives) is nothing a graph can hold. To compile the model, compile the
+    # module before wrapping it: DistributedDataParallel(torch.compile(model)).
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
             return self._forward(inputs, kwargs)
