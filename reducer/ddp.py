@@ -80,7 +80,7 @@ from . import _ddp_mixed_precision as _mp
 from . import _join
 from ._ddp_logging import DDPLoggingData, Timings, torch_logging_data
 from ._ddp_outputs import OutputSink, find_tensors, replace_tensors
-from ._ddp_reducer import DDPReducer
+from ._ddp_reducer import ddp_reducer_class
 from ._ddp_setup import (
     broadcast_from,
     bucket_limits,
@@ -111,6 +111,7 @@ from .errors import (
     ReducerError,
 )
 from .process_group import ProcessGroup
+from .reducer import Reducer
 from .stats import IterationStats
 
 __all__ = ["DDPLoggingData", "DistributedDataParallel"]
@@ -280,7 +281,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         buckets = compute_bucket_assignment_by_size(
             self._params, self._initial_limits, self._sparse
         )
-        self.reducer = DDPReducer(
+        # Reducer looked up now: see ddp_reducer_class.
+        self.reducer = ddp_reducer_class(Reducer)(
             [self._params],
             list(reversed(buckets)),  # see reducer.ddp_bucket_assignment
             self._group,
