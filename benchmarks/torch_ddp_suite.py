@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("plain", "cpu", "both"), default="both")
     parser.add_argument("--impl", choices=("torch", "ours", "both"), default="both")
     parser.add_argument("-k", action="append", default=[], help="regex on the test name")
-    parser.add_argument("--timeout", type=int, default=120, help="seconds per test")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--log", type=Path, default=Path(temp) / "ranks.log")
     parser.add_argument("--list", action="store_true", help="list the selected tests")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")

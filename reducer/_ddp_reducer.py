@@ -168,3 +168,17 @@ class _Kept:
 
     def result(self) -> list[Tensor]:
         return self._tensors
+
+
+_WITH_BASE: dict[type[Reducer], type[DDPReducer]] = {}
+
+
+def ddp_reducer_class(base: type[Reducer]) -> type[DDPReducer]:
+    """:class:`DDPReducer` over ``base``: the wrapper builds its reducer from whatever class
+    ``reducer.ddp.Reducer`` names when it builds it, so that a subclass put there (the
+    property harness's mutants) is the one that reduces."""
+    if base is Reducer:
+        return DDPReducer
+    if base not in _WITH_BASE:
+        _WITH_BASE[base] = type(f"DDP{base.__name__}", (DDPReducer, base), {})
+    return _WITH_BASE[base]

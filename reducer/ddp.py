@@ -80,7 +80,7 @@ from . import _ddp_mixed_precision as _mp
 from . import _join
 from ._ddp_logging import DDPLoggingData, Timings, torch_logging_data
 from ._ddp_outputs import OutputSink, find_tensors, replace_tensors
-from ._ddp_reducer import DDPReducer
+from ._ddp_reducer import ddp_reducer_class
 from ._ddp_setup import (
     broadcast_from,
     bucket_limits,
@@ -103,8 +103,15 @@ from ._ddp_setup import (
 )
 from .buckets import compute_bucket_assignment_by_size, sparse_gradient_flags
 from .comm_hooks import CommHook
-from .errors import DDP_WORDING, InvalidArgument, InvalidArgumentType, InvalidModel
+from .errors import (
+    DDP_WORDING,
+    InvalidArgument,
+    InvalidArgumentType,
+    InvalidModel,
+    ReducerError,
+)
 from .process_group import ProcessGroup
+from .reducer import Reducer
 from .stats import IterationStats
 
 __all__ = ["DDPLoggingData", "DistributedDataParallel"]
@@ -262,6 +269,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook_name: str | None = None
         self._timings = Timings()
         self._ddp_sink_clone = True
+        self._logged_error: str | None = None  # the last error raised, for the logging data
         self._build_reducer()
         if static_graph:
             self._set_static_graph()
@@ -273,7 +281,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         buckets = compute_bucket_assignment_by_size(
             self._params, self._initial_limits, self._sparse
         )
-        self.reducer = DDPReducer(
+        # Reducer looked up now: see ddp_reducer_class.
+        self.reducer = ddp_reducer_class(Reducer)(
             [self._params],
             list(reversed(buckets)),  # see reducer.ddp_bucket_assignment
             self._group,
@@ -303,7 +312,18 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # ---------------------------------------------------------------------------------------
 
+    # torch.compile(ddp) runs the wrapper eagerly, module included: its bookkeeping (locks,
+    # clocks, collectives) is nothing a graph can hold. To compile the model, compile the
+    # module before wrapping it: DistributedDataParallel(torch.compile(model)).
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return self._forward(inputs, kwargs)
+        except ReducerError as error:
+            self._logged_error = f"{type(error).__name__}: {error}"  # for the logging data
+            raise
+
+    def _forward(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.reducer._check_usable("forward")
         grad_enabled = torch.is_grad_enabled()
         synced = grad_enabled and self.require_backward_grad_sync
@@ -337,7 +357,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if divisor != self._divisor:
             self.reducer._set_divisor(divisor)
             self._divisor = divisor
-        self._timings.forward(forward_ns, self.reducer.last_iteration)
+        self._timings.forward(forward_ns, self.reducer.last_iteration, start)
         searching = self.find_unused_parameters and not self.static_graph
         recording = self.static_graph and self.reducer.iterations == 0
         tensors = find_tensors(output) if searching or self.static_graph else []
@@ -374,7 +394,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         buffer.
         """
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_name = getattr(hook, "__name__", None) or type(hook).__name__
+        self._comm_hook_name = (  # torch logs the qualified name
+            getattr(hook, "__qualname__", None)
+            or getattr(hook, "__name__", None)
+            or type(hook).__name__
+        )
 
     def _set_static_graph(self) -> None:
         """Promise the same graph every iteration, as ``static_graph=True`` does; torch's
@@ -384,7 +408,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "You've set static_graph to be True, no need to set it again.", stacklevel=2
             )
             return
-        self.reducer._set_static_graph()
+        try:
+            self.reducer._set_static_graph()
+        except ReducerError as error:
+            self._logged_error = f"{type(error).__name__}: {error}"  # for the logging data
+            raise
         self.static_graph = True
         if self.find_unused_parameters:
             warnings.warn(
@@ -612,9 +640,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """torch's name for :meth:`logging_data`, as a dict: its fields, then the other keys
         of torch's logging data that have a meaning here (see torch_logging_data). Where a
-        field and a torch key share a name, the field is kept."""
+        field and a torch key share a name, torch's format is used (this is torch's call);
+        :meth:`logging_data` has the fields as they are."""
         data = self.logging_data()
-        return {**torch_logging_data(self, data), **dataclasses.asdict(data)}
+        found = {**dataclasses.asdict(data), **torch_logging_data(self, data)}
+        if data.comm_hook is None:
+            del found["comm_hook"]  # torch's has the key only once a hook is registered
+        return found
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch's call: how often (in iterations, after the first 10) torch samples its
@@ -625,6 +657,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{sample_rate!r}"
             )
         self.reducer._set_ddp_runtime_logging_sample_rate(sample_rate)
+        self._timings.sample_rate = sample_rate
 
     # ---------------------------------------------------------------------------------------
     # torch's calls, for tools and torch's own helpers.

@@ -782,9 +782,21 @@ def test_logging_data_reports_configuration_buckets_and_timings() -> None:
         assert dataclasses.is_dataclass(data)
         with pytest.raises(dataclasses.FrozenInstanceError):
             data.iterations = 5  # type: ignore[misc]
-        # The record's fields, and torch's keys beside them.
-        assert {k: as_dict[k] for k in dataclasses.asdict(data)} == dataclasses.asdict(data)
-        assert (as_dict["iteration"], as_dict["has_rebuilt_buckets"]) == (3, 0)
+        # The record's fields, in torch's format where torch has the key, and torch's keys.
+        torch_format = {
+            "dtypes": "float",
+            "bucket_sizes": ", ".join(map(str, data.bucket_sizes)),
+            "broadcast_buffers": 1,
+            "find_unused_parameters": 1,
+            "gradient_as_bucket_view": 0,
+            "static_graph": 0,
+        }
+        assert {k: as_dict[k] for k in dataclasses.asdict(data)} == {
+            **dataclasses.asdict(data),
+            **torch_format,
+        }
+        # torch's "iteration" is the index of the last sampled iteration (all of the first 10).
+        assert (as_dict["iteration"], as_dict["has_rebuilt_buckets"]) == (2, 0)
         assert as_dict["num_parameter_tensors"] == 6 and as_dict["output_device"] == -1
         assert as_dict["num_buckets_reduced"] == len(data.bucket_sizes)
         assert (data.rank, data.world_size, data.process_group) == (rank, 2, "FakeProcessGroup")

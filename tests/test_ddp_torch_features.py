@@ -379,3 +379,14 @@ def test_parameter_calls_answer_as_torchs() -> None:
         assert ours[2:] == theirs[2:]
         assert len(ours[1]) == len(theirs[1]) == 3  # a.weight, b.weight, b.bias
         assert ours[0] == ["frozen", "a.weight", "b.weight", "b.bias"]
+
+
+def test_a_compiled_wrapper_trains_as_torchs_ddp() -> None:
+    """torch.compile(ddp) runs the wrapper eagerly (see DistributedDataParallel.forward):
+    the same bits as torch's DDP, with and without static_graph."""
+
+    def make(cls: type, model: nn.Module) -> nn.Module:
+        ddp: nn.Module = cls(model, bucket_cap_mb=1e-4, static_graph=True)
+        return torch.compile(ddp) if cls is reducer.DistributedDataParallel else ddp  # type: ignore[return-value]
+
+    _assert_identical(_both(make))
