@@ -8,6 +8,7 @@ Each is a module (or a small package) of its own, used through the command line
     validate   the validation suite on gloo or NCCL processes (or fakepg threads), exact on
                dyadic data and against torch's DistributedDataParallel
     launch     an unmodified torchrun script on N rank threads of the fake world
+    check      the replica check at every optimizer step (launch's default; run_checked)
     whatif     the step-time prediction per bucket cap, from a profiled backward
     trace      Chrome / Perfetto timelines of what each rank did
     cli        the ``python -m reducer`` dispatcher
