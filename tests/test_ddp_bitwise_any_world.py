@@ -36,7 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import fakepg
 import reducer
-from property_tests.reference import rank_order_average
+from reducer.testing.reference import rank_order_average
 
 WORLD_SIZES = [3, 5, 6]
 STEPS = 3
