@@ -72,14 +72,19 @@ class OutputSink(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, reducer_ref: weakref.ReferenceType[Reducer], recording: bool, *outputs: Tensor
+        ctx: Any,
+        reducer_ref: weakref.ReferenceType[Reducer],
+        recording: bool,
+        clone: bool,
+        *outputs: Tensor,
     ) -> Any:
         ctx.reducer_ref = reducer_ref
         ctx.recording = recording
         ctx.set_materialize_grads(False)  # an output the loss did not use gets None
         ctx.save_for_backward(*outputs)
-        # Clones: returning an input as is would make it an alias, not an output of the sink.
-        return tuple(o.clone() for o in outputs)
+        # New tensors, each an output of the sink: clones (torch's default), so that the loss
+        # may be modified in place; or views, without the copies (_set_ddp_sink_clone(False)).
+        return tuple(o.clone() if clone else o.view_as(o) for o in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> Any:
@@ -92,4 +97,4 @@ class OutputSink(torch.autograd.Function):
                 reducer._expect_no_gradient(with_grad, without)
             if ctx.recording:
                 reducer._queue_recorded_finalize()
-        return (None, None, *grads)
+        return (None, None, None, *grads)

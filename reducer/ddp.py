@@ -366,7 +366,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         passed = [t for t in tensors if t.requires_grad]
         if passed:
             # torch leaves Function.apply unannotated.
-            sunk = OutputSink.apply(weakref.ref(self.reducer), recording, *passed)  # type: ignore[no-untyped-call]
+            sunk = OutputSink.apply(
+                weakref.ref(self.reducer), recording, self._ddp_sink_clone, *passed
+            )  # type: ignore[no-untyped-call]
             replacement = dict(zip(map(id, passed), sunk, strict=True))
             output = replace_tensors(output, replacement)
         return output
@@ -721,9 +723,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         return names
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
-        """torch's switch for cloning outputs in its sink. Kept, with no effect: the sink
-        here (reducer._ddp_outputs) must return new tensors to see their gradients, so it
-        always clones."""
+        """Whether the output sink (reducer._ddp_outputs) clones the outputs (torch's
+        default: the loss may then be modified in place) or returns views of them."""
         self._ddp_sink_clone = bool(val)
 
     def _remove_autograd_hooks(self) -> None:

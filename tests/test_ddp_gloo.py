@@ -115,9 +115,10 @@ def test_constructed_as_torchs_ddp_over_the_default_gloo_group() -> None:
             loss_of(ddp, rank, 0).backward()
             out[name] = grads_of(net)
             if name != "torch":
-                group = ddp.process_group
+                group = ddp._group  # what it reduces over; process_group is torch's, as given
                 out[f"{name}-group"] = (
-                    isinstance(group, reducer.TorchProcessGroup)
+                    ddp.process_group is dist.group.WORLD
+                    and isinstance(group, reducer.TorchProcessGroup)
                     and group.torch_group is dist.group.WORLD
                     and group.backend == "gloo"
                 )

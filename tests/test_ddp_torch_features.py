@@ -383,10 +383,27 @@ def test_parameter_calls_answer_as_torchs() -> None:
 
 def test_a_compiled_wrapper_trains_as_torchs_ddp() -> None:
     """torch.compile(ddp) runs the wrapper eagerly (see DistributedDataParallel.forward):
-    the same bits as torch's DDP, with and without static_graph."""
+    the same bits as torch's DDP, with static_graph. The ranks train this wrapper first, all
+    of them, then torch's: torch marks its DDP active in a class attribute that every rank
+    thread sees, and a compilation running meanwhile would take it for its own."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[Any, Any]:
+        ours_model, theirs_model = build(), build()
+        ours = torch.compile(reducer.DistributedDataParallel(ours_model, static_graph=True))
+        ours_trace = _train(ours, ours_model, pg.rank())
+        dist.barrier()
+        theirs = nn.parallel.DistributedDataParallel(theirs_model, static_graph=True)
+        return ours_trace, _train(theirs, theirs_model, pg.rank())
+
+    _assert_identical(fakepg.run_torch(fn, W, timeout=120.0))
+
+
+def test_an_output_sink_without_clones_matches_torch() -> None:
+    """_set_ddp_sink_clone(False): outputs pass the sink as views, not copies; the same bits."""
 
     def make(cls: type, model: nn.Module) -> nn.Module:
-        ddp: nn.Module = cls(model, bucket_cap_mb=1e-4, static_graph=True)
-        return torch.compile(ddp) if cls is reducer.DistributedDataParallel else ddp  # type: ignore[return-value]
+        ddp: nn.Module = cls(model, bucket_cap_mb=1e-4, find_unused_parameters=True)
+        ddp._set_ddp_sink_clone(False)
+        return ddp
 
-    _assert_identical(_both(make))
+    _assert_identical(_both(make, dead=True))
