@@ -616,10 +616,11 @@ def training_scenarios(
     model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
     step, each part with probability 1/2, for the model's forward to act on (an
     unused-parameter pattern: none, some ranks, every rank). ``world_sizes`` (default 1 to 4
-    ranks) and ``steps`` (default 1 to 3) are drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
-    the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
-    ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
-    parameters and buffers (by name) are drawn for the wrapper to ignore. With
+    ranks) and ``steps`` (default 1 to 3) are drawn; ``bucket_caps``, if given, draws the
+    wrapper's ``bucket_cap_mb``; ``options`` are the wrapper's other keyword arguments, and
+    ``drawn_options`` draws more of them (e.g. ``{"gradient_as_bucket_view": st.booleans()}``).
+    With ``ignore``, some of the model's parameters and buffers (by name) are drawn for the
+    wrapper to ignore. With
     ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
     here. With ``uneven``, each rank runs out of inputs after its own number of steps (the
     wrapper's ``join()``). Shrinks toward one rank, one step, nothing skipped, nothing ignored.
