@@ -317,7 +317,13 @@ CASES: dict[str, Case] = {
     # Two ranks, uneven: the one still training skips a branch after the other ran out.
     "joined rank's used map says all used": Case(
         wrapper_scenarios(
-            buffers=False, layouts=False, as_view=False, dropout=False, ignore=False, uneven=True
+            buffers=False,
+            layouts=False,
+            as_view=False,
+            dropout=False,
+            ignore=False,
+            uneven=True,
+            max_world_size=2,
         ),
         check_our_join,
         lambda s: s.world_size == 2,

@@ -73,6 +73,7 @@ def wrapper_scenarios(
     ignore: bool = True,
     uneven: bool = False,
     unused: bool = True,
+    max_world_size: int = 4,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -85,6 +86,7 @@ def wrapper_scenarios(
     views = st.booleans() if as_view is None else st.just(as_view)
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
+        max_world_size=max_world_size,
         bucket_caps=bucket_caps_mb(),
         options={"find_unused_parameters": True},
         drawn_options={"gradient_as_bucket_view": views},
@@ -188,6 +190,9 @@ def check_our_join(s: TrainingScenario) -> None:
     check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
 
 
+# Four times the profile's examples (ci: 100, about 20 s): a bug of join's shadow steps
+# needs a rank that ran out and, after it, a step that leaves some parameter unused.
+@settings(max_examples=4 * settings().max_examples)
 @given(_UNEVEN)
 def test_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
     _note(s)

@@ -614,12 +614,13 @@ def training_scenarios(
     ``make_inputs(generator, skip)`` returns one rank's forward arguments for one step, drawn
     from ``generator`` (seeded by Hypothesis, and by rank and step); ``skip`` is the set of the
     model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
-    step, for the model's forward to act on (an unused-parameter pattern: none, some ranks,
-    every rank). ``world_sizes`` (default 1 to 4 ranks) and ``steps`` (default 1 to 3) are
-    drawn; ``bucket_caps``, if given, draws the wrapper's ``bucket_cap_mb``; ``options`` are
-    the wrapper's other keyword arguments, and ``drawn_options`` draws more of them (e.g.
-    ``{"gradient_as_bucket_view": st.booleans()}``). With ``ignore``, some of the model's
-    parameters and buffers (by name) are drawn for the wrapper to ignore. With
+    step, each part with probability 1/2, for the model's forward to act on (an
+    unused-parameter pattern: none, some ranks, every rank). ``world_sizes`` (default 1 to 4
+    ranks) and ``steps`` (default 1 to 3) are drawn; ``bucket_caps``, if given, draws the
+    wrapper's ``bucket_cap_mb``; ``options`` are the wrapper's other keyword arguments, and
+    ``drawn_options`` draws more of them (e.g. ``{"gradient_as_bucket_view": st.booleans()}``).
+    With ``ignore``, some of the model's parameters and buffers (by name) are drawn for the
+    wrapper to ignore. With
     ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
     here. With ``uneven``, each rank runs out of inputs after its own number of steps (the
     wrapper's ``join()``). Shrinks toward one rank, one step, nothing skipped, nothing ignored.
@@ -639,7 +640,7 @@ def training_scenarios(
             # Seeded by rank and step too: ranks see different data even where every drawn
             # seed shrinks to 0 (identical inputs would hide a wrong average).
             seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
-            skip = frozenset(p for p in parts if draw(_RARELY)) if parts else frozenset()
+            skip = frozenset(p for p in parts if draw(_BOOLEANS)) if parts else frozenset()
             per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
         inputs.append(tuple(per_rank))
     chosen = dict(options or {})
