@@ -395,7 +395,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         divides: see :func:`reducer.allreduce_hook`) and returns a future of the reduced flat
         buffer.
         """
-        self.reducer.register_comm_hook(state, hook)
+        try:
+            self.reducer.register_comm_hook(state, hook)
+        except ReducerError as error:
+            self._logged_error = f"{type(error).__name__}: {error}"  # for the logging data
+            raise
         self._comm_hook_name = (  # torch logs the qualified name
             getattr(hook, "__qualname__", None)
             or getattr(hook, "__name__", None)

@@ -407,3 +407,27 @@ def test_an_output_sink_without_clones_matches_torch() -> None:
         return ddp
 
     _assert_identical(_both(make, dead=True))
+
+
+def test_errors_are_in_the_logging_data_as_torchs() -> None:
+    """A refused comm hook and a late _set_static_graph: the error, with torch's phrases, is
+    in _get_ddp_logging_data()["error"], as torch's tools (verify_ddp_error_logged) read it."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Any]:
+        found = []
+        for cls in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            ddp = cls(build())
+            assert "has_error" not in ddp._get_ddp_logging_data()
+            with pytest.raises(TypeError, match="must be callable"):
+                ddp.register_comm_hook({}, {})
+            data = ddp._get_ddp_logging_data()
+            found.append((data["has_error"], "must be callable" in data["error"]))
+            ddp(rank_input(pg.rank(), (4, 6))).sum().backward()
+            with pytest.raises(RuntimeError, match="should be called before training loop"):
+                ddp._set_static_graph()
+            error = ddp._get_ddp_logging_data()["error"]
+            found.append("should be called before training loop starts" in error)
+        return found
+
+    for ours_and_theirs in fakepg.run_torch(fn, W, timeout=30.0):
+        assert ours_and_theirs == [(1, True), True] * 2
