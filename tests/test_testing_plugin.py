@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import reducer.testing
@@ -50,6 +51,16 @@ def test_the_profile_option_loaded_ci():
 """
 
 
+def _installed() -> bool:
+    """Is the plugin registered by the installed package's entry point already?"""
+    return any(ep.value == "reducer.testing.plugin" for ep in entry_points(group="pytest11"))
+
+
+# Loaded by name where the package's entry point does not load it already (pytest refuses a
+# plugin registered twice).
+LOAD = () if _installed() else ("-p", "reducer.testing.plugin")
+
+
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_user.py").write_text(textwrap.dedent(USER_TESTS))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -66,14 +77,13 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_fixtures_and_the_profile_option_in_a_users_suite(tmp_path: Path) -> None:
-    # Loaded explicitly: the entry point names the same module once the package is installed.
-    done = _pytest(tmp_path, "-p", "reducer.testing.plugin", "--ddp-profile", "ci")
+    done = _pytest(tmp_path, *LOAD, "--ddp-profile", "ci")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 passed" in done.stdout, done.stdout
 
 
 def test_an_unknown_profile_is_a_usage_error(tmp_path: Path) -> None:
-    done = _pytest(tmp_path, "-p", "reducer.testing.plugin", "--ddp-profile", "fast")
+    done = _pytest(tmp_path, *LOAD, "--ddp-profile", "fast")
     assert done.returncode == 4, done.stdout + done.stderr
     assert "--ddp-profile='fast': choose one of ci, dev, thorough" in done.stderr
 
