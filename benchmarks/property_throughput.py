@@ -25,7 +25,6 @@ the test suite does (see conftest.py); more only oversubscribe the cores the ran
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import time
 from dataclasses import replace
@@ -42,7 +41,6 @@ from typing import Any
 
 from _common import machine, table
 
-import reducer
 from reducer.testing import (
     TrainingScenario,
     bucket_caps_mb,
@@ -58,14 +56,6 @@ from reducer.testing.harness import Scenario, check_against_reference, reference
 from reducer.testing.model import ModelSpec
 from reducer.testing.reference import rank_order_average
 from reducer.testing.strategies import model_specs, scenarios
-
-# This project's DDP rounds as torch's where the reducer offers the choice (see
-# property_tests/test_wrappers.py).
-_OUR_SCALING: Any = (
-    "reciprocal"
-    if "gradient_scaling" in inspect.signature(reducer.Reducer.__init__).parameters
-    else "divide"
-)
 
 CONFIGS: dict[str, st.SearchStrategy[Scenario]] = {
     "<= 4 ranks, 1 replica, <= 8 params, all used": scenarios(
@@ -178,8 +168,8 @@ WRAPPERS: dict[str, tuple[st.SearchStrategy[TrainingScenario], Any, Any]] = {
     ),
     "this project's DDP (property 6)": (
         _WRAPPER_SCENARIOS,
-        lambda s: check_data_parallel(reducer_ddp(), s, scaling=_OUR_SCALING),
-        _reference_only(_rank_order(_OUR_SCALING)),
+        lambda s: check_data_parallel(reducer_ddp(), s, scaling="reciprocal"),
+        _reference_only(_rank_order("reciprocal")),
     ),
     "FSDP2 fully_shard (property 6)": (
         _FSDP2_SCENARIOS,

@@ -29,7 +29,6 @@ refuses the step with an error.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 from typing import Any
 
@@ -54,14 +53,6 @@ from reducer.testing import (
 from reducer.testing.harness import note_size
 from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, loss_of
 from reducer.testing.strategies import GeneratedTraining, model_specs
-
-# This project's DDP scales as torch does ("reciprocal") where the reducer offers the choice
-# (``gradient_scaling``); before that, it divided ("divide"). Read from the code under test.
-OUR_DDP_SCALING: Any = (
-    "reciprocal"
-    if "gradient_scaling" in inspect.signature(reducer.Reducer.__init__).parameters
-    else "divide"
-)
 
 
 def wrapper_scenarios(
@@ -114,7 +105,7 @@ def test_torch_ddp_averages_exactly(s: TrainingScenario) -> None:
 
 def check_our_ddp(s: TrainingScenario) -> None:
     """The property for this project's DDP (as ``reducer`` holds it now)."""
-    check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
+    check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
 
 
 @given(_SCENARIOS)
@@ -187,7 +178,7 @@ _UNEVEN = wrapper_scenarios(buffers=False, ignore=False, uneven=True)
 
 
 def check_our_join(s: TrainingScenario) -> None:
-    check_data_parallel(reducer_ddp(), s, scaling=OUR_DDP_SCALING)
+    check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
 
 
 # Four times the profile's examples (ci: 100, about 20 s): a bug of join's shadow steps
@@ -224,7 +215,7 @@ def test_torch_join_gives_zeros_to_a_parameter_no_training_rank_used() -> None:
         loss=loss_of,
         options={"find_unused_parameters": True},
     )
-    check_data_parallel(reducer_ddp(), scenario, scaling=OUR_DDP_SCALING)
+    check_data_parallel(reducer_ddp(), scenario, scaling="reciprocal")
     with pytest.raises(
         AssertionError, match=r"parameter 1 .*expected no gradient .*got a gradient"
     ):
@@ -278,4 +269,4 @@ def test_torch_ddp_silently_diverges_on_a_layer_in_two_reentrant_checkpoints(w: 
 
 def test_this_projects_ddp_refuses_a_layer_in_two_reentrant_checkpoints() -> None:
     scenario = _two_checkpoints(2, refusal="Expected to mark a variable ready only once")
-    check_data_parallel(reducer_ddp(), scenario, scaling=OUR_DDP_SCALING)
+    check_data_parallel(reducer_ddp(), scenario, scaling="reciprocal")
