@@ -431,3 +431,19 @@ def test_errors_are_in_the_logging_data_as_torchs() -> None:
 
     for ours_and_theirs in fakepg.run_torch(fn, W, timeout=30.0):
         assert ours_and_theirs == [(1, True), True] * 2
+
+
+def test_sync_batchnorm_in_a_cpu_module_is_refused_as_by_torch() -> None:
+    """torch's DDP refuses SyncBatchNorm in a CPU module at construction (ValueError, its
+    phrase); so does this one, naming the layer."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[str]:
+        messages = []
+        for cls in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
+            with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU"):
+                cls(model)
+            messages.append("done")
+        return messages
+
+    assert fakepg.run_torch(fn, W, timeout=30.0) == [["done", "done"]] * W
