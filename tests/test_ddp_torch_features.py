@@ -460,3 +460,39 @@ def test_sync_batchnorm_in_a_cpu_module_is_refused_as_by_torch() -> None:
         return messages
 
     assert fakepg.run_torch(fn, W, timeout=30.0) == [["done", "done"]] * W
+
+
+def test_training_errors_contain_torchs_phrases() -> None:
+    """An unused parameter without the search, and a static graph that changed: the errors
+    have this wrapper's detail and torch's phrases, which torch's tests and log searches
+    look for."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 4)
+            self.spare = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor, both: bool = False) -> Tensor:
+            out: Tensor = self.used(x)
+            return self.spare(out) if both else out
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[str, str]:
+        x = rank_input(pg.rank(), (2, 4))
+        ddp = reducer.DistributedDataParallel(seeded(Two), pg)
+        ddp(x).sum().backward()
+        with pytest.raises(RuntimeError) as unfinished:
+            ddp(x)
+        ddp.close()
+        static = reducer.DistributedDataParallel(seeded(Two), pg, static_graph=True)
+        static(x).sum().backward()
+        with pytest.raises(RuntimeError) as changed:
+            static(x, both=True).sum().backward()
+        return str(unfinished.value), str(changed.value)
+
+    for rank, (unfinished, changed) in enumerate(run_ranks(fn, W)):
+        assert "Expected to have finished reduction in the prior iteration" in unfinished
+        assert "passing the keyword argument `find_unused_parameters=True`" in unfinished
+        assert "`forward` function outputs participate in calculating loss" in unfinished
+        assert f"did not receive grad for rank {rank}: spare.weight, spare.bias" in unfinished
+        assert "Your training graph has changed in this iteration" in changed
