@@ -21,8 +21,7 @@ reducer.bucket_views):
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,12 +41,7 @@ WORLD_SIZES = [3, 5, 6]
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 class Net(nn.Module):

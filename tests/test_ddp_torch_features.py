@@ -10,8 +10,7 @@ operation, so every gradient, parameter and buffer must be bit-identical.
 from __future__ import annotations
 
 import io
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,12 +27,7 @@ W = 2
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 class Net(nn.Module):

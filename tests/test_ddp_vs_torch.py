@@ -13,8 +13,6 @@ other world sizes and every scaling path.)
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,12 +28,7 @@ import reducer
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 class Heads(nn.Module):

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
@@ -31,13 +31,7 @@ T = TypeVar("T")
 RTOL, ATOL = 1e-6, 1e-7  # fakepg vs gloo: the same sums, perhaps added in another order
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    # init_process_group chains sys.excepthook; tests that call it directly put it back.
-    hook = sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 def model() -> nn.Module:

@@ -20,7 +20,6 @@ What the device changes, and what each test pins:
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -44,12 +43,7 @@ DEVICES = ["cpu", CUDA]
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 class Heads(nn.Module):

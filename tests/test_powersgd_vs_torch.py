@@ -26,8 +26,6 @@ which torch's hook needs (see Note [Completion lanes] in fakepg.completion).
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,12 +42,7 @@ STEPS = 5
 WARM_UP = 2
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 class Layers(nn.Module):

@@ -13,8 +13,7 @@ so a last-bit difference in a gradient would show in the parameters too.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,12 +26,7 @@ import reducer
 STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def _registered() -> Iterator[None]:
-    fakepg.register_torch_backend()
-    hook = sys.excepthook  # init_process_group chains sys.excepthook
-    yield
-    sys.excepthook = hook
+pytestmark = pytest.mark.usefixtures("fakepg_torch_backend")
 
 
 Record = list[tuple[list[Tensor | None], list[Tensor]]]  # per step: gradients, parameters
