@@ -4,7 +4,8 @@
     python -m reducer simulate --model transformer-block --world-size 8 --network 10gbe \\
         --trace out.json                                         # open in ui.perfetto.dev
     python -m reducer simulate --find-unused --unused-pattern rank-skew --no-sync-every 2
-    python -m reducer simulate --sweep-bucket-cap 1,5,25,100 --network 10gbe --world-size 64
+    python -m reducer simulate --model transformer-block --width 512 \\
+        --sweep-bucket-cap 0.25,1,4,25 --network 10gbe --world-size 64
     python -m reducer simulate --model transformer-block --device cuda   # every rank on a GPU
 
 Each rank is a thread of one process on the in-memory fake world (fakepg), training its own

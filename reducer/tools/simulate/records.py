@@ -73,7 +73,7 @@ class Config:
             if not caps or any(not c > 0 for c in caps):
                 raise ValueError(
                     f"--sweep-bucket-cap takes bucket caps in MiB, > 0, separated by commas "
-                    f"(e.g. 1,5,25,100), got {args.sweep_bucket_cap!r}"
+                    f"(e.g. 0.25,1,4,25), got {args.sweep_bucket_cap!r}"
                 )
         device = _parse_device(args.device)
         if caps and device.type != "cpu":
