@@ -6,7 +6,9 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - torch's own ``DistributedDataParallel`` on the fake world's torch backend: gradients and
   parameters after every step equal the rank-order average with torch's rounding
   (``g * (1.0 / W)``), bit for bit, for any bucket cap and unused pattern;
-- this project's ``reducer.DistributedDataParallel``: the same;
+- this project's ``reducer.DistributedDataParallel``: the same, also when the wrapper is
+  pickled (``torch.save`` into memory) and reloaded between two steps, every rank training
+  on from the loaded copy on the same default group;
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
@@ -65,6 +67,7 @@ def wrapper_scenarios(
     uneven: bool = False,
     unused: bool = True,
     max_world_size: int = 4,
+    reload: bool = False,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -73,7 +76,8 @@ def wrapper_scenarios(
     (``gradient_as_bucket_view``), ``dropout`` (each rank seeds its own stream on its thread).
     With ``ignore``, parameters and buffers the wrapper ignores are drawn too (each one time in
     four); with ``uneven``, ranks run out of inputs at different steps (under ``join()``);
-    ``unused=False``: every branch runs."""
+    ``unused=False``: every branch runs; with ``reload``, the wrapper may be pickled and
+    reloaded between two steps (``torch.save``/``torch.load``)."""
     views = st.booleans() if as_view is None else st.just(as_view)
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
@@ -86,10 +90,13 @@ def wrapper_scenarios(
         ignore=ignore,
         dropout=dropout,
         uneven=uneven,
+        reload=reload,
     )
 
 
 _SCENARIOS = wrapper_scenarios()
+# This project's DDP is also pickled and reloaded between two steps (when drawn).
+_OUR_SCENARIOS = wrapper_scenarios(reload=True)
 
 
 def _note(s: TrainingScenario) -> None:
@@ -108,9 +115,10 @@ def check_our_ddp(s: TrainingScenario) -> None:
     check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
 
 
-@given(_SCENARIOS)
+@given(_OUR_SCENARIOS)
 def test_this_projects_ddp_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
+    event(f"reloaded after step {s.reload_after}")
     check_our_ddp(s)
 
 

@@ -607,6 +607,7 @@ def training_scenarios(
     ignore: bool = False,
     rank_seeds: bool = False,
     uneven: bool = False,
+    reload: bool = False,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
@@ -623,7 +624,9 @@ def training_scenarios(
     wrapper to ignore. With
     ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
     here. With ``uneven``, each rank runs out of inputs after its own number of steps (the
-    wrapper's ``join()``). Shrinks toward one rank, one step, nothing skipped, nothing ignored.
+    wrapper's ``join()``). With ``reload`` (not with ``uneven``), a step before the last may be
+    drawn after which every rank pickles and reloads its wrapper (``reload_after``).
+    Shrinks toward one rank, one step, nothing skipped, nothing ignored, no reload.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
@@ -660,6 +663,9 @@ def training_scenarios(
         # Distinct per rank even where the drawn seed shrinks to 0.
         base = draw(_SEEDS)
         seeds = tuple(base * 7919 + 1000 + rank for rank in range(world_size))
+    reload_after = None
+    if reload and not uneven and count >= 2:
+        reload_after = draw(st.none() | st.integers(0, count - 2))
     return TrainingScenario(
         make_model,
         tuple(inputs),
@@ -668,6 +674,7 @@ def training_scenarios(
         lr=lr,
         ignored=ignored,
         rank_seeds=seeds,
+        reload_after=reload_after,
     )
 
 
@@ -766,13 +773,14 @@ def generated_training_scenarios(
     ignore: bool = False,
     dropout: bool | None = False,
     uneven: bool = False,
+    reload: bool = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
     :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
-    rank seeding its own stream; ``uneven``: see :func:`training_scenarios`."""
+    rank seeding its own stream; ``uneven``, ``reload``: see :func:`training_scenarios`."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
@@ -795,5 +803,6 @@ def generated_training_scenarios(
             ignore=ignore,
             rank_seeds=generated.dropout,
             uneven=uneven,
+            reload=reload,
         )
     )
