@@ -602,6 +602,23 @@ class RebuildFromOwnOrder(_DDP):
         self._buckets_rebuilt = True
 
 
+class ReloadReducesIgnored(_DDP):
+    """Once unpickled, lists its parameters again from the module, forgetting the ones it
+    was told to ignore: the reloaded wrapper averages their gradients."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module: torch.nn.Module = state["_modules"]["module"]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        state = {
+            **state,
+            "_param_names": [n for n, _ in named],
+            "_params": params,
+            "_sparse": reducer.buckets.sparse_gradient_flags(module, params),
+        }
+        super().__setstate__(state)
+
+
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
     """The parameters to reduce and broadcast: all of them, the ignored ones too."""
     return _synced_parameters(module, set())
@@ -902,6 +919,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuild from own ready order",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
+    ),
+    (
+        "reloaded wrapper reduces ignored parameters",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", ReloadReducesIgnored),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

@@ -411,6 +411,13 @@ CASES: dict[str, Case] = {
         check_ddp,
         lambda s: s.world_size == 2,
     ),
+    # Two ranks, one ignored parameter, reloaded between two steps: the reloaded wrapper
+    # averages the ignored parameter's gradient (each rank keeps its own before).
+    "reloaded wrapper reduces ignored parameters": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=False, reload=True),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.reload_after is not None and len(s.ignored) == 1,
+    ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
         averaging,
