@@ -41,6 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import fakepg.collectives
 import fakepg.rng
 import reducer
+import reducer._ddp_reducer
 import reducer.bucket_views
 import reducer.buckets
 import reducer.comm_hooks
@@ -52,6 +53,7 @@ from reducer.buckets import Bucket, BucketReplica
 
 # The real code, captured at import: the mutants subclass and call these, whatever is applied.
 _Reducer = reducer.Reducer
+_DDPReducer = reducer._ddp_reducer.DDPReducer
 _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
@@ -619,6 +621,28 @@ class ReloadReducesIgnored(_DDP):
         super().__setstate__(state)
 
 
+class SkipPartlyUnusedBucket(_DDPReducer):
+    """With ``skip_all_reduce_unused_params``, skips a bucket where any of its parameters is
+    unused, not only where all are: the used ones keep their local, unaveraged gradients."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.index == 0:
+            self._reducing = 0
+        if (
+            self.skip_all_reduce_unused_params
+            and self._expect_autograd_hooks
+            and any(
+                (0, i) in self._unused_set and not self._used[0][i] for i in bucket.variable_indices
+            )
+        ):
+            bucket.work = reducer._ddp_reducer._Kept([r.contents for r in bucket.replicas])
+        else:
+            self._reducing += 1
+            _Reducer._launch(self, bucket)
+        if bucket.index == len(self._buckets) - 1:
+            self.buckets_reduced = self._reducing
+
+
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
     """The parameters to reduce and broadcast: all of them, the ignored ones too."""
     return _synced_parameters(module, set())
@@ -924,6 +948,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "reloaded wrapper reduces ignored parameters",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", ReloadReducesIgnored),
+    ),
+    (
+        "skip a bucket partly unused",
+        "DDP wrapper",
+        _in("reducer._ddp_reducer", "DDPReducer", SkipPartlyUnusedBucket),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

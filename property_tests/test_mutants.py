@@ -418,6 +418,15 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2 and s.reload_after is not None and len(s.ignored) == 1,
     ),
+    # Two ranks, one bucket of a used and an unused parameter (the same unused everywhere):
+    # the used one keeps its own gradient.
+    "skip a bucket partly unused": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, skip_unused=True
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.options["skip_all_reduce_unused_params"],
+    ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
         averaging,

@@ -9,6 +9,8 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - this project's ``reducer.DistributedDataParallel``: the same, also when the wrapper is
   pickled (``torch.save`` into memory) and reloaded between two steps, every rank training
   on from the loaded copy on the same default group;
+- both with the same branches unused on every rank at every step and
+  ``skip_all_reduce_unused_params`` drawn (buckets of unused parameters not reduced);
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
@@ -68,6 +70,7 @@ def wrapper_scenarios(
     unused: bool = True,
     max_world_size: int = 4,
     reload: bool = False,
+    skip_unused: bool = False,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -77,20 +80,26 @@ def wrapper_scenarios(
     With ``ignore``, parameters and buffers the wrapper ignores are drawn too (each one time in
     four); with ``uneven``, ranks run out of inputs at different steps (under ``join()``);
     ``unused=False``: every branch runs; with ``reload``, the wrapper may be pickled and
-    reloaded between two steps (``torch.save``/``torch.load``)."""
+    reloaded between two steps (``torch.save``/``torch.load``); with ``skip_unused``, the
+    branches left out are the same on every rank at every step (torch's condition) and
+    ``skip_all_reduce_unused_params`` is drawn."""
     views = st.booleans() if as_view is None else st.just(as_view)
+    drawn = {"gradient_as_bucket_view": views}
+    if skip_unused:
+        drawn["skip_all_reduce_unused_params"] = st.booleans()
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
         max_world_size=max_world_size,
         bucket_caps=bucket_caps_mb(),
         options={"find_unused_parameters": True},
-        drawn_options={"gradient_as_bucket_view": views},
+        drawn_options=drawn,
         buffers=buffers,
         layouts=layouts,
         ignore=ignore,
         dropout=dropout,
         uneven=uneven,
         reload=reload,
+        uniform_skip=skip_unused,
     )
 
 
@@ -120,6 +129,24 @@ def test_this_projects_ddp_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
     event(f"reloaded after step {s.reload_after}")
     check_our_ddp(s)
+
+
+# The same branches unused on every rank at every step, and buckets holding only unused
+# parameters skipped (skip_all_reduce_unused_params, drawn): the average is unchanged.
+_SKIPPING = wrapper_scenarios(uneven=False, reload=True, skip_unused=True)
+
+
+@given(_SKIPPING)
+def test_this_projects_ddp_skipping_unused_buckets_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"skip_all_reduce_unused_params={s.options['skip_all_reduce_unused_params']}")
+    check_our_ddp(s)
+
+
+@given(wrapper_scenarios(uneven=False, skip_unused=True))
+def test_torch_ddp_skipping_unused_buckets_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    check_data_parallel(torch_ddp(), s, scaling="reciprocal")
 
 
 def _float32(spec: ModelSpec) -> ModelSpec:
