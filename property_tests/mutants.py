@@ -41,6 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import fakepg.collectives
 import fakepg.rng
 import reducer
+import reducer._ddp_mixed_precision
 import reducer._ddp_reducer
 import reducer.bucket_views
 import reducer.buckets
@@ -643,6 +644,23 @@ class SkipPartlyUnusedBucket(_DDPReducer):
             self.buckets_reduced = self._reducing
 
 
+def _mixed_precision_sum_in_full(
+    state: Any, bucket: reducer.GradBucket
+) -> torch.futures.Future[Tensor]:
+    """DDP mixed precision sums in the bucket's full precision and rounds to
+    ``reduce_dtype`` only to divide: one rounding where each addition should round."""
+    mp = reducer._ddp_mixed_precision
+    owner = state.owner()
+    reduce_dtype = owner.mixed_precision.reduce_dtype
+    buffer = bucket.buffer()
+    state.group.allreduce([buffer], reducer.ReduceOp.SUM).wait()
+    low = buffer.to(reduce_dtype).div_(state.group.size())
+    mp.to_full_precision(bucket.parameters())
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer.copy_(low))
+    return done
+
+
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
     """The parameters to reduce and broadcast: all of them, the ignored ones too."""
     return _synced_parameters(module, set())
@@ -953,6 +971,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "skip a bucket partly unused",
         "DDP wrapper",
         _in("reducer._ddp_reducer", "DDPReducer", SkipPartlyUnusedBucket),
+    ),
+    (
+        "mixed precision sums in full precision",
+        "DDP wrapper",
+        _in("reducer._ddp_mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

@@ -427,6 +427,14 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2 and s.options["skip_all_reduce_unused_params"],
     ),
+    # Two ranks, reducing in float16 or bfloat16: the sum rounded once, not per addition.
+    "mixed precision sums in full precision": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, mixed=True, lr=0.0
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.options["mixed_precision"] is not None,
+    ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
         averaging,
