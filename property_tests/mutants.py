@@ -3,7 +3,8 @@
 Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
 :class:`reducer.Reducer`, :class:`reducer.DistributedDataParallel` or the reducer's
 ``BucketViews`` overriding one method, a replacement for one function that ``reducer.reducer``,
-``reducer.graph``, ``reducer.ddp``, ``reducer.buckets`` or ``reducer.comm_hooks`` calls, a
+``reducer.graph``, ``reducer.ddp``, ``reducer.buckets``, ``reducer.comm_hooks`` or DDP's mixed
+precision calls (or DDP's reducer class, or the wrapper's unpickling), a
 broken ``compute_bucket_assignment_by_size``, a broken piece of the fake world (its
 reduce_scatter, its per-rank random streams), or a broken comm hook of torch's own (run by
 torch's DDP).
