@@ -3,7 +3,8 @@
 Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
 :class:`reducer.Reducer`, :class:`reducer.DistributedDataParallel` or the reducer's
 ``BucketViews`` overriding one method, a replacement for one function that ``reducer.reducer``,
-``reducer.graph``, ``reducer.ddp``, ``reducer.buckets`` or ``reducer.comm_hooks`` calls, a
+``reducer.graph``, ``reducer.ddp``, ``reducer.buckets``, ``reducer.comm_hooks`` or DDP's mixed
+precision calls (or DDP's reducer class, or the wrapper's unpickling), a
 broken ``compute_bucket_assignment_by_size``, a broken piece of the fake world (its
 reduce_scatter, its per-rank random streams), or a broken comm hook of torch's own (run by
 torch's DDP).
@@ -41,6 +42,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import fakepg.collectives
 import fakepg.rng
 import reducer
+import reducer._ddp_mixed_precision
+import reducer._ddp_reducer
 import reducer.bucket_views
 import reducer.buckets
 import reducer.comm_hooks
@@ -52,6 +55,7 @@ from reducer.buckets import Bucket, BucketReplica
 
 # The real code, captured at import: the mutants subclass and call these, whatever is applied.
 _Reducer = reducer.Reducer
+_DDPReducer = reducer._ddp_reducer.DDPReducer
 _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
@@ -602,6 +606,62 @@ class RebuildFromOwnOrder(_DDP):
         self._buckets_rebuilt = True
 
 
+class ReloadReducesIgnored(_DDP):
+    """Once unpickled, lists its parameters again from the module, forgetting the ones it
+    was told to ignore: the reloaded wrapper averages their gradients."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        module: torch.nn.Module = state["_modules"]["module"]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        state = {
+            **state,
+            "_param_names": [n for n, _ in named],
+            "_params": params,
+            "_sparse": reducer.buckets.sparse_gradient_flags(module, params),
+        }
+        super().__setstate__(state)
+
+
+class SkipPartlyUnusedBucket(_DDPReducer):
+    """With ``skip_all_reduce_unused_params``, skips a bucket where any of its parameters is
+    unused, not only where all are: the used ones keep their local, unaveraged gradients."""
+
+    def _launch(self, bucket: Bucket) -> None:
+        if bucket.index == 0:
+            self._reducing = 0
+        if (
+            self.skip_all_reduce_unused_params
+            and self._expect_autograd_hooks
+            and any(
+                (0, i) in self._unused_set and not self._used[0][i] for i in bucket.variable_indices
+            )
+        ):
+            bucket.work = reducer._ddp_reducer._Kept([r.contents for r in bucket.replicas])
+        else:
+            self._reducing += 1
+            _Reducer._launch(self, bucket)
+        if bucket.index == len(self._buckets) - 1:
+            self.buckets_reduced = self._reducing
+
+
+def _mixed_precision_sum_in_full(
+    state: Any, bucket: reducer.GradBucket
+) -> torch.futures.Future[Tensor]:
+    """DDP mixed precision sums in the bucket's full precision and rounds to
+    ``reduce_dtype`` only to divide: one rounding where each addition should round."""
+    mp = reducer._ddp_mixed_precision
+    owner = state.owner()
+    reduce_dtype = owner.mixed_precision.reduce_dtype
+    buffer = bucket.buffer()
+    state.group.allreduce([buffer], reducer.ReduceOp.SUM).wait()
+    low = buffer.to(reduce_dtype).div_(state.group.size())
+    mp.to_full_precision(bucket.parameters())
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer.copy_(low))
+    return done
+
+
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
     """The parameters to reduce and broadcast: all of them, the ignored ones too."""
     return _synced_parameters(module, set())
@@ -902,6 +962,21 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuild from own ready order",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
+    ),
+    (
+        "reloaded wrapper reduces ignored parameters",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", ReloadReducesIgnored),
+    ),
+    (
+        "skip a bucket partly unused",
+        "DDP wrapper",
+        _in("reducer._ddp_reducer", "DDPReducer", SkipPartlyUnusedBucket),
+    ),
+    (
+        "mixed precision sums in full precision",
+        "DDP wrapper",
+        _in("reducer._ddp_mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

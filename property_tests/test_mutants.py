@@ -411,6 +411,30 @@ CASES: dict[str, Case] = {
         check_ddp,
         lambda s: s.world_size == 2,
     ),
+    # Two ranks, one ignored parameter, reloaded between two steps: the reloaded wrapper
+    # averages the ignored parameter's gradient (each rank keeps its own before).
+    "reloaded wrapper reduces ignored parameters": Case(
+        wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=False, reload=True),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.reload_after is not None and len(s.ignored) == 1,
+    ),
+    # Two ranks, one bucket of a used and an unused parameter (the same unused everywhere):
+    # the used one keeps its own gradient.
+    "skip a bucket partly unused": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, skip_unused=True
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.options["skip_all_reduce_unused_params"],
+    ),
+    # Two ranks, reducing in float16 or bfloat16: the sum rounded once, not per addition.
+    "mixed precision sums in full precision": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, mixed=True, lr=0.0
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 2 and s.options["mixed_precision"] is not None,
+    ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
         averaging,

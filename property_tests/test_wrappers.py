@@ -6,7 +6,14 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
 - torch's own ``DistributedDataParallel`` on the fake world's torch backend: gradients and
   parameters after every step equal the rank-order average with torch's rounding
   (``g * (1.0 / W)``), bit for bit, for any bucket cap and unused pattern;
-- this project's ``reducer.DistributedDataParallel``: the same;
+- this project's ``reducer.DistributedDataParallel``: the same, also when the wrapper is
+  pickled (``torch.save`` into memory) and reloaded between two steps, every rank training
+  on from the loaded copy on the same default group;
+- both with the same branches unused on every rank at every step and
+  ``skip_all_reduce_unused_params`` drawn (buckets of unused parameters not reduced);
+- this project's DDP with ``mixed_precision`` reducing in float16 or bfloat16 (drawn):
+  each rank's gradient cast to ``reduce_dtype``, summed there in rank order, divided by W
+  there, cast back (gradients only: SGD on rounded gradients may diverge);
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
@@ -29,6 +36,7 @@ refuses the step with an error.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,6 +45,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.nn.parallel.distributed import _MixedPrecision
 from torch.utils.checkpoint import checkpoint
 
 import reducer
@@ -50,9 +59,19 @@ from reducer.testing import (
     sum_then_divide,
     torch_ddp,
 )
+from reducer.testing.checks import Average
 from reducer.testing.harness import note_size
 from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, loss_of
 from reducer.testing.strategies import GeneratedTraining, model_specs
+
+# Mixed precision of the reduction alone: forward and backward in each parameter's dtype,
+# the allreduce in float16 or bfloat16 (param_dtype None: no cast before forward). torch's
+# configuration class is private (torch.nn.parallel.distributed._MixedPrecision); the
+# wrapper's mixed_precision= takes it, as torch's DDP does.
+_REDUCE_IN = (
+    _MixedPrecision(param_dtype=None, reduce_dtype=torch.float16),
+    _MixedPrecision(param_dtype=None, reduce_dtype=torch.bfloat16),
+)
 
 
 def wrapper_scenarios(
@@ -65,6 +84,10 @@ def wrapper_scenarios(
     uneven: bool = False,
     unused: bool = True,
     max_world_size: int = 4,
+    reload: bool = False,
+    skip_unused: bool = False,
+    mixed: bool = False,
+    lr: float = 0.1,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -73,23 +96,38 @@ def wrapper_scenarios(
     (``gradient_as_bucket_view``), ``dropout`` (each rank seeds its own stream on its thread).
     With ``ignore``, parameters and buffers the wrapper ignores are drawn too (each one time in
     four); with ``uneven``, ranks run out of inputs at different steps (under ``join()``);
-    ``unused=False``: every branch runs."""
+    ``unused=False``: every branch runs; with ``reload``, the wrapper may be pickled and
+    reloaded between two steps (``torch.save``/``torch.load``); with ``skip_unused``, the
+    branches left out are the same on every rank at every step (torch's condition) and
+    ``skip_all_reduce_unused_params`` is drawn; with ``mixed``, ``mixed_precision`` is drawn
+    (None, or a reduction in float16 or bfloat16: see :func:`check_our_ddp`); ``lr``: the SGD
+    step after each step (0: gradients only)."""
     views = st.booleans() if as_view is None else st.just(as_view)
+    drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
+    if skip_unused:
+        drawn["skip_all_reduce_unused_params"] = st.booleans()
+    if mixed:
+        drawn["mixed_precision"] = st.none() | st.sampled_from(_REDUCE_IN)
     return generated_training_scenarios(
         model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
         max_world_size=max_world_size,
         bucket_caps=bucket_caps_mb(),
         options={"find_unused_parameters": True},
-        drawn_options={"gradient_as_bucket_view": views},
+        drawn_options=drawn,
         buffers=buffers,
         layouts=layouts,
         ignore=ignore,
         dropout=dropout,
         uneven=uneven,
+        reload=reload,
+        uniform_skip=skip_unused,
+        lr=lr,
     )
 
 
 _SCENARIOS = wrapper_scenarios()
+# This project's DDP is also pickled and reloaded between two steps (when drawn).
+_OUR_SCENARIOS = wrapper_scenarios(reload=True)
 
 
 def _note(s: TrainingScenario) -> None:
@@ -103,15 +141,74 @@ def test_torch_ddp_averages_exactly(s: TrainingScenario) -> None:
     check_data_parallel(torch_ddp(), s, scaling="reciprocal")
 
 
+def sum_then_divide_in(dtype: torch.dtype) -> Average:
+    """DDP mixed precision's reduction: each rank's gradient cast to ``dtype``, summed in
+    rank order there (None: zeros), divided by W there, cast back to the gradient's dtype
+    (torch's ``_reducer_allreduce_and_upcast_hook``); None where no rank has a gradient."""
+
+    def average(column: Sequence[Tensor | None], world_size: int) -> Tensor | None:
+        like = next((g for g in column if g is not None), None)
+        if like is None:
+            return None
+        terms = [torch.zeros_like(like) if g is None else g for g in column]
+        total = terms[0].to(dtype)
+        for g in terms[1:]:
+            total = total + g.to(dtype)
+        return total.div_(world_size).to(like.dtype)
+
+    return average
+
+
 def check_our_ddp(s: TrainingScenario) -> None:
-    """The property for this project's DDP (as ``reducer`` holds it now)."""
-    check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
+    """The property for this project's DDP (as ``reducer`` holds it now): torch's
+    reciprocal scaling, or with ``mixed_precision`` drawn, :func:`sum_then_divide_in` its
+    ``reduce_dtype``."""
+    config = s.options.get("mixed_precision")
+    if config is None:
+        check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
+    else:
+        check_data_parallel(reducer_ddp(), s, average=sum_then_divide_in(config.reduce_dtype))
 
 
-@given(_SCENARIOS)
+@given(_OUR_SCENARIOS)
 def test_this_projects_ddp_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
+    event(f"reloaded after step {s.reload_after}")
     check_our_ddp(s)
+
+
+# Mixed precision: the reduction in float16 or bfloat16 (drawn), divided there. Not
+# reloaded: a pickled wrapper with mixed precision fails in torch.load (each parameter's
+# low-precision twin is saved with its storage freed, which cannot be resized once loaded).
+# Gradients only (lr=0): SGD on float16-rounded gradients may diverge to inf within three
+# steps, where no average is defined.
+_MIXED = wrapper_scenarios(mixed=True, lr=0.0)
+
+
+@given(_MIXED)
+def test_this_projects_ddp_with_mixed_precision_reduces_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    config = s.options["mixed_precision"]
+    event(f"reduce_dtype={None if config is None else config.reduce_dtype}")
+    check_our_ddp(s)
+
+
+# The same branches unused on every rank at every step, and buckets holding only unused
+# parameters skipped (skip_all_reduce_unused_params, drawn): the average is unchanged.
+_SKIPPING = wrapper_scenarios(uneven=False, reload=True, skip_unused=True)
+
+
+@given(_SKIPPING)
+def test_this_projects_ddp_skipping_unused_buckets_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"skip_all_reduce_unused_params={s.options['skip_all_reduce_unused_params']}")
+    check_our_ddp(s)
+
+
+@given(wrapper_scenarios(uneven=False, skip_unused=True))
+def test_torch_ddp_skipping_unused_buckets_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    check_data_parallel(torch_ddp(), s, scaling="reciprocal")
 
 
 def _float32(spec: ModelSpec) -> ModelSpec:

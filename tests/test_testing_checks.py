@@ -174,3 +174,32 @@ def test_error_feedback_keeps_the_running_sum_within_the_bound() -> None:
             atol=bound,
             cumulative_atol=bound / 2 + 1e-5,
         )
+
+
+def test_a_reloaded_wrapper_trains_on_from_the_loaded_copy() -> None:
+    # Torch's DDP too: pickled after step 0, both train on from their loaded copies. A
+    # wrapper whose reload loses the group or the module fails here (it trains the old one).
+    scenario = TrainingScenario(_mlp, _inputs(2, 3), reload_after=0)
+    check_data_parallel(reducer_ddp(), scenario, scaling="reciprocal")
+    check_data_parallel(torch_ddp(), scenario, scaling="reciprocal")
+
+
+@pytest.mark.parametrize("after", [-1, 2])
+def test_a_reload_must_come_before_the_last_step(after: int) -> None:
+    with pytest.raises(ValueError, match=r"reload_after must name a step before the last"):
+        TrainingScenario(_mlp, _inputs(2, 3), reload_after=after)
+
+
+def test_a_reload_with_uneven_inputs_is_refused() -> None:
+    inputs = ((("a",), ("b",)), (("c",), None), (("d",), None))
+    with pytest.raises(ValueError, match=r"without uneven inputs"):
+        TrainingScenario(_mlp, inputs, reload_after=0)
+
+
+def test_a_comm_hook_check_refuses_a_reload() -> None:
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        raise AssertionError("never run")
+
+    scenario = TrainingScenario(_mlp, _inputs(2, 2), reload_after=0)
+    with pytest.raises(ValueError, match="a reloaded wrapper has no comm hook"):
+        check_comm_hook(hook, scenario)

@@ -27,6 +27,7 @@ Wrapper factories for the usual wrappers: :func:`torch_ddp`, :func:`reducer_ddp`
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -99,7 +100,10 @@ class TrainingScenario:
     some step on); every rank then trains inside the wrapper's ``join()``, and a rank that has
     run out contributes zeros to the others' steps (``divide_by_initial_world_size``: the
     average over every rank); after the last step every rank holds the parameters of the
-    highest rank that trained last.
+    highest rank that trained last. ``reload_after``: after that step (not the last; not
+    with uneven inputs), every rank pickles its wrapper with ``torch.save`` into memory and
+    trains on from the ``torch.load``-ed copy and its module (the wrapper must be over
+    torch's default group, as a pickled DDP reloads onto it); the expectation is unchanged.
     """
 
     make_model: Callable[[], nn.Module]
@@ -110,6 +114,7 @@ class TrainingScenario:
     lr: float = 0.1
     ignored: frozenset[str] = frozenset()
     rank_seeds: tuple[int, ...] | None = None
+    reload_after: int | None = None
 
     def __post_init__(self) -> None:
         if not self.inputs or not self.inputs[0]:
@@ -131,6 +136,13 @@ class TrainingScenario:
             raise ValueError(
                 f"TrainingScenario: rank_seeds needs one seed per rank ({len(self.inputs[0])}), "
                 f"got {len(self.rank_seeds)}"
+            )
+        if self.reload_after is not None and (
+            not 0 <= self.reload_after < len(self.inputs) - 1 or self.uneven
+        ):
+            raise ValueError(
+                f"TrainingScenario: reload_after must name a step before the last "
+                f"(0 .. {len(self.inputs) - 2}), without uneven inputs; got {self.reload_after}"
             )
 
     @property
@@ -265,6 +277,10 @@ def _play(
                         _sgd(params, s.lr)
                     trace.params.append([_full(p) for p in params])  # type: ignore[misc]
                     trace.buffers.append(_buffers(model))
+                    if step == s.reload_after:
+                        wrapper = _reloaded(wrapper)
+                        model = wrapper.module  # type: ignore[assignment]
+                        params = list(model.parameters())
             trace.final.extend(_full(p) for p in params)  # type: ignore[misc]
             if s.rank_seeds is not None:
                 trace.rng.append(torch.get_rng_state())  # this rank thread's generator
@@ -282,6 +298,16 @@ def _play(
             raise
         _assert_refused(errors, exc, s.refusal)
         return []
+
+
+def _reloaded(wrapper: nn.Module) -> nn.Module:
+    """``wrapper`` pickled with ``torch.save`` into memory and loaded back, as torch's own
+    DDP tests do (a new wrapper, module and parameters; the same default group)."""
+    buffer = io.BytesIO()
+    torch.save(wrapper, buffer)
+    buffer.seek(0)
+    loaded: nn.Module = torch.load(buffer, weights_only=False)
+    return loaded
 
 
 def _ignore(model: nn.Module, names: frozenset[str]) -> None:
@@ -545,6 +571,11 @@ def check_comm_hook(
     hook's gradients and of the exact ones are within it: a hook with error feedback keeps
     them so (what it drops now, it adds later); one that loses its residual drifts steadily.
     """
+    if scenario.reload_after is not None:
+        raise ValueError(
+            "check_comm_hook: a reloaded wrapper has no comm hook (torch's pickling drops the "
+            "reducer that holds it); draw the scenario without reload_after"
+        )
     s = replace(scenario, lr=0.0)
     wrapper = make_wrapper if make_wrapper is not None else torch_ddp()
 

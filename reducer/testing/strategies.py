@@ -607,6 +607,8 @@ def training_scenarios(
     ignore: bool = False,
     rank_seeds: bool = False,
     uneven: bool = False,
+    reload: bool = False,
+    uniform_skip: bool = False,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
@@ -623,7 +625,11 @@ def training_scenarios(
     wrapper to ignore. With
     ``rank_seeds``, each rank seeds its own random stream (for dropout) with a seed drawn
     here. With ``uneven``, each rank runs out of inputs after its own number of steps (the
-    wrapper's ``join()``). Shrinks toward one rank, one step, nothing skipped, nothing ignored.
+    wrapper's ``join()``). With ``reload`` (not with ``uneven``), a step before the last may be
+    drawn after which every rank pickles and reloads its wrapper (``reload_after``). With
+    ``uniform_skip``, the optional parts left out are drawn once: the same on every rank at
+    every step (what ``skip_all_reduce_unused_params`` requires).
+    Shrinks toward one rank, one step, nothing skipped, nothing ignored, no reload.
     """
     world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
     count = draw(steps if steps is not None else st.integers(1, 3))
@@ -631,6 +637,7 @@ def training_scenarios(
     lengths = [draw(st.integers(1, count)) if uneven else count for _ in range(world_size)]
     count = max(lengths)
     inputs: list[tuple[tuple[Any, ...] | None, ...]] = []
+    uniform = frozenset(p for p in parts if draw(_BOOLEANS)) if uniform_skip else None
     for step in range(count):
         per_rank: list[tuple[Any, ...] | None] = []
         for rank in range(world_size):
@@ -640,7 +647,10 @@ def training_scenarios(
             # Seeded by rank and step too: ranks see different data even where every drawn
             # seed shrinks to 0 (identical inputs would hide a wrong average).
             seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
-            skip = frozenset(p for p in parts if draw(_BOOLEANS)) if parts else frozenset()
+            if uniform is not None:
+                skip = uniform
+            else:
+                skip = frozenset(p for p in parts if draw(_BOOLEANS)) if parts else frozenset()
             per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
         inputs.append(tuple(per_rank))
     chosen = dict(options or {})
@@ -660,6 +670,9 @@ def training_scenarios(
         # Distinct per rank even where the drawn seed shrinks to 0.
         base = draw(_SEEDS)
         seeds = tuple(base * 7919 + 1000 + rank for rank in range(world_size))
+    reload_after = None
+    if reload and not uneven and count >= 2:
+        reload_after = draw(st.none() | st.integers(0, count - 2))
     return TrainingScenario(
         make_model,
         tuple(inputs),
@@ -668,6 +681,7 @@ def training_scenarios(
         lr=lr,
         ignored=ignored,
         rank_seeds=seeds,
+        reload_after=reload_after,
     )
 
 
@@ -766,13 +780,16 @@ def generated_training_scenarios(
     ignore: bool = False,
     dropout: bool | None = False,
     uneven: bool = False,
+    reload: bool = False,
+    uniform_skip: bool = False,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
     :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
-    rank seeding its own stream; ``uneven``: see :func:`training_scenarios`."""
+    rank seeding its own stream; ``uneven``, ``reload``, ``uniform_skip``: see
+    :func:`training_scenarios`."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
@@ -795,5 +812,7 @@ def generated_training_scenarios(
             ignore=ignore,
             rank_seeds=generated.dropout,
             uneven=uneven,
+            reload=reload,
+            uniform_skip=uniform_skip,
         )
     )
