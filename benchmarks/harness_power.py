@@ -104,8 +104,19 @@ def run_suite(mutant: str | None, profile: str, timeout_s: float) -> Outcome:
             f"--timeout={int(timeout_s)}",
         ]
         start = time.perf_counter()
-        subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, check=False
+        )
         elapsed = time.perf_counter() - start
+        # pytest's 0 is "all passed" and 1 "some failed"; anything else (an import or usage
+        # error, an interrupted run) means the suite did not run, which is neither a kill
+        # nor a pass.
+        if done.returncode not in (0, 1):
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            raise RuntimeError(
+                f"the property suite did not run (pytest exit code {done.returncode}) "
+                f"for {mutant or REAL}:\n{tail}"
+            )
         lines = record.read_text().splitlines() if record.exists() else []
     tests = [json.loads(line) for line in lines]
     failed = sorted((t for t in tests if not t["passed"]), key=lambda t: t["seconds"])

@@ -400,6 +400,24 @@ def _write_sparse_always(
         replica.variables[0].grad = result
 
 
+class _Everything(set[tuple[int, int]]):
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+class ViewsAlwaysMultiply(BucketViews):
+    """Bucket views multiply by 1 / W even where autograd accumulated into the view in
+    place (torch divides those): the last bit differs at 3 ranks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fresh = _Everything()
+
+    def attach(self, buckets: list[Bucket]) -> None:
+        super().attach(buckets)
+        self.fresh = _Everything()
+
+
 class DivideInDDP(_Reducer):
     """Divides by the world size where torch's DDP multiplies by its reciprocal (every
     reducer divides, DDP's too): the last bit differs at 3 ranks."""
@@ -856,6 +874,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuilt buckets keep old views",
         "views",
         _in("reducer.reducer", "BucketViews", KeepOldViews),
+    ),
+    (
+        "views always multiply",
+        "views",
+        _in("reducer.reducer", "BucketViews", ViewsAlwaysMultiply),
     ),
     (
         "bucket views ignore strides",

@@ -399,6 +399,13 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
+    # A gradient autograd accumulated into its bucket view in place, at 3 ranks: torch divides it.
+    "views always multiply": Case(
+        ddp_scenarios(model=dense_all_used, mode="plain", hook="none", as_view=True),
+        check_ddp,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
+    ),
     "no_sync ignored": Case(
         ddp_scenarios(model=dense_all_used, mode="plain", hook="none"),
         check_ddp,
