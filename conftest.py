@@ -17,27 +17,12 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from importlib.metadata import distributions
-
 from hypothesis import settings
 
+from reducer.testing.plugin import ENTRY_POINT, loaded_by_entry_point
 from reducer.testing.profiles import register_profiles
 
-_PLUGIN = "reducer.testing.plugin"
-
-
-def _plugin_has_entry_point() -> bool:
-    """Whether pytest loads the plugin by entry point already. Every distribution on the path
-    is read, as pytest reads them: a stale ``*.egg-info`` in the checkout may shadow the
-    installed one by name, and registering the plugin twice is an error."""
-    return any(
-        ep.group == "pytest11" and ep.value == _PLUGIN
-        for dist in distributions()
-        for ep in dist.entry_points
-    )
-
-
-pytest_plugins = [] if _plugin_has_entry_point() else [_PLUGIN]
+pytest_plugins = [] if loaded_by_entry_point() else [ENTRY_POINT]
 
 register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import types
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import reducer.testing
@@ -51,14 +50,9 @@ def test_the_profile_option_loaded_ci():
 """
 
 
-def _installed() -> bool:
-    """Is the plugin registered by the installed package's entry point already?"""
-    return any(ep.value == "reducer.testing.plugin" for ep in entry_points(group="pytest11"))
-
-
 # Loaded by name where the package's entry point does not load it already (pytest refuses a
 # plugin registered twice).
-LOAD = () if _installed() else ("-p", "reducer.testing.plugin")
+LOAD = () if reducer.testing.plugin.loaded_by_entry_point() else ("-p", "reducer.testing.plugin")
 
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

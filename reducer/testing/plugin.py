@@ -27,6 +27,24 @@ import fakepg
 
 T = TypeVar("T")
 OPTION = "--ddp-profile"
+ENTRY_POINT = "reducer.testing.plugin"
+
+
+def loaded_by_entry_point() -> bool:
+    """Whether pytest loads this plugin by the installed package's entry point.
+
+    A suite that also names it (``pytest_plugins``, ``-p``) must not where this is true:
+    pytest refuses a plugin registered twice. Every distribution on the path is read, as
+    pytest reads them, since a stale ``*.egg-info`` in a checkout can shadow the installed
+    distribution by name in ``importlib.metadata.entry_points()``.
+    """
+    from importlib.metadata import distributions
+
+    return any(
+        ep.group == "pytest11" and ep.value == ENTRY_POINT
+        for dist in distributions()
+        for ep in dist.entry_points
+    )
 
 
 class RunOnEveryRank:
