@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -58,12 +59,6 @@ def in_process_seconds(args: list[str]) -> float:
     if code != 0:
         raise SystemExit(f"{args} exited with {code}:\n{sink.getvalue()[-3000:]}")
     return elapsed
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -43,12 +44,6 @@ def seconds(command: list[str]) -> float:
     if done.returncode != 0:
         raise SystemExit(f"{command} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return elapsed
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def main() -> None:

@@ -74,28 +74,13 @@ CONFIGS: dict[str, st.SearchStrategy[Scenario]] = {
 
 
 def _rate(strategy: st.SearchStrategy[Scenario], examples: int, full: bool) -> tuple[int, float]:
-    count = 0
-
-    @settings(
-        max_examples=examples,
-        database=None,
-        deadline=None,
-        derandomize=True,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(strategy)
-    def prop(scenario: Scenario) -> None:
-        nonlocal count
-        count += 1
+    def run(scenario: Scenario) -> None:
         if full:
             check_against_reference(scenario)
         elif refusal(scenario) is None:  # a refused scenario has no reference: generation only
             reference(scenario)
 
-    start = time.perf_counter()
-    prop()
-    return count, count / (time.perf_counter() - start)
+    return _check_rate(strategy, examples, run)
 
 
 _WRAPPER_SCENARIOS = generated_training_scenarios(
@@ -122,9 +107,8 @@ _FSDP2_SCENARIOS = generated_training_scenarios(
 )
 
 
-def _check_rate(
-    strategy: st.SearchStrategy[TrainingScenario], examples: int, check: Any
-) -> tuple[int, float]:
+def _check_rate(strategy: st.SearchStrategy[Any], examples: int, check: Any) -> tuple[int, float]:
+    """Examples drawn and checked (``check(example)``), and examples per second."""
     count = 0
 
     @settings(
@@ -136,7 +120,7 @@ def _check_rate(
         suppress_health_check=list(HealthCheck),
     )
     @given(strategy)
-    def prop(scenario: TrainingScenario) -> None:
+    def prop(scenario: Any) -> None:
         nonlocal count
         count += 1
         check(scenario)
