@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -233,3 +233,22 @@ def token_batch(
     generator = torch.Generator().manual_seed(7919 * step + rank)
     tokens = torch.randint(vocab, (shape[0], shape[1] + 1), generator=generator)
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def assert_gradients_bit_identical(
+    names: Sequence[str],
+    ours: Sequence[torch.Tensor | None],
+    theirs: Sequence[torch.Tensor | None],
+    where: str,
+) -> None:
+    """Each gradient of ``ours`` is ``theirs``'s bit for bit (None where theirs is None; a
+    sparse one compared dense); a failure names the parameter and the largest difference."""
+    for name, a, b in zip(names, ours, theirs, strict=True):
+        at = f"gradient of {name}, {where}"
+        assert (a is None) == (b is None), f"{at}: {a} vs {b}"
+        if a is not None and b is not None:
+            a, b = (a.to_dense(), b.to_dense()) if a.is_sparse else (a, b)
+            assert torch.equal(a, b), (
+                f"{at}: not bit-identical (max difference "
+                f"{(a.double() - b.double()).abs().max().item():.3g})"
+            )

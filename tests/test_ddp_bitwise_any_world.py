@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import mlp, rank_input, reducer_for, seeded
+from helpers import assert_gradients_bit_identical, mlp, rank_input, reducer_for, seeded
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_post_local
@@ -149,15 +149,7 @@ def assert_bitwise(results: list[tuple[Trace, Trace]]) -> None:
         for step, ((grads, params), (their_grads, their_params)) in enumerate(
             zip(ours, theirs, strict=True)
         ):
-            for name, a, b in zip(names, grads, their_grads, strict=True):
-                where = f"gradient of {name}, rank {rank}, step {step}"
-                assert (a is None) == (b is None), f"{where}: {a} vs {b}"
-                if a is not None and b is not None:
-                    a, b = (a.to_dense(), b.to_dense()) if a.is_sparse else (a, b)
-                    assert torch.equal(a, b), (
-                        f"{where}: not bit-identical (max difference "
-                        f"{(a.double() - b.double()).abs().max().item():.3g})"
-                    )
+            assert_gradients_bit_identical(names, grads, their_grads, f"rank {rank}, step {step}")
             for name, a, b in zip(names, params, their_params, strict=True):
                 assert torch.equal(a, b), f"{name} after step {step}, rank {rank}"
 

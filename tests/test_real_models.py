@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from helpers import tiny_gpt2, tiny_switch_moe, token_batch
+from helpers import assert_gradients_bit_identical, tiny_gpt2, tiny_switch_moe, token_batch
 from torch import Tensor, nn
 
 import fakepg
@@ -83,14 +83,7 @@ def assert_bitwise(results: list[tuple[Record, Record]], names: list[str]) -> No
         for step, ((grads, params), (their_grads, their_params)) in enumerate(
             zip(ours, theirs, strict=True)
         ):
-            for name, a, b in zip(names, grads, their_grads, strict=True):
-                where = f"gradient of {name}, rank {rank}, step {step}"
-                assert (a is None) == (b is None), f"{where}: {a} vs {b}"
-                if a is not None and b is not None:
-                    assert torch.equal(a, b), (
-                        f"{where}: not bit-identical (max difference "
-                        f"{(a.double() - b.double()).abs().max().item():.3g})"
-                    )
+            assert_gradients_bit_identical(names, grads, their_grads, f"rank {rank}, step {step}")
             for name, a, b in zip(names, params, their_params, strict=True):
                 assert torch.equal(a, b), f"{name} after AdamW step {step}, rank {rank}"
 
