@@ -3,7 +3,7 @@
 Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass of
 :class:`reducer.Reducer`, :class:`reducer.DistributedDataParallel` or the reducer's
 ``BucketViews`` overriding one method, a replacement for one function that ``reducer.reducer``,
-``reducer.graph``, ``reducer.ddp``, ``reducer.buckets``, ``reducer.comm_hooks`` or DDP's mixed
+``reducer.graph``, ``reducer.ddp``, ``reducer.buckets``, ``reducer.hooks`` or DDP's mixed
 precision calls (or DDP's reducer class, or the wrapper's unpickling), a
 broken ``compute_bucket_assignment_by_size``, a broken piece of the fake world (its
 reduce_scatter, its per-rank random streams), or a broken comm hook of torch's own (run by
@@ -42,28 +42,28 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import fakepg.collectives
 import fakepg.rng
 import reducer
-import reducer._ddp_mixed_precision
-import reducer._ddp_reducer
 import reducer.bucket_views
 import reducer.buckets
-import reducer.comm_hooks
-import reducer.ddp
+import reducer.ddp._mixed_precision
+import reducer.ddp._reducer
+import reducer.ddp._wrapper
 import reducer.graph
+import reducer.hooks._default
 import reducer.reducer
 from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
 # The real code, captured at import: the mutants subclass and call these, whatever is applied.
 _Reducer = reducer.Reducer
-_DDPReducer = reducer._ddp_reducer.DDPReducer
+_DDPReducer = reducer.ddp._reducer.DDPReducer
 _DDP = reducer.DistributedDataParallel
 _assign = reducer.compute_bucket_assignment_by_size
 _copy_all = reducer.bucket_views.copy_all
-_replace_tensors = reducer.ddp.replace_tensors
-_read_buffers = reducer.ddp.read_buffers
-_synced_parameters = reducer.ddp.synced_parameters
+_replace_tensors = reducer.ddp._wrapper.replace_tensors
+_read_buffers = reducer.ddp._wrapper.read_buffers
+_synced_parameters = reducer.ddp._wrapper.synced_parameters
 _bucket_view = reducer.buckets.bucket_view
-_compress_wrapper = reducer.comm_hooks._compress_wrapper
+_compress_wrapper = reducer.hooks._default._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
 _rank_stream = fakepg.rng.rank_stream
@@ -655,7 +655,7 @@ class SkipPartlyUnusedBucket(_DDPReducer):
                 (0, i) in self._unused_set and not self._used[0][i] for i in bucket.variable_indices
             )
         ):
-            bucket.work = reducer._ddp_reducer._Kept([r.contents for r in bucket.replicas])
+            bucket.work = reducer.ddp._reducer._Kept([r.contents for r in bucket.replicas])
         else:
             self._reducing += 1
             _Reducer._launch(self, bucket)
@@ -668,7 +668,7 @@ def _mixed_precision_sum_in_full(
 ) -> torch.futures.Future[Tensor]:
     """DDP mixed precision sums in the bucket's full precision and rounds to
     ``reduce_dtype`` only to divide: one rounding where each addition should round."""
-    mp = reducer._ddp_mixed_precision
+    mp = reducer.ddp._mixed_precision
     owner = state.owner()
     reduce_dtype = owner.mixed_precision.reduce_dtype
     buffer = bucket.buffer()
@@ -825,8 +825,9 @@ class Mutant:
 
 
 def _reducer_class(cls: type[reducer.Reducer]) -> tuple[Patch, ...]:
-    # The wrapper builds its reducer from reducer.ddp's name, the properties from the package's.
-    return (("reducer", "Reducer", cls), ("reducer.ddp", "Reducer", cls))
+    # The wrapper builds its reducer from reducer.ddp._wrapper's name, the properties from the
+    # package's.
+    return (("reducer", "Reducer", cls), ("reducer.ddp._wrapper", "Reducer", cls))
 
 
 def _in(module: str, name: str, replacement: object) -> tuple[Patch, ...]:
@@ -907,7 +908,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "compression after the reduction",
         "comm hooks",
-        _in("reducer.comm_hooks", "_compress_wrapper", _compress_after_reducing),
+        _in("reducer.hooks._default", "_compress_wrapper", _compress_after_reducing),
     ),
     # torch's comm hooks.
     (
@@ -958,12 +959,12 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "nested outputs not searched",
         "DDP wrapper",
-        _in("reducer.ddp", "find_tensors", _find_top_level_tensors),
+        _in("reducer.ddp._wrapper", "find_tensors", _find_top_level_tensors),
     ),
     (
         "dict outputs bypass the sink",
         "DDP wrapper",
-        _in("reducer.ddp", "replace_tensors", _replace_but_dicts),
+        _in("reducer.ddp._wrapper", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
     (
@@ -974,12 +975,12 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "ignored parameters reduced",
         "DDP wrapper",
-        _in("reducer.ddp", "synced_parameters", _ignore_nothing),
+        _in("reducer.ddp._wrapper", "synced_parameters", _ignore_nothing),
     ),
     (
         "reassigned buffer not synced",
         "DDP wrapper",
-        _in("reducer.ddp", "read_buffers", _buffers_first_seen),
+        _in("reducer.ddp._wrapper", "read_buffers", _buffers_first_seen),
     ),
     (
         "rebuild from own ready order",
@@ -994,12 +995,12 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "skip a bucket partly unused",
         "DDP wrapper",
-        _in("reducer._ddp_reducer", "DDPReducer", SkipPartlyUnusedBucket),
+        _in("reducer.ddp._reducer", "DDPReducer", SkipPartlyUnusedBucket),
     ),
     (
         "mixed precision sums in full precision",
         "DDP wrapper",
-        _in("reducer._ddp_mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
+        _in("reducer.ddp._mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

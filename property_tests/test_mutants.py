@@ -546,6 +546,6 @@ def test_the_misuse_properties_catch_and_shrink(
 def test_applying_a_mutant_replaces_the_code_and_restores_it() -> None:
     real = reducer.Reducer
     with applied(CATALOGUE["skip the divide"]):
-        assert reducer.Reducer is not real and reducer.ddp.Reducer is reducer.Reducer
-    assert reducer.Reducer is real and reducer.ddp.Reducer is real
+        assert reducer.Reducer is not real and reducer.ddp._wrapper.Reducer is reducer.Reducer
+    assert reducer.Reducer is real and reducer.ddp._wrapper.Reducer is real
     assert all(m.bug for m in CATALOGUE.values()), "every mutant describes its bug"

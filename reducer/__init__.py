@@ -21,22 +21,12 @@ from __future__ import annotations
 from . import _torch_version as _torch_version
 
 # isort: split
-from ._post_local_sgd import PostLocalSGDState, post_localSGD_hook
-from ._powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from .buckets import (
     compute_bucket_assignment_by_size,
     ddp_bucket_assignment,
     sparse_gradient_flags,
 )
-from .comm_hooks import (
-    CommHook,
-    GradBucket,
-    allreduce_hook,
-    bf16_compress_hook,
-    bf16_compress_wrapper,
-    fp16_compress_hook,
-    fp16_compress_wrapper,
-)
+from .comm_hook import CommHook, GradBucket
 from .ddp import DDPLoggingData, DistributedDataParallel
 from .errors import (
     BucketAssignmentError,
@@ -46,6 +36,18 @@ from .errors import (
     MixedBucketError,
     ReducerError,
     ReductionError,
+)
+from .hooks import (
+    PostLocalSGDState,
+    PowerSGDState,
+    allreduce_hook,
+    batched_powerSGD_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+    post_localSGD_hook,
+    powerSGD_hook,
 )
 from .process_group import ProcessGroup, ReduceOp, Work
 from .reducer import Reducer

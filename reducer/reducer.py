@@ -86,7 +86,7 @@ from .buckets import (
     slots,
     validate_bucket_indices,
 )
-from .comm_hooks import GRAD_BUCKET_TYPES, CommHook, FutureWork, GradBucket, hook_name
+from .comm_hook import GRAD_BUCKET_TYPES, CommHook, FutureWork, GradBucket, hook_name
 from .errors import REDUCER_WORDING, InvalidArgument, ReductionError, Wording
 from .graph import (
     at_backward_end,
@@ -281,8 +281,8 @@ class Reducer:
 
         Called before any hook (from the DDP wrapper's output sink). Parameters that only the
         unused outputs reach get hook calls without a gradient: they count as unused, not as
-        used with zeros. See Note [Outputs not used in the loss] in reducer.ddp. A parameter
-        that the search reaches from neither kind of output is not among them: inside a
+        used with zeros. See Note [Outputs not used in the loss] in reducer.ddp._wrapper. A
+        parameter that the search reaches from neither kind of output is not among them: inside a
         reentrant checkpoint (whose forward ran without grad, hiding it from the search), it
         gets a real gradient from the checkpoint's own backward.
         """

@@ -616,7 +616,7 @@ def test_the_wrapped_hook_sees_the_low_precision_buffer(
         seen.setdefault(pg.rank(), []).append(
             (buffer.dtype, [g.dtype for g in bucket.gradients()], views)
         )
-        return reducer.comm_hooks.completed(buffer.mul_(pg.rank() + 1))
+        return reducer.comm_hook.completed(buffer.mul_(pg.rank() + 1))
 
     def fn(pg: fakepg.FakeProcessGroup) -> list[Tensor]:
         model = build()

@@ -886,7 +886,7 @@ def test_device_ids_on_a_cpu_module_are_refused_as_by_torch(
 def test_inputs_move_to_the_device_as_torchs_ddp_moves_them() -> None:
     """To the module's device (``device_ids[0]``), through nested containers; shown with the
     meta device, which every machine has."""
-    from reducer._ddp_setup import move_inputs
+    from reducer.ddp._setup import move_inputs
 
     x, y, z = torch.ones(2), torch.zeros(3), torch.ones(1)
     inputs, kwargs = move_inputs((x, [y, {"k": z}], 3), {"w": (z,)}, torch.device("meta"))

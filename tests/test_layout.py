@@ -1,8 +1,11 @@
 """The package layout: the import graph of ``reducer`` and ``fakepg`` has no circles, and its
 edges point one way: tools (``reducer.tools``, and the testing library ``reducer.testing``) ->
-core (the rest of ``reducer``) -> protocol (``reducer.process_group``,
+torch's wrapper (``reducer.ddp``) and the comm hooks (``reducer.hooks``) -> core (the rest of
+``reducer``: the seed's reducer) -> protocol (``reducer.process_group``,
 ``reducer.collectives``); ``fakepg`` -> protocol. The testing library sits beside the tools:
-it imports the core and ``fakepg``, never the tools.
+it imports the core and ``fakepg``, never the tools. The package's ``__init__`` (``reducer``)
+is its public face: it re-exports from every layer below the tools, and nothing inside imports
+it back.
 
 The graph is read from the source with ``ast``, so it sees every import: those at the top of a
 module, those under ``if TYPE_CHECKING:`` (a circle there is still a circle for a reader and for
@@ -33,6 +36,12 @@ TOOLS = "reducer.tools"
 # The testing library (strategies, the exact reference, checks, the pytest plugin): a tool
 # layer for users' own tests, built on the core and the fake world.
 TESTING = "reducer.testing"
+# torch's DistributedDataParallel around the core, and the built-in comm hooks: the layer that
+# torch keeps in torch/nn/parallel/distributed.py and algorithms/ddp_comm_hooks/.
+DDP = "reducer.ddp"
+HOOKS = "reducer.hooks"
+# The package's __init__: the public names, re-exported.
+PUBLIC_FACE = "reducer"
 # ``python -m reducer`` runs this module as a script: it hands the command line to the tools,
 # and nothing imports it, so it sits above the tools, not in the core.
 ENTRY_POINT = "reducer.__main__"
@@ -197,10 +206,51 @@ def test_fakepg_imports_only_the_protocol_from_reducer() -> None:
 def _in_core(module: str) -> bool:
     return (
         _in(module, "reducer")
-        and not _in(module, TOOLS)
-        and not _in(module, TESTING)
-        and module != ENTRY_POINT
+        and module not in (PUBLIC_FACE, ENTRY_POINT)
+        and not any(_in(module, layer) for layer in (TOOLS, TESTING, DDP, HOOKS))
     )
+
+
+def test_the_core_never_imports_the_wrapper_nor_the_hooks() -> None:
+    bad = sorted(
+        f"{module} imports {imported}"
+        for module, targets in GRAPH.items()
+        if _in_core(module)
+        for imported in targets
+        if _in(imported, DDP) or _in(imported, HOOKS) or imported == PUBLIC_FACE
+    )
+    assert not bad, (
+        f"the core (the seed's reducer) must not import torch's wrapper ({DDP}), the comm "
+        f"hooks ({HOOKS}) or the package's public face: {bad}. Move what the core needs "
+        "into the core (as the hook protocol lives in reducer.comm_hook)"
+    )
+    # The layers exist and sit on the core: the wrapper on the core and the hooks, the hooks
+    # on the core alone.
+    assert [e for e in _edges(DDP, "reducer") if _in_core(e.split()[-1])]
+    assert _edges(DDP, HOOKS)
+    assert [e for e in _edges(HOOKS, "reducer") if _in_core(e.split()[-1])]
+    assert not _edges(HOOKS, DDP), f"the comm hooks must not import the wrapper ({DDP})"
+    for layer in (DDP, HOOKS):
+        assert not _edges(layer, TOOLS) and not _edges(layer, TESTING), (
+            f"{layer} must not import the tools or the testing library"
+        )
+        assert not _edges(layer, "fakepg"), f"{layer} must not import fakepg"
+
+
+def test_the_ground_floor_holds_the_core_only() -> None:
+    # What the seed's reducer is made of lies on reducer/'s ground floor; torch's wrapper and
+    # the hooks live in their packages, so no private DDP helper or hook sits beside the core.
+    ground = sorted(p.stem for p in (ROOT / "reducer").glob("*.py"))
+    strays = [
+        name
+        for name in ground
+        if name.startswith("_ddp")
+        or name in ("ddp", "comm_hooks", "_join", "_powersgd")
+        or name == "_post_local_sgd"
+    ]
+    assert not strays, f"reducer/ holds wrapper or hook modules: {strays}"
+    assert (ROOT / "reducer" / "ddp" / "__init__.py").is_file()
+    assert (ROOT / "reducer" / "hooks" / "__init__.py").is_file()
 
 
 def test_the_core_never_imports_the_tools_nor_the_fake_world() -> None:
@@ -221,7 +271,12 @@ def test_the_testing_library_sits_on_the_core_and_the_fake_world() -> None:
     assert not _edges(TESTING, TOOLS), f"{TESTING} must not import the tools"
     # The allowed direction is the one in use: it imports both the core and fakepg.
     assert _edges(TESTING, "fakepg")
-    assert [e for e in _edges(TESTING, "reducer") if _in_core(e.split()[-1])]
+    # (through the public face, ``import reducer``, as users' tests do)
+    assert [
+        e
+        for e in _edges(TESTING, "reducer")
+        if not _in(e.split()[-1], TESTING) and not _in(e.split()[-1], TOOLS)
+    ]
 
 
 def test_only_python_m_reducer_reaches_the_tools_from_outside() -> None:

@@ -13,7 +13,7 @@ order, the same bits on every rank); both divide with ``div_(W)`` at the same po
 buffer before the warm-up allreduce; the uncompressed gradients and the Qs after theirs; the
 Ps not at all); the products and the orthogonalization are the same calls. The random initial
 Qs are the same numbers: torch seeds its global generator with the state's next draw
-(``manual_seed(state.rng.randint(1e9))``) and draws from it; reducer._powersgd seeds a
+(``manual_seed(state.rng.randint(1e9))``) and draws from it; reducer.hooks._powersgd seeds a
 generator of its own with the same draw (see its docstring), and the fake world gives each
 rank thread a global generator of its own, so no rank disturbs another's draws. The
 difference that docstring lists, that torch issues its P and Q allreduces from future

@@ -16,7 +16,7 @@ fake world, on gloo or NCCL through TorchProcessGroup, and on fakepg's torch bac
 #            raise if the sum > 0            |                          throw_on_early_termination)
 #   sync:    allreduce [synced](1)           | allreduce zeros(1): will backward reduce?
 #   rebuild: broadcast of rank 0's order     | the same, at the same iteration (Note
-#            (once, when due and synced)     |            [Rebuilding buckets] in reducer.ddp)
+#            (once, when due and synced)     |   [Rebuilding buckets] in reducer.ddp._wrapper)
 #   buffers: allreduce MAX of the rank, then broadcast from the highest rank still training
 #   backward: one reduction per bucket, then | the same, of zeros (Reducer._shadow_iteration)
 #            the used map where searched     |
@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
 
-from .errors import ReductionError
-from .process_group import ProcessGroup, Work
+from reducer.errors import ReductionError
+from reducer.process_group import ProcessGroup, Work
 
 __all__: list[str] = []
 

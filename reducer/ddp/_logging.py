@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch import nn
 
-from .stats import IterationStats
+from reducer.stats import IterationStats
 
 __all__ = ["DDPLoggingData"]
 

@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .comm_hooks import GradBucket
-from .errors import InvalidArgument
-from .graph import at_backward_end
-from .process_group import ProcessGroup, ReduceOp
+from reducer.comm_hook import GradBucket
+from reducer.errors import InvalidArgument
+from reducer.graph import at_backward_end
+from reducer.process_group import ProcessGroup, ReduceOp
 
 __all__: list[str] = []
 

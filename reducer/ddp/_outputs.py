@@ -1,6 +1,6 @@
 """The forward's outputs: every tensor in them, and the sink that watches their gradients.
 
-See Note [Outputs not used in the loss] in reducer.ddp.
+See Note [Outputs not used in the loss] in reducer.ddp._wrapper.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .reducer import Reducer
+from reducer.reducer import Reducer
 
 __all__: list[str] = []
 

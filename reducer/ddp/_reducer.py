@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import errors
-from .buckets import Bucket
-from .comm_hooks import FutureWork
-from .graph import gradient_accumulator, is_future, remove_hooks
-from .reducer import Reducer
+from reducer import errors
+from reducer.buckets import Bucket
+from reducer.comm_hook import FutureWork
+from reducer.graph import gradient_accumulator, is_future, remove_hooks
+from reducer.reducer import Reducer
 
 __all__: list[str] = []
 

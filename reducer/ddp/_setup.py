@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .errors import InvalidArgument, InvalidModel, describe_param
-from .process_group import ProcessGroup, ReduceOp
-from .torch_backend import TorchProcessGroup
-from .validation import check_process_group
+from reducer.errors import InvalidArgument, InvalidModel, describe_param
+from reducer.process_group import ProcessGroup, ReduceOp
+from reducer.torch_backend import TorchProcessGroup
+from reducer.validation import check_process_group
 
 __all__: list[str] = []
 

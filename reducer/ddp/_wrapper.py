@@ -19,8 +19,8 @@ on fakepg's torch backend) is a drop-in; arguments it cannot honour are refused 
 - ``no_sync()``, or setting ``require_backward_grad_sync = False`` as nanoGPT does, accumulates
   gradients locally; the next synced backward reduces the accumulated sum;
 - ``join()`` (or torch's ``Join``) trains ranks with different numbers of batches (see
-  reducer._join);
-- ``register_comm_hook`` replaces the allreduce (see reducer.comm_hooks), and
+  reducer.ddp._join);
+- ``register_comm_hook`` replaces the allreduce (see reducer.comm_hook and reducer.hooks), and
   ``logging_data()`` reports what torch's ``_get_ddp_logging_data()`` does; ``close()``
   removes the reducer's hooks, after which the module can be wrapped again.
 
@@ -29,7 +29,7 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 
 # Note [Outputs not used in the loss]
 # With find_unused_parameters or static_graph, the outputs pass through ``OutputSink`` (in
-# reducer._ddp_outputs), an identity whose backward sees which outputs got no gradient
+# reducer.ddp._outputs), an identity whose backward sees which outputs got no gradient
 # because the loss did not use them. Parameters reachable only from such outputs get their
 # hook called with no gradient (the sink joins every output to the graph); the reducer is
 # told beforehand, so they count as unused (zeros here, .grad untouched if unused everywhere)
@@ -55,7 +55,7 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # so the first bucket fills and launches as early as possible. That happens once. torch does
 # not rebuild when searching for unused parameters (the order may change every iteration),
 # and neither does this wrapper. A rank that ran out of inputs under join takes part in the
-# broadcast at the same iteration: it counts the iterations it shadowed (see reducer._join).
+# broadcast at the same iteration: it counts the iterations it shadowed (see reducer.ddp._join).
 """
 
 from __future__ import annotations
@@ -76,12 +76,14 @@ from torch.distributed.algorithms.join import Joinable
 # torch's enum for where a buffer comm hook runs, so that torch's own callers' values work.
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from . import _ddp_mixed_precision as _mp
-from . import _join
-from ._ddp_logging import DDPLoggingData, Timings, torch_logging_data
-from ._ddp_outputs import OutputSink, find_tensors, replace_tensors
-from ._ddp_reducer import ddp_reducer_class
-from ._ddp_setup import (
+from reducer.buckets import compute_bucket_assignment_by_size, sparse_gradient_flags
+from reducer.comm_hook import CommHook
+from reducer.ddp import _join
+from reducer.ddp import _mixed_precision as _mp
+from reducer.ddp._logging import DDPLoggingData, Timings, torch_logging_data
+from reducer.ddp._outputs import OutputSink, find_tensors, replace_tensors
+from reducer.ddp._reducer import ddp_reducer_class
+from reducer.ddp._setup import (
     broadcast_from,
     bucket_limits,
     buffer_slots,
@@ -101,18 +103,17 @@ from ._ddp_setup import (
     verify_same_parameters,
     warn_broadcast_buffers,
 )
-from .buckets import compute_bucket_assignment_by_size, sparse_gradient_flags
-from .comm_hooks import CommHook
-from .errors import (
+from reducer.errors import (
     DDP_WORDING,
     InvalidArgument,
     InvalidArgumentType,
     InvalidModel,
     ReducerError,
 )
-from .process_group import ProcessGroup
-from .reducer import Reducer
-from .stats import IterationStats
+from reducer.hooks import allreduce_hook, fp16_compress_hook
+from reducer.process_group import ProcessGroup
+from reducer.reducer import Reducer
+from reducer.stats import IterationStats
 
 __all__ = ["DDPLoggingData", "DistributedDataParallel"]
 
@@ -139,9 +140,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``device_ids`` there, and a group is none of these. ``device_ids`` names the one device of
     a module on an accelerator (``[local_rank]``); several devices are refused.
     ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` are refused with an
-    error that names them; ``mixed_precision`` (see reducer._ddp_mixed_precision),
+    error that names them; ``mixed_precision`` (see reducer.ddp._mixed_precision),
     ``device_mesh`` (one-dimensional: its group) and ``skip_all_reduce_unused_params`` (see
-    Note [Skipping buckets of unused parameters] in reducer._ddp_reducer) are torch's;
+    Note [Skipping buckets of unused parameters] in reducer.ddp._reducer) are torch's;
     ``check_reduction`` warns, as torch's does; gradient copies are always batched
     per bucket, whatever ``batched_grad_copy`` says. ``comm_hook_timeout`` (seconds, keyword
     only) bounds the wait for a comm hook's future.
@@ -457,7 +458,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 buffer._ddp_ignored = True  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------------------------------
-    # Uneven inputs. See reducer._join.
+    # Uneven inputs. See reducer.ddp._join.
 
     def join(
         self,
@@ -672,8 +673,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """torch's built-in hooks by their ``dist.BuiltinCommHookType``: ALLREDUCE and
         FP16_COMPRESS, here the Python hooks that compute the same (reducer.allreduce_hook,
         reducer.fp16_compress_hook)."""
-        from .comm_hooks import allreduce_hook, fp16_compress_hook
-
         builtin = getattr(dist, "BuiltinCommHookType", None)
         hooks = {}
         if builtin is not None:
@@ -727,7 +726,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return names
 
     def _set_ddp_sink_clone(self, val: bool) -> None:
-        """Whether the output sink (reducer._ddp_outputs) clones the outputs (torch's
+        """Whether the output sink (reducer.ddp._outputs) clones the outputs (torch's
         default: the loss may then be modified in place) or returns views of them."""
         self._ddp_sink_clone = bool(val)
 

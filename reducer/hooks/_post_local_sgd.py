@@ -23,8 +23,9 @@ import warnings
 import torch
 from torch import Tensor
 
-from .comm_hooks import GradBucket, allreduce_divided, as_process_group, completed
-from .errors import InvalidArgument
+from reducer.comm_hook import GradBucket, completed
+from reducer.errors import InvalidArgument
+from reducer.hooks._default import allreduce_divided, as_process_group
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 

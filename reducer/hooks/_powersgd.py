@@ -10,7 +10,7 @@ instead of one of n m. The other gradients (vectors, small matrices) are allredu
 are. With error feedback, what compression lost on a rank is added to its next gradient.
 
 Differences from torch, each for the same reason (see Note [Collectives of a hook are issued
-from the hook] in reducer.comm_hooks): the hook issues its allreduces itself and waits there
+from the hook] in reducer.comm_hook): the hook issues its allreduces itself and waits there
 for P before it computes and issues Q (torch issues them from future callbacks and blocks in
 those); the random initial Q of every rank comes from a generator of the hook's own, seeded as
 torch seeds its global one, so that rank threads of one process cannot disturb each other's
@@ -34,9 +34,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .comm_hooks import GradBucket, allreduce_divided, as_process_group, future_of
-from .errors import InvalidArgument, ReductionError
-from .process_group import ProcessGroup, ReduceOp
+from reducer.comm_hook import GradBucket, future_of
+from reducer.errors import InvalidArgument, ReductionError
+from reducer.hooks._default import allreduce_divided, as_process_group
+from reducer.process_group import ProcessGroup, ReduceOp
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
@@ -374,7 +375,7 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
         torch.bmm(batch, q, out=p)
 
     # The collectives, issued here in a fixed order: see Note [Collectives of a hook are
-    # issued from the hook] in reducer.comm_hooks.
+    # issued from the hook] in reducer.comm_hook.
     uncompressed_work = (
         group.allreduce([uncompressed_memory], ReduceOp.SUM)
         if uncompressed_memory.numel()
@@ -471,7 +472,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.fut
     _orthogonalize(q_memory.unsqueeze(0))
     torch.matmul(matrix, q_memory, out=p_memory)
 
-    # See Note [Collectives of a hook are issued from the hook] in reducer.comm_hooks.
+    # See Note [Collectives of a hook are issued from the hook] in reducer.comm_hook.
     group.allreduce([p_memory], ReduceOp.SUM).wait()
     _orthogonalize(p_memory.unsqueeze(0))
     torch.matmul(matrix.t(), p_memory, out=q_memory)

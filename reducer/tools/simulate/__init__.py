@@ -45,8 +45,9 @@ from torch import Tensor
 # The simulation runs on the fake world; `import reducer` never imports this module.
 import fakepg
 from reducer.buckets import sparse_gradient_flags
-from reducer.comm_hooks import CommHook, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from reducer.comm_hook import CommHook
 from reducer.ddp import DistributedDataParallel
+from reducer.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from reducer.tools.trace import Pass, RankStep, Span, write_chrome_trace
 from reducer.tools.whatif import BackwardProfile, best, sweep
 
