@@ -50,7 +50,7 @@ from reducer.ddp import DistributedDataParallel
 from reducer.tools.trace import Pass, RankStep, Span, write_chrome_trace
 from reducer.tools.whatif import BackwardProfile, best, sweep
 
-from . import models, report, verify
+from . import models, predict_cmd, report, shapes, verify
 from .records import Config, SimulationResult
 
 __all__ = ["SimulationResult", "add_arguments", "main", "measure_profile", "run", "simulate"]
@@ -67,7 +67,14 @@ _LEARNING_RATE = 0.01
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--world-size", type=int, default=4, help="ranks, one thread each (default 4)")
-    add("--model", choices=list(models.MODELS), default="mlp", help="built-in model (default mlp)")
+    add(
+        "--model",
+        choices=[*models.MODELS, *shapes.SHAPE_MODELS],
+        default="mlp",
+        help="built-in model (default mlp); the real models by shape ("
+        + ", ".join(shapes.SHAPE_MODELS)
+        + ") are for --predict",
+    )
     add("--width", type=int, default=None, help="model width (default: the model's own, small)")
     add("--batch-size", type=int, default=32, help="samples per rank per micro-batch (32)")
     add("--steps", type=int, default=20, help="optimizer steps, each verified (default 20)")
@@ -136,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks of the measuring run of --sweep-bucket-cap (default 1: no contention)",
     )
     add("--no-progress", action="store_true", help="no progress bar")
+    predict_cmd.add_arguments(parser)
     # For tests: corrupt one reduced gradient (STEP:RANK:PARAM, PARAM an index or a name)
     # after the synced backward, so that the check must stop the run and name it.
     add("--corrupt-grad", default=None, help=argparse.SUPPRESS)
@@ -149,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Simulate (or sweep) as ``args`` say; 0 if every step verified, 1 if not, 2 on bad args."""
+    """Simulate (or sweep, or predict) as ``args`` say; 0 if every step verified, 1 if not,
+    2 on bad args."""
+    if predict_cmd.wants_prediction(args):
+        return predict_cmd.run(args)
     try:
         config = Config.from_args(args)
     except ValueError as exc:
