@@ -72,6 +72,7 @@ class CollectiveRecord:
     nbytes: int
     group: int
     launch_s: float
+    in_backward: bool = False  # launched by a gradient hook (overlap off delays these)
     start_s: float = math.nan
     done_s: float = math.nan
 
@@ -129,7 +130,9 @@ class VirtualGroup:
 
     def _record(self, kind: str, tensors: list[Tensor]) -> _VirtualWork:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        record = CollectiveRecord(kind, nbytes, self._issued % self.groups, self.clock.now_s)
+        record = CollectiveRecord(
+            kind, nbytes, self._issued % self.groups, self.clock.now_s, self.in_backward
+        )
         self._issued += 1
         self.records.append(record)
         return _VirtualWork(self, record, tensors)
@@ -163,7 +166,13 @@ class VirtualGroup:
     def _schedule(self) -> None:
         """Start and end of every collective so far: FIFO per group, equal shares of the
         network among the groups' collectives in flight (processor sharing)."""
-        floor = -math.inf if self.overlap or self.backward_end_s is None else self.backward_end_s
+        end = self.backward_end_s
+
+        def earliest(record: CollectiveRecord) -> float:
+            if not self.overlap and end is not None and record.in_backward:
+                return max(record.launch_s, end)
+            return record.launch_s
+
         queues = [[r for r in self.records if r.group == g] for g in range(self.groups)]
         heads = [0] * self.groups
         free = [-math.inf] * self.groups  # when each group's previous collective ended
@@ -173,12 +182,12 @@ class VirtualGroup:
             for g, queue in enumerate(queues):  # start what can start now
                 if g not in remaining and heads[g] < len(queue):
                     record = queue[heads[g]]
-                    start = max(record.launch_s, floor, free[g])
+                    start = max(earliest(record), free[g])
                     if start <= now:
                         record.start_s = start
                         remaining[g] = self._cost_s(record)
             starts = [
-                max(queue[heads[g]].launch_s, floor, free[g])
+                max(earliest(queue[heads[g]]), free[g])
                 for g, queue in enumerate(queues)
                 if g not in remaining and heads[g] < len(queue)
             ]

@@ -168,10 +168,11 @@ def _print(
 ) -> None:
     network = "none (memory speed)" if config.network is None else str(config.network)
     console.print(
-        f"predicted step: {config.model} at {config.world_size} ranks on {network}; overlap "
+        f"predicted step: {config.model} at {config.world_size} ranks; overlap "
         f"{'on' if config.overlap else 'off'}, no_sync every {config.no_sync_every}, "
         f"{config.process_groups} process group(s)"
     )
+    console.print(f"network: {network}")
     for note in notes:
         console.print(note)
     table = Table()
