@@ -94,6 +94,19 @@ def test_without_overlap_nothing_starts_before_backward_ends() -> None:
     assert clock.now_s == 11.0
 
 
+def test_shared_cores_run_each_collective_on_the_compute_clock() -> None:
+    clock = _Clock()
+    group = VirtualGroup(8, _Fixed(1.0), clock, shared_cores=True)
+    group.in_backward = True
+    first = _launch(group, 0.5)
+    assert clock.now_s == 1.5  # compute waited for it
+    second = _launch(group, 2.0)
+    second.wait()
+    first.wait()
+    assert [(r.start_s, r.done_s) for r in group.records] == [(0.5, 1.5), (2.0, 3.0)]
+    assert (clock.now_s, group.stolen_s) == (3.0, 2.0)
+
+
 def test_bad_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="process_groups must be >= 1"):
         VirtualGroup(8, None, _Clock(), groups=0)
@@ -164,6 +177,16 @@ def test_a_profile_sets_when_each_gradient_is_ready(tmp_path: Path) -> None:
     assert alone.compute == "profile (made up)"
     ddp = predict(ClusterConfig("resnet50", 16, NCCL, profile=profile, gpu=V100))
     assert ddp.step_s > alone.step_s  # the reducer's copies and the exposed tail
+    # Shared cores: every collective's time adds to the step (nothing overlaps).
+    link = fakepg.AlphaBeta(1e-4, 1e9)
+    shared = predict(ClusterConfig("resnet50", 2, link, profile=profile, shared_cores=True))
+    comm = sum(
+        link.collective_time_s(r.kind, r.nbytes, 2) for r in shared.collectives
+        if r.kind != "broadcast" or r.in_backward
+    )  # fmt: skip
+    broadcasts = [r for r in shared.collectives if r.kind == "broadcast"]
+    comm += sum(link.collective_time_s("broadcast", r.nbytes, 2) for r in broadcasts)
+    assert shared.step_s > alone.step_s + 0.9 * comm
 
 
 def _profile_json(tmp_path: Path) -> dict[str, object]:
@@ -209,6 +232,7 @@ def test_a_profile_that_does_not_match_the_model_names_the_field(tmp_path: Path)
         (ClusterConfig("resnet50", 8, NCCL, bucket_cap_mb=-1, gpu=V100), "bucket_cap_mb"),
         (ClusterConfig("resnet50", 8, NCCL), "give a GPU to estimate from or a measured profile"),
         (ClusterConfig("resnet50", 8, NCCL, gpu=V100, no_sync_every=0), "no_sync_every"),
+        (ClusterConfig("resnet50", 8, NCCL, gpu=V100, find_unused=True), "find_unused"),
     ],
 )
 def test_bad_configs_name_the_field(config: ClusterConfig, message: str) -> None:

@@ -21,7 +21,9 @@ times, forward and optimizer time).
 # order (one NCCL communicator, one stream); with several round-robin groups, collectives in
 # flight at once share the network equally. Waiting for a collective (finalize, at the end of
 # backward) moves the clock to its completion. With overlap off, no collective starts
-# before backward has ended (the first wait of the step).
+# before backward has ended (the first wait of the step). With shared cores (gloo on CPU
+# tensors, a core per rank), a collective's work is done by the cores that compute: it runs
+# when launched and the compute clock waits for it, so nothing overlaps.
 """
 
 from __future__ import annotations
@@ -105,13 +107,15 @@ class VirtualGroup:
         *,
         groups: int = 1,
         overlap: bool = True,
+        shared_cores: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if groups < 1:
             raise ValueError(f"process_groups must be >= 1, got {groups}")
         self.world_size, self.network, self.clock = world_size, network, clock
-        self.groups, self.overlap = groups, overlap
+        self.groups, self.overlap, self.shared_cores = groups, overlap, shared_cores
+        self.stolen_s = 0.0  # compute time the collectives took (shared cores)
         self.records: list[CollectiveRecord] = []
         self._issued = 0
         self.in_backward = False  # set by the caller around backward
@@ -135,6 +139,11 @@ class VirtualGroup:
         )
         self._issued += 1
         self.records.append(record)
+        if self.shared_cores:  # See Note [The virtual clock]
+            cost = self._cost_s(record)
+            record.start_s, record.done_s = self.clock.now_s, self.clock.now_s + cost
+            self.clock.now_s += cost
+            self.stolen_s += cost
         return _VirtualWork(self, record, tensors)
 
     def allreduce(self, tensors: list[Tensor], op: ReduceOp = ReduceOp.SUM) -> _VirtualWork:
@@ -155,7 +164,8 @@ class VirtualGroup:
         if self.in_backward and self.backward_end_s is None:
             self.backward_end_s = self.clock.now_s
             self.clock.charging = self.clock.gpu is not None  # finalize's copies are estimated
-        self._schedule()
+        if not self.shared_cores:
+            self._schedule()
         self.clock.advance_to(record.done_s)
 
     def _cost_s(self, record: CollectiveRecord) -> float:
@@ -436,6 +446,7 @@ class ClusterConfig:
     dtype: torch.dtype = torch.float32
     find_unused: bool = False
     ddp: bool = True
+    shared_cores: bool = False  # see Note [The virtual clock]
 
     def check(self) -> None:
         if self.model not in shapes.SHAPE_MODELS:
@@ -449,6 +460,11 @@ class ClusterConfig:
                              f"{self.bucket_cap_mb}")  # fmt: skip
         if self.no_sync_every < 1:
             raise ValueError(f"no_sync_every must be >= 1, got {self.no_sync_every}")
+        if self.find_unused:
+            raise ValueError(
+                "find_unused: not predicted: finalize reads the all-reduced map of used "
+                "parameters, data a model on the meta device does not have; predict without it"
+            )
         if self.gpu is None and self.profile is None:
             raise ValueError("compute: give a GPU to estimate from or a measured profile")
         topology = getattr(self.network, "topology", None)
@@ -469,6 +485,7 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
         clock,
         groups=config.process_groups,
         overlap=config.overlap,
+        shared_cores=config.shared_cores,
     )
     net = shapes.build(config.model).to(config.dtype)
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
@@ -547,6 +564,7 @@ class _Marks:
         self.handles: list[Any] = []
         self.forward_s = 0.0
         self.backward_start_s = 0.0
+        self.stolen_at_start = 0.0
         self.backward_end_s = 0.0
 
     def install(self, named: Sequence[tuple[str, Tensor]]) -> None:
@@ -564,7 +582,9 @@ class _Marks:
 
     def _ready(self, index: int, grad: Tensor) -> Tensor:
         if self.profile is not None:
-            self.clock.advance_to(self.backward_start_s + self.profile.ready_ms[index] * 1e-3)
+            shift = self.group.stolen_s - self.stolen_at_start  # shared cores: comm came first
+            at = self.backward_start_s + shift + self.profile.ready_ms[index] * 1e-3
+            self.clock.advance_to(at)
         return grad
 
     def _charge_on(self, _param: Tensor) -> None:
@@ -582,14 +602,16 @@ class _Marks:
         no_sync = getattr(model, "no_sync", None)
         context = no_sync() if (not synced and no_sync is not None) else contextlib.nullcontext()
         with context:
-            start = self.clock.now_s
+            start, stolen = self.clock.now_s, self.group.stolen_s
             if self.profile is not None:
                 self.clock.charging = False
             loss = net.loss(model(x), y)  # type: ignore[operator]
             if self.profile is not None:
-                self.clock.advance_to(start + self.profile.forward_ms * 1e-3)
+                shift = self.group.stolen_s - stolen
+                self.clock.advance_to(start + shift + self.profile.forward_ms * 1e-3)
             self.forward_s = self.clock.now_s - start
             self.backward_start_s = self.clock.now_s
+            self.stolen_at_start = self.group.stolen_s
             self.group.in_backward = True
             try:
                 loss.backward()

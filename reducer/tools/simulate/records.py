@@ -80,7 +80,8 @@ class Config:
             raise ValueError(
                 f"--sweep-bucket-cap predicts from the times the host measures, which on "
                 f"{device.type} are when work was issued, not done; run the sweep with "
-                "--device cpu"
+                "--device cpu, or sweep a model by shape with --predict (it times the GPU "
+                "with events)"
             )
         _check_available(device, args.device)
         corrupt = None
