@@ -142,6 +142,15 @@ def test_a_skipped_branch_without_find_unused_is_explained(
     assert "pass --find-unused" in line
 
 
+def test_a_bucket_cap_of_0_puts_each_parameter_in_its_own_bucket(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(capsys, "--world-size", "2", "--steps", "2", "--bucket-cap-mb", "0")
+    assert code == 0, out
+    assert "verification: passed" in verdict(out)
+    assert re.search(r"│ buckets\s+│ 12: ", out), out  # the mlp's 12 parameters
+
+
 def test_a_simulated_network(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
         capsys, "--world-size", "2", "--steps", "2", "--network", "10gbe", "--bucket-cap-mb", "0.1"
@@ -156,7 +165,11 @@ def test_a_simulated_network(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--world-size", "0"], "--world-size must be >= 1"),
         (["--no-sync-every", "0"], "--no-sync-every must be >= 1"),
-        (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
+        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be >= 0"),
+        (
+            ["--network", "nccl-dgx1-v100", "--world-size", "12"],
+            "world_size 12 is not a multiple of gpus_per_node 8",
+        ),
         (["--network", "20gbe"], "unknown network '20gbe'"),
         (["--sweep-bucket-cap", "1,x"], "--sweep-bucket-cap takes bucket caps in MiB"),
         (["--corrupt-grad", "0:0:nope"], "--corrupt-grad: no rank 0 or parameter 'nope'"),
