@@ -7,6 +7,8 @@
     python -m reducer simulate --model transformer-block --width 512 \\
         --sweep-bucket-cap 0.25,1,4,25 --network 10gbe --world-size 64
     python -m reducer simulate --model transformer-block --device cuda   # every rank on a GPU
+    python -m reducer simulate --predict --model resnet50 --world-size 1024 \\
+        --network nccl-dgx1-v100 --sweep-bucket-cap 0,1,5,25      # a real cluster, predicted
 
 Each rank is a thread of one process on the in-memory fake world (fakepg), training its own
 copy of a built-in model through reducer.DistributedDataParallel on its own batches. After
@@ -26,6 +28,11 @@ share it). The check stays bit for bit: cuDNN is held to deterministic algorithm
 attention to its math kernel for the run, so that the reference copy computes the very bits
 the rank did. Times are then those of the host issuing GPU work, which is why the sweep, which
 predicts from them, runs on the CPU only.
+
+--predict (see reducer.tools.simulate.cluster) runs no ranks: one rank of a real model by
+shape (resnet50, bert-base, bert-large, gpt2 ... gpt2-xl) goes through the real DDP on a
+virtual clock, compute estimated for --gpu or measured (--device cuda, --profile FILE), the
+collectives costed by --network (NCCL and gloo cluster presets), the other ranks identical.
 """
 
 from __future__ import annotations
