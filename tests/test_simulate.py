@@ -305,12 +305,23 @@ def test_on_cuda_kernels_are_deterministic_for_the_run_only() -> None:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
 
 
-def test_predict_sweeps_a_real_model_on_a_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+def test_predict_sweeps_a_real_model_on_a_cluster(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "predicted.json"
     code, out, err = run_cli(
         capsys, "--predict", "--model", "resnet50", "--world-size", "16",
         "--network", "nccl-dgx1-v100", "--sweep-bucket-cap", "0,25", "--overlap", "off",
+        "--trace", str(trace),
     )  # fmt: skip
     assert code == 0, err
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    backward = spans["backward"]
+    allreduces = [e for name, e in spans.items() if name.startswith("allreduce")]
+    assert len(allreduces) == 161  # the first cap's: one per parameter
+    # Overlap off: every bucket after backward's end.
+    assert min(e["ts"] for e in allreduces) >= backward["ts"] + backward["dur"] - 1e-6
     assert "predicted step: resnet50 at 16 ranks" in out
     assert "network: nccl-dgx1-v100: NCCL auto" in out
     assert "overlap off" in out

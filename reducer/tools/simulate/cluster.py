@@ -425,6 +425,7 @@ class ClusterPrediction:
     optimizer_s: float
     comm_s: float  # first collective start to last end
     exposed_s: float  # communication after backward ended
+    backward_start_s: float = 0.0  # of the synced micro-batch, from the step's start
     bucket_nbytes: list[int] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
 
@@ -549,6 +550,7 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
         optimizer_s=optimizer_s,
         comm_s=comm_end - min((r.start_s for r in timed), default=comm_end),
         exposed_s=max(0.0, comm_end - backward_end),
+        backward_start_s=marks.backward_start_s,
         bucket_nbytes=[r.nbytes for r in records if r.kind.endswith("allreduce")],
         collectives=list(records),
     )

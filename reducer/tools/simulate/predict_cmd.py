@@ -8,6 +8,7 @@ each of ``--sweep-bucket-cap``), and prints one row per cap.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -84,8 +85,48 @@ def run(args: argparse.Namespace) -> int:
         print(f"simulate: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
+    if args.trace is not None:
+        try:
+            count = write_trace(args.trace, predictions[0])
+            notes.append(f"trace: {count} events of the first cap's step written to {args.trace}")
+        except OSError as exc:
+            notes.append(f"trace: could not write {args.trace}: {exc}")
     _print(console, configs[0], predictions, notes, elapsed)
     return 0
+
+
+def write_trace(path: str, prediction: cluster.ClusterPrediction) -> int:
+    """The predicted step as Chrome trace-event JSON (ui.perfetto.dev): one track for the
+    compute stream (forward, backward, optimizer), one per process group for collectives."""
+    us = 1e6
+    backward_start = prediction.backward_start_s
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "predicted rank"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+        {"name": "forward", "ph": "X", "pid": 0, "tid": 0,
+         "ts": (backward_start - prediction.forward_s) * us, "dur": prediction.forward_s * us},
+        {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": backward_start * us,
+         "dur": prediction.backward_s * us},
+        {"name": "optimizer", "ph": "X", "pid": 0, "tid": 0,
+         "ts": (prediction.step_s - prediction.optimizer_s) * us,
+         "dur": prediction.optimizer_s * us},
+    ]  # fmt: skip
+    groups = sorted({r.group for r in prediction.collectives})
+    for g in groups:
+        name = f"process group {g}"
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1 + g,
+                       "args": {"name": name}})  # fmt: skip
+    for index, record in enumerate(prediction.collectives):
+        if record.start_s != record.start_s:  # NaN: never waited for, never scheduled
+            continue
+        events.append(
+            {"name": f"{record.kind} {index}", "ph": "X", "pid": 0, "tid": 1 + record.group,
+             "ts": record.start_s * us, "dur": (record.done_s - record.start_s) * us,
+             "args": {"bytes": record.nbytes, "launched_us": record.launch_s * us}}
+        )  # fmt: skip
+    with open(path, "w") as out:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
+    return len(events)
 
 
 def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], list[str]]:
