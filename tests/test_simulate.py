@@ -22,7 +22,7 @@ OPTIONS = [
     "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",
     "--no-sync-every", "--comm-hook", "--network", "--trace", "--seed", "--sweep-bucket-cap",
     "--device", "--predict", "--gpu", "--profile", "--save-profile", "--overlap",
-    "--process-groups",
+    "--process-groups", "--shared-cores",
 ]  # fmt: skip
 
 

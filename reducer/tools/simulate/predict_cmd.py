@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --predict: off starts no collective before backward ends (default on)",
     )
     add(
+        "--shared-cores",
+        action="store_true",
+        help="with --predict: collectives run on the cores that compute (gloo on CPU "
+        "tensors, one core per rank), so none overlaps compute",
+    )
+    add(
         "--process-groups",
         type=int,
         default=1,
@@ -187,6 +193,7 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
             gpu=spec,
             profile=profile,
             find_unused=args.find_unused,
+            shared_cores=args.shared_cores,
         )
         for cap in caps
     ]
