@@ -277,3 +277,74 @@ def test_measuring_a_profile_on_the_cpu_gives_one_the_predictor_takes(
 def test_measuring_a_profile_on_the_gpu() -> None:
     profile = cluster.measure_profile("resnet50", device="cuda", batch_size=8, steps=2)
     assert "cpu" not in profile.device and len(profile.ready_ms) == 161
+
+
+def test_a_torch_profiler_trace_is_a_profile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setitem(shapes.SHAPE_MODELS, "tiny", shapes.ShapeModel(_Tiny, 8, "tiny"))
+    net = _Tiny()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = net.make_batch(8, torch.device("cpu"))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            optimizer.zero_grad()
+            net.loss(net(x), y).backward()
+            optimizer.step()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    loaded = Profile.load(trace, model="tiny", batch_size=8)
+    assert loaded.names == ("a.weight", "a.bias", "b.weight", "b.bias")
+    assert loaded.forward_ms > 0 and loaded.optimizer_ms > 0
+    assert max(loaded.ready_ms[2:]) <= min(loaded.ready_ms[:2])  # b before a, as measured
+    step = predict(ClusterConfig("tiny", 2, NCCL, profile=loaded, gpu=V100))
+    assert step.backward_s >= max(loaded.ready_ms) * 1e-3
+    with pytest.raises(ValueError, match=r"is a torch\.profiler trace: name its model"):
+        Profile.load(trace)
+    with pytest.raises(ValueError, match="not a multiple of resnet50's 161 parameters"):
+        Profile.load(trace, model="resnet50")
+
+
+def test_a_gpu_trace_times_gradients_by_their_kernels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A hand-written trace: the host runs ahead; ready times come from the kernels' ends."""
+    from reducer.tools.simulate import chrome_profile
+
+    monkeypatch.setitem(shapes.SHAPE_MODELS, "tiny", shapes.ShapeModel(_Tiny, 8, "tiny"))
+    order = chrome_profile.hook_order("tiny")
+    assert sorted(order) == [0, 1, 2, 3] and set(order[:2]) == {2, 3}
+
+    def op(name: str, ts: float, dur: float = 1.0, cat: str = "cpu_op") -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    def kernel(correlation: int, launched: float, start: float, end: float) -> list[object]:
+        return [
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launched,
+             "dur": 1.0, "args": {"correlation": correlation}},
+            {"ph": "X", "cat": "kernel", "name": f"k{correlation}", "ts": start,
+             "dur": end - start, "args": {"correlation": correlation}},
+        ]  # fmt: skip
+
+    acc = chrome_profile._ACCUMULATE
+    events: list[object] = [
+        op("Optimizer.zero_grad#SGD.zero_grad", 0, 10),
+        *kernel(1, 12, 100, 300),  # forward, from 100 to 300 us on the GPU
+        op("autograd::engine::evaluate_function: AddmmBackward0", 20),
+        *kernel(2, 21, 300, 1300),  # b's gradients, done at 1300
+        op(acc, 22), op(acc, 23),
+        *kernel(3, 30, 1300, 3300),  # a's gradients, done at 3300
+        op(acc, 31), op(acc, 32),
+        op("Optimizer.step#SGD.step", 40, 5),
+        *kernel(4, 41, 3300, 3800),
+    ]  # fmt: skip
+    trace = tmp_path / "gpu.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    loaded = Profile.load(trace, model="tiny", batch_size=8)
+    assert loaded.forward_ms == pytest.approx(0.2)  # 100 to 300 us
+    ready = dict(zip(order, [1.0, 1.0, 3.0, 3.0], strict=True))  # ms after backward's start
+    assert loaded.ready_ms == tuple(ready[i] for i in range(4))
+    assert loaded.optimizer_ms == pytest.approx(0.5)
+    assert loaded.device.endswith("(GPU)")

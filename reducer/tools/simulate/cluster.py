@@ -258,12 +258,21 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        """A profile from ``path``; ValueError naming the field that is missing or wrong."""
+    def load(cls, path: str | Path, *, model: str | None = None, batch_size: int = 0) -> Profile:
+        """A profile from ``path``: this project's JSON, or torch.profiler's Chrome trace of
+        ``model`` (see reducer.tools.simulate.chrome_profile); ValueError naming the field
+        that is missing or wrong."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"profile {path}: cannot read it as JSON: {exc}") from exc
+        if isinstance(data, dict) and "traceEvents" in data:
+            if model is None:
+                raise ValueError(f"profile {path} is a torch.profiler trace: name its model")
+            from . import chrome_profile
+
+            profile: Profile = chrome_profile.load(path, model, batch_size)
+            return profile
         return cls.from_json(data, source=str(path))
 
     @classmethod

@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         default=None,
         metavar="FILE",
-        help="with --predict: compute measured where the job runs (JSON: per-parameter "
-        "gradient-ready times, forward and optimizer time), instead of the estimate",
+        help="with --predict: compute measured where the job runs (this project's JSON: "
+        "per-parameter gradient-ready times, forward and optimizer time; or torch.profiler's "
+        "Chrome trace of a few steps of the model), instead of the estimate",
     )
     add(
         "--save-profile",
@@ -150,7 +151,11 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
     profile = None
     device = torch.device(args.device)
     if args.profile is not None:
-        profile = cluster.Profile.load(args.profile)
+        profile = cluster.Profile.load(
+            args.profile,
+            model=args.model,
+            batch_size=_batch(args) or shapes.SHAPE_MODELS[args.model].batch_size,
+        )
         notes.append(f"compute: profile {args.profile} measured on {profile.device}")
     elif device.type == "cuda":
         if not torch.cuda.is_available():
