@@ -295,16 +295,16 @@ def test_a_torch_profiler_trace_is_a_profile(
             optimizer.step()
     trace = tmp_path / "trace.json"
     prof.export_chrome_trace(str(trace))
-    loaded = Profile.load(trace, model="tiny", batch_size=8)
+    loaded = cluster.load_profile(trace, model="tiny", batch_size=8)
     assert loaded.names == ("a.weight", "a.bias", "b.weight", "b.bias")
     assert loaded.forward_ms > 0 and loaded.optimizer_ms > 0
     assert max(loaded.ready_ms[2:]) <= min(loaded.ready_ms[:2])  # b before a, as measured
     step = predict(ClusterConfig("tiny", 2, NCCL, profile=loaded, gpu=V100))
     assert step.backward_s >= max(loaded.ready_ms) * 1e-3
-    with pytest.raises(ValueError, match=r"is a torch\.profiler trace: name its model"):
+    with pytest.raises(ValueError, match=r"is a torch\.profiler trace: load it with"):
         Profile.load(trace)
     with pytest.raises(ValueError, match="not a multiple of resnet50's 161 parameters"):
-        Profile.load(trace, model="resnet50")
+        cluster.load_profile(trace, model="resnet50")
 
 
 def test_a_gpu_trace_times_gradients_by_their_kernels(
@@ -342,7 +342,7 @@ def test_a_gpu_trace_times_gradients_by_their_kernels(
     ]  # fmt: skip
     trace = tmp_path / "gpu.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    loaded = Profile.load(trace, model="tiny", batch_size=8)
+    loaded = cluster.load_profile(trace, model="tiny", batch_size=8)
     assert loaded.forward_ms == pytest.approx(0.2)  # 100 to 300 us
     ready = dict(zip(order, [1.0, 1.0, 3.0, 3.0], strict=True))  # ms after backward's start
     assert loaded.ready_ms == tuple(ready[i] for i in range(4))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import shapes
+from .profile import Profile
 
 __all__: list[str] = []
 
@@ -49,11 +50,9 @@ def hook_order(model: str) -> list[int]:
     return order
 
 
-def load(path: str | Path, model: str, batch_size: int) -> Any:
+def load(path: str | Path, model: str, batch_size: int) -> Profile:
     """The profile of ``model``'s last step in the trace at ``path``; ValueError naming what
     the trace lacks."""
-    from .cluster import Profile  # the record this builds; cluster does not import this module
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -44,19 +44,19 @@ from torch import Tensor, nn
 
 from reducer import DistributedDataParallel, ReduceOp
 
-from . import shapes
+from . import chrome_profile, shapes
 from .gpu import GpuSpec, OpClock
+from .profile import Profile
 
 __all__ = [
     "ClusterPrediction",
     "CollectiveRecord",
     "Profile",
     "VirtualGroup",
+    "load_profile",
     "measure_profile",
     "predict",
 ]
-
-PROFILE_FORMAT = "ddp-reducer-profile/1"
 
 
 class CostModel:
@@ -225,115 +225,16 @@ class VirtualGroup:
 # Profiles: compute measured where the job runs.
 
 
-@dataclass(frozen=True, slots=True)
-class Profile:
-    """One rank's measured step: per parameter (in ``model.parameters()`` order) its name,
-    shape and when its gradient was ready, in ms from the start of backward; forward and
-    optimizer time in ms. Stored as JSON (:meth:`save`, :meth:`load`)."""
-
-    model: str
-    device: str
-    batch_size: int
-    forward_ms: float
-    optimizer_ms: float
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    ready_ms: tuple[float, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": PROFILE_FORMAT,
-            "model": self.model,
-            "device": self.device,
-            "batch_size": self.batch_size,
-            "forward_ms": self.forward_ms,
-            "optimizer_ms": self.optimizer_ms,
-            "params": [
-                {"name": n, "shape": list(s), "ready_ms": r}
-                for n, s, r in zip(self.names, self.shapes, self.ready_ms, strict=True)
-            ],
-        }
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path, *, model: str | None = None, batch_size: int = 0) -> Profile:
-        """A profile from ``path``: this project's JSON, or torch.profiler's Chrome trace of
-        ``model`` (see reducer.tools.simulate.chrome_profile); ValueError naming the field
-        that is missing or wrong."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"profile {path}: cannot read it as JSON: {exc}") from exc
-        if isinstance(data, dict) and "traceEvents" in data:
-            if model is None:
-                raise ValueError(f"profile {path} is a torch.profiler trace: name its model")
-            from . import chrome_profile
-
-            profile: Profile = chrome_profile.load(path, model, batch_size)
-            return profile
-        return cls.from_json(data, source=str(path))
-
-    @classmethod
-    def from_json(cls, data: Any, *, source: str = "profile") -> Profile:
-        def need(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
-            if not isinstance(obj, dict) or key not in obj:
-                raise ValueError(f"{source}: {where}{key} is missing")
-            if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
-                raise ValueError(f"{source}: {where}{key} has the wrong type: {obj[key]!r}")
-            return obj[key]
-
-        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"{source}: format must be {PROFILE_FORMAT!r}")
-        params = need(data, "params", list, "")
-        names, sizes, ready = [], [], []
-        for i, entry in enumerate(params):
-            where = f"params[{i}]."
-            names.append(need(entry, "name", str, where))
-            shape = need(entry, "shape", list, where)
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"{source}: {where}shape must be a list of sizes: {shape!r}")
-            sizes.append(tuple(shape))
-            value = float(need(entry, "ready_ms", (int, float), where))
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"{source}: {where}ready_ms must be >= 0, got {value!r}")
-            ready.append(value)
-        times = {}
-        for key in ("forward_ms", "optimizer_ms"):
-            times[key] = float(need(data, key, (int, float), ""))
-            if not (times[key] >= 0 and math.isfinite(times[key])):
-                raise ValueError(f"{source}: {key} must be >= 0, got {times[key]!r}")
-        return cls(
-            model=need(data, "model", str, ""),
-            device=str(data.get("device", "")),
-            batch_size=int(need(data, "batch_size", int, "")),
-            forward_ms=times["forward_ms"],
-            optimizer_ms=times["optimizer_ms"],
-            names=tuple(names),
-            shapes=tuple(sizes),
-            ready_ms=tuple(ready),
-        )
-
-    def check_matches(self, model: str, params: Sequence[tuple[str, Tensor]]) -> None:
-        """ValueError naming the first field where this profile and the model differ."""
-        if self.model != model:
-            raise ValueError(f"profile: model is {self.model!r}, the prediction's is {model!r}")
-        if len(self.names) != len(params):
-            raise ValueError(
-                f"profile: params has {len(self.names)} entries, model {model!r} has "
-                f"{len(params)} parameters; measure the profile on this model"
-            )
-        for i, ((name, p), mine, shape) in enumerate(
-            zip(params, self.names, self.shapes, strict=True)
-        ):
-            if mine != name:
-                raise ValueError(f"profile: params[{i}].name is {mine!r}, the model's {name!r}")
-            if tuple(p.shape) != shape:
-                raise ValueError(
-                    f"profile: params[{i}].shape ({name}) is {list(shape)}, the model's "
-                    f"{list(p.shape)}"
-                )
+def load_profile(path: str | Path, *, model: str, batch_size: int = 0) -> Profile:
+    """A profile from ``path``: this project's JSON (:meth:`Profile.load`), or
+    torch.profiler's Chrome trace of ``model`` (:mod:`.chrome_profile`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"profile {path}: cannot read it as JSON: {exc}") from exc
+    if isinstance(data, dict) and "traceEvents" in data:
+        return chrome_profile.load(path, model, batch_size)
+    return Profile.from_json(data, source=str(path))
 
 
 def measure_profile(

@@ -151,7 +151,7 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
     profile = None
     device = torch.device(args.device)
     if args.profile is not None:
-        profile = cluster.Profile.load(
+        profile = cluster.load_profile(
             args.profile,
             model=args.model,
             batch_size=_batch(args) or shapes.SHAPE_MODELS[args.model].batch_size,
