@@ -80,6 +80,17 @@ def test_round_robin_groups_share_the_network() -> None:
     assert clock.now_s == 2.0
 
 
+def test_a_later_collective_shares_from_its_start() -> None:
+    clock = _Clock()
+    group = VirtualGroup(8, _Fixed(1.0), clock, groups=2)
+    _launch(group, 0.0)
+    last = _launch(group, 0.5)
+    last.wait()
+    # Alone until 0.5 (half done), then both at half speed: the first ends at 1.5, the
+    # second, with 0.5 left alone, at 2.0.
+    assert [r.done_s for r in group.records] == [1.5, 2.0]
+
+
 def test_without_overlap_nothing_starts_before_backward_ends() -> None:
     clock = _Clock()
     group = VirtualGroup(8, _Fixed(1.0), clock, overlap=False)
