@@ -24,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,19 @@ class _Profiled:
         )  # fmt: skip
 
 
-def measure_gloo(args: argparse.Namespace, rank: int) -> tuple[dict[float, float], cluster.Profile]:
-    """Median step (s) per cap of this project's DDP on the gloo group, and the profile of
-    the plain steps in between."""
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """Seconds: the plain step's median; per cap, the DDP step's median and its paired
+    estimate (median ratio to the plain step of the same round, times the plain median)."""
+
+    plain: float
+    median: dict[float, float]
+    paired: dict[float, float]
+
+
+def measure_gloo(args: argparse.Namespace, rank: int) -> tuple[Measured, cluster.Profile]:
+    """The steps of this project's DDP on the gloo group per cap, and the profile of the
+    plain steps in between."""
     pg = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
     variants: dict[float | None, tuple[Any, Any, torch.optim.Optimizer]] = {}
     torch.manual_seed(0)
@@ -105,15 +116,16 @@ def measure_gloo(args: argparse.Namespace, rank: int) -> tuple[dict[float, float
         if isinstance(ddp, reducer.DistributedDataParallel):
             ddp.reducer.close()
     plain_steps = samples.pop(None)
-    measured = {cap: statistics.median(s) for cap, s in samples.items() if cap is not None}
-    measured[-1.0] = statistics.median(plain_steps)
-    # Each DDP step against the plain step of the same round (see interleave): drift and
-    # the load of other work, which change from round to round, cancel in the ratio.
+    plain = statistics.median(plain_steps)
+    median, paired = {}, {}
     for cap, steps in samples.items():
         assert cap is not None
+        median[cap] = statistics.median(steps)
+        # Each DDP step against the plain step of the same round (see interleave): drift
+        # and the load of other work, which change from round to round, cancel in the ratio.
         ratio = statistics.median(d / p for d, p in zip(steps, plain_steps, strict=True))
-        measured[-2.0 - cap] = ratio * measured[-1.0]
-    return measured, profiled.profile(args.model, args.batch_size)
+        paired[cap] = ratio * plain
+    return Measured(plain, median, paired), profiled.profile(args.model, args.batch_size)
 
 
 def rank_main(rank: int, args: argparse.Namespace) -> None:
@@ -128,7 +140,7 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
     print(
         f"# compute measured on rank 0's plain steps: forward {profile.forward_ms:.1f} ms, "
         f"backward {max(profile.ready_ms):.1f} ms, optimizer {profile.optimizer_ms:.1f} ms; "
-        f"plain step {measured[-1.0] * 1e3:.1f} ms\n"
+        f"plain step {measured.plain * 1e3:.1f} ms\n"
     )
     rows: list[list[object]] = []
     for cap in args.caps:
@@ -139,7 +151,7 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
         overlapped = cluster.predict(
             cluster.ClusterConfig(args.model, 2, link, bucket_cap_mb=cap, profile=profile)
         )
-        real, paired = measured[cap] * 1e3, measured[-2.0 - cap] * 1e3
+        real, paired = measured.median[cap] * 1e3, measured.paired[cap] * 1e3
         predicted = shared.step_s * 1e3
         rows.append(
             [f"{cap:g}", len(shared.bucket_nbytes), overlapped.step_s * 1e3, predicted, real,
