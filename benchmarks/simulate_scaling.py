@@ -10,6 +10,13 @@ W = 8: "vs linear" is the step time divided by (W / 8) times W = 8's, so 1.00 me
 linear growth.
 
     python benchmarks/simulate_scaling.py [--steps 20] [--model mlp] [--ranks 8,16,32,64]
+
+With --predict it times ``simulate --predict`` instead (one rank of a model by shape through
+the real DDP, the others modelled; no thread per rank) for W = 8 to 4096 on the
+nccl-dgx1-v100 preset: the wall time of each prediction, and the predicted step.
+
+    python benchmarks/simulate_scaling.py --predict [--model resnet50]
+        [--ranks 8,64,256,1024,4096]
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine, table
 
+import fakepg
 from reducer.tools import simulate
+from reducer.tools.simulate import gpu
+from reducer.tools.simulate.cluster import ClusterConfig, predict
 
 
 class PeakThreads:
@@ -53,8 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default="mlp")
-    parser.add_argument("--ranks", default="8,16,32,64")
+    parser.add_argument("--ranks", default=None, help="default 8,16,32,64; 8 to 4096 --predict")
+    parser.add_argument("--predict", action="store_true", help="time simulate --predict")
     args = parser.parse_args(argv)
+    if args.predict:
+        predict_scaling(args)
+        return
+    args.ranks = args.ranks or "8,16,32,64"
     sim_parser = argparse.ArgumentParser()
     simulate.add_arguments(sim_parser)
 
@@ -95,6 +110,19 @@ def main(argv: list[str] | None = None) -> None:
         "peak threads",
     ]
     print(table(headers, rows))
+
+
+def predict_scaling(args: argparse.Namespace) -> None:
+    model = "resnet50" if args.model == "mlp" else args.model
+    network = fakepg.parse_network("nccl-dgx1-v100")
+    rows: list[list[object]] = []
+    for w in [int(r) for r in (args.ranks or "8,64,256,1024,4096").split(",")]:
+        start = time.perf_counter()
+        step = predict(ClusterConfig(model, w, network, gpu=gpu.GPUS["v100"]))
+        rows.append([w, f"{time.perf_counter() - start:.2f}", step.step_s * 1e3])
+    print(f"# simulate --predict --model {model} --network nccl-dgx1-v100 --gpu v100")
+    print(f"# machine: {machine()}\n")
+    print(table(["ranks", "prediction wall s", "predicted step ms"], rows))
 
 
 if __name__ == "__main__":

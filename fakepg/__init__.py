@@ -15,6 +15,7 @@ see both sides, and a failure on one rank wakes every other.
 
 from __future__ import annotations
 
+from .clusternet import CLUSTER_PRESETS, GlooModel, NcclModel, Topology
 from .faults import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -29,6 +30,7 @@ from .work import Work
 from .world import World, run
 
 __all__ = [
+    "CLUSTER_PRESETS",
     "NETWORK_PRESETS",
     "AlphaBeta",
     "CollectiveMismatch",
@@ -36,8 +38,11 @@ __all__ = [
     "FakePGError",
     "FakeProcessGroup",
     "FixedLatency",
+    "GlooModel",
+    "NcclModel",
     "NetworkModel",
     "RankExited",
+    "Topology",
     "Work",
     "World",
     "WorldAborted",

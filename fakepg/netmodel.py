@@ -19,9 +19,9 @@ Two models: :class:`FixedLatency` (every collective takes the same time) and
 # size, L = ceil(log2(W)). With W = 1 nothing crosses a link and every collective costs 0.
 #
 #   collective          ring                                  tree
-#   allreduce           2(W-1) alpha + 2(W-1)/W * S/B          2L (alpha + S/B)
+#   allreduce           2(W-1) alpha + 2(W-1)/W * S/B          2L alpha + 2 S/B
 #   allgather           (W-1) (alpha + S/B)                    L alpha + (W-1) S/B
-#   broadcast           (W-1) alpha + S/B                      L (alpha + S/B)
+#   broadcast           (W-1) alpha + S/B                      L alpha + S/B
 #   barrier             2(W-1) alpha                           2L alpha
 #   sparse_allreduce    as allgather (each rank's indices and values are gathered)
 #   reduce              as broadcast (the same messages, the other way)
@@ -32,9 +32,12 @@ Two models: :class:`FixedLatency` (every collective takes the same time) and
 #
 # For reduce_scatter and all_to_all, S is one rank's whole input (W parts of S/W). Ring
 # allreduce is reduce-scatter then allgather, each W-1 steps of S/W bytes (bandwidth
-# optimal, latency linear in W). Tree allreduce reduces the whole message up a binary tree and
-# broadcasts it down, unpipelined (latency logarithmic, bandwidth term L times larger). Tree
-# allgather is recursive doubling. Ring broadcast is the pipelined chain in its limit (each
+# optimal, latency linear in W). Tree allreduce is NCCL's pipelined double binary tree: the
+# message is cut into chunks that stream up two complementary trees (each carries half) and
+# back down, so the latency is logarithmic and every link carries the bytes once each way:
+# 2 S/B, the bandwidth NCCL's tuning model gives it (algorithm bandwidth = bus bandwidth / 2,
+# src/graph/tuning.cc). Tree broadcast is the same pipeline one way. Tree allgather is
+# recursive doubling. Ring broadcast is the pipelined chain in its limit (each
 # hop adds a latency, the bytes cross once). A barrier is an allreduce of nothing. Sparse
 # allreduce on real backends (gloo) gathers every rank's sparse tensor, so it costs an
 # allgather of the rank's sparse bytes.
@@ -149,12 +152,12 @@ class AlphaBeta:
                 return (w - 1) * alpha + size
             return 2 * (w - 1) * alpha  # barrier
         levels = math.ceil(math.log2(w))
-        if kind == "allreduce":
-            return 2 * levels * (alpha + size)
+        if kind == "allreduce":  # pipelined: see Note [Alpha-beta cost formulas]
+            return 2 * levels * alpha + 2 * size
         if kind == "allgather":
             return levels * alpha + (w - 1) * size
         if kind == "broadcast":
-            return levels * (alpha + size)
+            return levels * alpha + size
         return 2 * levels * alpha  # barrier
 
     def __str__(self) -> str:
@@ -198,18 +201,26 @@ _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)\s*([a-z]*)\s*$")
 def parse_network(spec: str) -> NetworkModel | None:
     """A network model from a preset name or a spec; None for ``"none"`` (memory speed).
 
+    Presets: :data:`NETWORK_PRESETS` (one link) and ``fakepg.CLUSTER_PRESETS`` (NCCL or gloo
+    on real machines).
+
     A spec is ``latency=25us,bandwidth=10gbit[,algorithm=ring|tree]`` (latency in s, ms, us
     or ns; bandwidth per second in b, kb, mb, gb (bytes) or bit, kbit, mbit, gbit, decimal
     prefixes), or ``fixed=5ms`` for :class:`FixedLatency`.
     """
+    from .clusternet import CLUSTER_PRESETS  # below this module: it imports nothing of it
+
     text = spec.strip().lower()
     if text in ("", "none"):
         return None
     if text in NETWORK_PRESETS:
         return NETWORK_PRESETS[text]
+    if text in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[text]
     if "=" not in text:
         raise ValueError(
-            f"unknown network {spec!r}: use none, a preset ({', '.join(NETWORK_PRESETS)}), or "
+            f"unknown network {spec!r}: use none, a preset "
+            f"({', '.join([*NETWORK_PRESETS, *CLUSTER_PRESETS])}), or "
             "a spec such as 'latency=25us,bandwidth=10gbit,algorithm=ring' or 'fixed=5ms'"
         )
     fields: dict[str, str] = {}

@@ -43,3 +43,10 @@ def test_launch_check_measures_both_variants() -> None:
     )
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out
+
+
+def test_published_figures_prints_predicted_beside_published() -> None:
+    out = _run("benchmarks/published_figures.py", "--quick")
+    rows = [line for line in out.splitlines() if line.startswith("|") and "DDP" in line]
+    assert len(rows) == 2, out  # no DDP at 1 GPU; DDP at 16
+    assert rows[1].split("|")[3].strip() == "104", out  # the README's 16-GPU row

@@ -179,7 +179,9 @@ def test_invalid_arguments() -> None:
         with pytest.raises(reducer.InvalidArgument, match=r"wraps an nn\.Module"):
             DDP(torch.ones(2), pg)  # type: ignore[arg-type]
         with pytest.raises(reducer.InvalidArgument, match="bucket_cap_mb must be"):
-            DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0)
+            DDP(nn.Linear(2, 2), pg, bucket_cap_mb=-1)
+        # 0, as torch takes it: one parameter per bucket.
+        assert DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0).reducer.bucket_indices == [[1], [0]]
         with pytest.raises(reducer.InvalidArgument, match=r"implement reducer\.ProcessGroup"):
             DDP(nn.Linear(2, 2), object())  # type: ignore[arg-type]
         frozen = nn.Linear(2, 2).requires_grad_(False)

@@ -38,11 +38,12 @@ def test_ring_formulas(kind: str, world_size: int, expected: float) -> None:
 @pytest.mark.parametrize(
     ("kind", "world_size", "expected"),
     [
-        ("allreduce", 4, 2 * 2 * (ALPHA + 2.0)),
-        ("allreduce", 5, 2 * 3 * (ALPHA + 2.0)),  # ceil(log2(5)) = 3 levels
+        # Pipelined: the bytes cross each link once up and once down, whatever the depth.
+        ("allreduce", 4, 2 * 2 * ALPHA + 2 * 2.0),
+        ("allreduce", 5, 2 * 3 * ALPHA + 2 * 2.0),  # ceil(log2(5)) = 3 levels
         ("allgather", 8, 3 * ALPHA + 7 * 2.0),
         ("sparse_allreduce", 8, 3 * ALPHA + 7 * 2.0),
-        ("broadcast", 8, 3 * (ALPHA + 2.0)),
+        ("broadcast", 8, 3 * ALPHA + 2.0),
         ("barrier", 8, 6 * ALPHA),
     ],
 )
@@ -214,7 +215,7 @@ def test_fixed_latency_has_a_name() -> None:
     ("kind", "algorithm", "world_size", "expected"),
     [
         ("reduce", "ring", 4, 3 * ALPHA + 2.0),  # as broadcast
-        ("reduce", "tree", 8, 3 * (ALPHA + 2.0)),
+        ("reduce", "tree", 8, 3 * ALPHA + 2.0),  # pipelined, as broadcast
         ("reduce_scatter", "ring", 4, 3 * ALPHA + 3 / 4 * 2.0),
         ("reduce_scatter", "tree", 8, 3 * ALPHA + 7 / 8 * 2.0),
         ("all_to_all", "ring", 4, 3 * (ALPHA + 2.0 / 4)),

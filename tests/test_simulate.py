@@ -21,7 +21,8 @@ from reducer.tools import cli, simulate
 OPTIONS = [
     "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",
     "--no-sync-every", "--comm-hook", "--network", "--trace", "--seed", "--sweep-bucket-cap",
-    "--device",
+    "--device", "--predict", "--gpu", "--profile", "--save-profile", "--overlap",
+    "--process-groups", "--shared-cores",
 ]  # fmt: skip
 
 
@@ -47,7 +48,10 @@ def test_help_lists_every_option() -> None:
     assert out.returncode == 0, out.stderr[-600:]
     for option in OPTIONS:
         assert option in out.stdout, option
-    assert "{mlp,convnet,embedding,transformer-block}" in out.stdout
+    assert (
+        "{mlp,convnet,embedding,transformer-block,resnet50,bert-base,bert-large,gpt2,"
+        "gpt2-medium,gpt2-large,gpt2-xl}" in out.stdout
+    )
     assert "{none,random,rank-skew}" in out.stdout
     assert "--corrupt-grad" not in out.stdout  # for tests only
 
@@ -138,6 +142,15 @@ def test_a_skipped_branch_without_find_unused_is_explained(
     assert "pass --find-unused" in line
 
 
+def test_a_bucket_cap_of_0_puts_each_parameter_in_its_own_bucket(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run_cli(capsys, "--world-size", "2", "--steps", "2", "--bucket-cap-mb", "0")
+    assert code == 0, out
+    assert "verification: passed" in verdict(out)
+    assert re.search(r"│ buckets\s+│ 12: ", out), out  # the mlp's 12 parameters
+
+
 def test_a_simulated_network(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
         capsys, "--world-size", "2", "--steps", "2", "--network", "10gbe", "--bucket-cap-mb", "0.1"
@@ -152,7 +165,11 @@ def test_a_simulated_network(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--world-size", "0"], "--world-size must be >= 1"),
         (["--no-sync-every", "0"], "--no-sync-every must be >= 1"),
-        (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be > 0"),
+        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be >= 0"),
+        (
+            ["--network", "nccl-dgx1-v100", "--world-size", "12"],
+            "world_size 12 is not a multiple of gpus_per_node 8",
+        ),
         (["--network", "20gbe"], "unknown network '20gbe'"),
         (["--sweep-bucket-cap", "1,x"], "--sweep-bucket-cap takes bucket caps in MiB"),
         (["--corrupt-grad", "0:0:nope"], "--corrupt-grad: no rank 0 or parameter 'nope'"),
@@ -286,3 +303,69 @@ def test_on_cuda_kernels_are_deterministic_for_the_run_only() -> None:
         ) == flags
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+
+
+def test_predict_sweeps_a_real_model_on_a_cluster(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "predicted.json"
+    code, out, err = run_cli(
+        capsys, "--predict", "--model", "resnet50", "--world-size", "16",
+        "--network", "nccl-dgx1-v100", "--sweep-bucket-cap", "0,25", "--overlap", "off",
+        "--trace", str(trace),
+    )  # fmt: skip
+    assert code == 0, err
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    backward = spans["backward"]
+    allreduces = [e for name, e in spans.items() if name.startswith("allreduce")]
+    assert len(allreduces) == 161  # the first cap's: one per parameter
+    # Overlap off: every bucket after backward's end.
+    assert min(e["ts"] for e in allreduces) >= backward["ts"] + backward["dur"] - 1e-6
+    assert "predicted step: resnet50 at 16 ranks" in out
+    assert "network: nccl-dgx1-v100: NCCL auto" in out
+    assert "overlap off" in out
+    assert "compute: ESTIMATE for V100-SXM2" in out
+    rows = [line for line in out.splitlines() if re.match(r"^│\s+[0-9.]+( \*)?\s+│", line)]
+    assert len(rows) == 2, out
+    assert re.search(r"│\s+0( \*)?\s+│\s+161\s+│", out), out  # cap 0: one per bucket
+    assert re.search(r"best: --bucket-cap-mb (0|25) \(predicted", out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--predict", "--model", "mlp"], "--predict takes a model by shape"),
+        (
+            [
+                "--predict",
+                "--model",
+                "resnet50",
+                "--world-size",
+                "12",
+                "--network",
+                "nccl-dgx1-v100",
+            ],
+            "not a multiple of gpus_per_node 8",
+        ),
+        (["--predict", "--model", "resnet50", "--gpu", "tpu"], "unknown GPU 'tpu'"),
+        (["--predict", "--model", "resnet50", "--process-groups", "0"], "--process-groups"),
+        (
+            ["--predict", "--model", "resnet50", "--profile", "/nonexistent.json"],
+            "cannot read it as JSON",
+        ),
+    ],
+)
+def test_predict_bad_arguments_say_what_to_do(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_predict_on_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "--predict", "--model", "resnet50", "--device", "cuda")
+    assert code == 2
+    assert "sees no GPU; predict from --gpu" in err

@@ -92,8 +92,11 @@ def test_sweep_and_best() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
-        predict_step(profile(), 0.0, 8, LINK)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
+        predict_step(profile(), -1.0, 8, LINK)
+    # 0, as DDP takes it: one parameter per bucket.
+    one_each = predict_step(profile(), 0.0, 8, LINK)
+    assert all(len(b) == 1 for b in one_each.bucket_indices)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         predict_step(profile(), 1.0, 0, LINK)
     with pytest.raises(ValueError, match="no predictions"):

@@ -197,14 +197,17 @@ def bucket_limits(
         limits = [int(cap * mib) for cap in caps]
         return float(max(caps)), limits, limits
     cap = 25.0 if bucket_cap_mb is None else bucket_cap_mb
-    _check_mib("bucket_cap_mb", cap)
+    # 0 is torch's too: every bucket closes at its first parameter (one per bucket).
+    _check_mib("bucket_cap_mb", cap, zero=True)
     limits = [int(min(1.0, cap) * mib), int(cap * mib)]
     return float(cap), limits, limits
 
 
-def _check_mib(name: str, value: object) -> None:
-    if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0):
-        raise InvalidArgument(f"{_WHO}: {name} must be a number of MiB > 0, got {value!r}")
+def _check_mib(name: str, value: object, *, zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and (value >= 0 if zero else value > 0)
+    if isinstance(value, bool) or not ok:
+        bound = ">= 0 (0: one parameter per bucket)" if zero else "> 0"
+        raise InvalidArgument(f"{_WHO}: {name} must be a number of MiB {bound}, got {value!r}")
 
 
 def resolve_devices(

@@ -149,8 +149,10 @@ def predict_step(
     profile: BackwardProfile, bucket_cap_mb: float, world_size: int, network: CostModel | None
 ) -> Prediction:
     """Replay the profiled backward for ``bucket_cap_mb`` on ``world_size`` ranks."""
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    if not bucket_cap_mb >= 0:
+        raise ValueError(
+            f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb!r}"
+        )
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     buckets = bucket_assignment(profile, bucket_cap_mb)

@@ -7,6 +7,8 @@
     python -m reducer simulate --model transformer-block --width 512 \\
         --sweep-bucket-cap 0.25,1,4,25 --network 10gbe --world-size 64
     python -m reducer simulate --model transformer-block --device cuda   # every rank on a GPU
+    python -m reducer simulate --predict --model resnet50 --world-size 1024 \\
+        --network nccl-dgx1-v100 --sweep-bucket-cap 0,1,5,25      # a real cluster, predicted
 
 Each rank is a thread of one process on the in-memory fake world (fakepg), training its own
 copy of a built-in model through reducer.DistributedDataParallel on its own batches. After
@@ -26,6 +28,11 @@ share it). The check stays bit for bit: cuDNN is held to deterministic algorithm
 attention to its math kernel for the run, so that the reference copy computes the very bits
 the rank did. Times are then those of the host issuing GPU work, which is why the sweep, which
 predicts from them, runs on the CPU only.
+
+--predict (see reducer.tools.simulate.cluster) runs no ranks: one rank of a real model by
+shape (resnet50, bert-base, bert-large, gpt2 ... gpt2-xl) goes through the real DDP on a
+virtual clock, compute estimated for --gpu or measured (--device cuda, --profile FILE), the
+collectives costed by --network (NCCL and gloo cluster presets), the other ranks identical.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from reducer.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from reducer.tools.trace import Pass, RankStep, Span, write_chrome_trace
 from reducer.tools.whatif import BackwardProfile, best, sweep
 
-from . import models, report, verify
+from . import models, predict_cmd, report, shapes, verify
 from .records import Config, SimulationResult
 
 __all__ = ["SimulationResult", "add_arguments", "main", "measure_profile", "run", "simulate"]
@@ -68,7 +75,14 @@ _LEARNING_RATE = 0.01
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--world-size", type=int, default=4, help="ranks, one thread each (default 4)")
-    add("--model", choices=list(models.MODELS), default="mlp", help="built-in model (default mlp)")
+    add(
+        "--model",
+        choices=[*models.MODELS, *shapes.SHAPE_MODELS],
+        default="mlp",
+        help="built-in model (default mlp); the real models by shape ("
+        + ", ".join(shapes.SHAPE_MODELS)
+        + ") are for --predict",
+    )
     add("--width", type=int, default=None, help="model width (default: the model's own, small)")
     add("--batch-size", type=int, default=32, help="samples per rank per micro-batch (32)")
     add("--steps", type=int, default=20, help="optimizer steps, each verified (default 20)")
@@ -137,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks of the measuring run of --sweep-bucket-cap (default 1: no contention)",
     )
     add("--no-progress", action="store_true", help="no progress bar")
+    predict_cmd.add_arguments(parser)
     # For tests: corrupt one reduced gradient (STEP:RANK:PARAM, PARAM an index or a name)
     # after the synced backward, so that the check must stop the run and name it.
     add("--corrupt-grad", default=None, help=argparse.SUPPRESS)
@@ -150,7 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Simulate (or sweep) as ``args`` say; 0 if every step verified, 1 if not, 2 on bad args."""
+    """Simulate (or sweep, or predict) as ``args`` say; 0 if every step verified, 1 if not,
+    2 on bad args."""
+    if predict_cmd.wants_prediction(args):
+        return predict_cmd.run(args)
     try:
         config = Config.from_args(args)
     except ValueError as exc:

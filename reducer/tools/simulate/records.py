@@ -59,20 +59,26 @@ class Config:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if args.width is not None and args.width < 4:
             raise ValueError(f"--width must be >= 4, got {args.width}")
-        if not args.bucket_cap_mb > 0:
-            raise ValueError(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+        if not args.bucket_cap_mb >= 0:
+            raise ValueError(
+                f"--bucket-cap-mb must be >= 0 (0: one parameter per bucket), got "
+                f"{args.bucket_cap_mb}"
+            )
         if not args.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
         network = fakepg.parse_network(args.network)
+        topology = getattr(network, "topology", None)
+        if topology is not None:  # a cluster preset: the world must fill whole nodes
+            topology.nodes(args.world_size)
         caps: tuple[float, ...] = ()
         if args.sweep_bucket_cap is not None:
             try:
                 caps = tuple(float(c) for c in args.sweep_bucket_cap.split(",") if c.strip())
             except ValueError:
                 caps = ()
-            if not caps or any(not c > 0 for c in caps):
+            if not caps or any(not c >= 0 for c in caps):
                 raise ValueError(
-                    f"--sweep-bucket-cap takes bucket caps in MiB, > 0, separated by commas "
+                    f"--sweep-bucket-cap takes bucket caps in MiB, >= 0, separated by commas "
                     f"(e.g. 0.25,1,4,25), got {args.sweep_bucket_cap!r}"
                 )
         device = _parse_device(args.device)
@@ -80,7 +86,8 @@ class Config:
             raise ValueError(
                 f"--sweep-bucket-cap predicts from the times the host measures, which on "
                 f"{device.type} are when work was issued, not done; run the sweep with "
-                "--device cpu"
+                "--device cpu, or sweep a model by shape with --predict (it times the GPU "
+                "with events)"
             )
         _check_available(device, args.device)
         corrupt = None

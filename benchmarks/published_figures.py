@@ -1,0 +1,139 @@
+"""Predicted against published: the DDP paper's figures and torch's DDP benchmark README.
+
+Every prediction is ``python -m reducer simulate --predict``'s: one rank of the model by shape
+through this project's DDP on a virtual clock, compute ESTIMATED per kernel from FLOPs and
+bytes against the V100's datasheet peaks (no number below is fitted to a published row),
+collectives costed by NCCL's tuning model or gloo's ring on a named cluster preset.
+
+1. torch's ``benchmarks/distributed/ddp/README.md``: ResNet50, batch 32, DGX-1 V100 machines
+   (4 x 100 Gb/s InfiniBand each): 97 ms without DDP; 100, 103, 103, 104, 104 ms with DDP on
+   1, 2, 4, 8, 16 GPUs; bucket_cap_mb=1 slower than 25 by 0.3, 1.0, 1.6, 2.6, 3.8 % (p75).
+2. The DDP paper (Li et al., VLDB 2020): overlapping communication with backward speeds
+   ResNet50 and BERT up by 38.0 % and 35.2 % on NCCL, 26.8 % and 21.5 % on gloo (32 GPUs);
+   bucket size makes more than 2x difference; ResNet50 on NCCL is best at 10 to 25 MB.
+3. The scaling curve to 256 GPUs (the paper: near-linear on NCCL).
+
+    python benchmarks/published_figures.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine, table
+
+import fakepg
+from reducer.tools.simulate import gpu
+from reducer.tools.simulate.cluster import ClusterConfig, ClusterPrediction, predict
+
+V100 = gpu.GPUS["v100"]
+README_CLUSTER = "nccl-dgx1-v100"
+README_DDP_MS = {1: 100, 2: 103, 4: 103, 8: 104, 16: 104}
+README_CAP1_SLOWER = {1: 0.3, 2: 1.0, 4: 1.6, 8: 2.6, 16: 3.8}
+PAPER_OVERLAP = {
+    ("resnet50", "nccl"): 38.0,
+    ("bert-base", "nccl"): 35.2,
+    ("resnet50", "gloo"): 26.8,
+    ("bert-base", "gloo"): 21.5,
+}
+PAPER_BACKENDS = {"nccl": "nccl-dgx1-v100", "gloo": "gloo-dgx1-v100"}
+
+
+def step(model: str, world: int, network: str | None, **options: object) -> ClusterPrediction:
+    net = None if network is None else fakepg.parse_network(network)
+    return predict(ClusterConfig(model, world, net, gpu=V100, **options))  # type: ignore[arg-type]
+
+
+def readme_rows(worlds: list[int]) -> None:
+    alone = step("resnet50", 1, None, ddp=False)
+    rows: list[list[object]] = [["no DDP", 1, 97, alone.step_s * 1e3, _err(alone.step_s * 1e3, 97),
+                                 "", "", ""]]  # fmt: skip
+    for w in worlds:
+        at25 = step("resnet50", w, README_CLUSTER)
+        at1 = step("resnet50", w, README_CLUSTER, bucket_cap_mb=1)
+        slower = (at1.step_s / at25.step_s - 1) * 100
+        rows.append(
+            ["DDP", w, README_DDP_MS[w], at25.step_s * 1e3, _err(at25.step_s * 1e3,
+             README_DDP_MS[w]), README_CAP1_SLOWER[w], f"{slower:.2f}",
+             f"{slower - README_CAP1_SLOWER[w]:+.2f}"]
+        )  # fmt: skip
+    print("## torch's DDP benchmark README: ResNet50, batch 32, DGX-1 V100, 4 x 100 Gb/s IB\n")
+    headers = ["run", "GPUs", "published ms", "predicted ms", "error %",
+               "published cap 1 slower %", "predicted cap 1 slower %", "difference"]  # fmt: skip
+    print(table(headers, rows))
+
+
+def _err(predicted: float, published: float) -> str:
+    return f"{(predicted / published - 1) * 100:+.1f}"
+
+
+def overlap_rows(world: int) -> None:
+    rows: list[list[object]] = []
+    for (model, backend), published in PAPER_OVERLAP.items():
+        network = PAPER_BACKENDS[backend]
+        on = step(model, world, network)
+        off = step(model, world, network, overlap=False)
+        speedup = (off.step_s / on.step_s - 1) * 100
+        rows.append(
+            [model, backend, off.step_s * 1e3, on.step_s * 1e3, published, f"{speedup:.1f}",
+             f"{speedup - published:+.1f}", on.comm_s * 1e3, on.backward_s * 1e3]
+        )  # fmt: skip
+    print(f"\n## The DDP paper: overlap speed-up, {world} GPUs (off / on - 1)\n")
+    headers = ["model", "backend", "overlap off ms", "overlap on ms", "published %",
+               "predicted %", "difference (points)", "comm ms", "backward ms"]  # fmt: skip
+    print(table(headers, rows))
+
+
+def bucket_rows(world: int, caps: list[float]) -> None:
+    print(f"\n## The DDP paper: step time against bucket cap, {world} GPUs\n")
+    rows: list[list[object]] = []
+    for model in ("resnet50", "bert-base"):
+        for backend, network in PAPER_BACKENDS.items():
+            times = [step(model, world, network, bucket_cap_mb=c).step_s * 1e3 for c in caps]
+            best = min(range(len(caps)), key=lambda i: times[i])
+            rows.append(
+                [model, backend, *(f"{t:.1f}" for t in times), f"{caps[best]:g}",
+                 f"{max(times) / min(times):.2f}"]
+            )  # fmt: skip
+    headers = ["model", "backend", *(f"cap {c:g} ms" for c in caps), "best cap MiB",
+               "worst / best"]  # fmt: skip
+    print(table(headers, rows))
+
+
+def scaling_rows(worlds: list[int]) -> None:
+    print("\n## Scaling on NCCL (DGX-1 V100 nodes): throughput per GPU against one GPU\n")
+    rows: list[list[object]] = []
+    for model in ("resnet50", "bert-base"):
+        alone = step(model, 1, None, ddp=False).step_s
+        for w in worlds:
+            start = time.perf_counter()
+            s = step(model, w, README_CLUSTER).step_s
+            rows.append(
+                [model, w, s * 1e3, f"{alone / s:.3f}", f"{time.perf_counter() - start:.1f}"]
+            )
+    headers = ["model", "GPUs", "step ms", "scaling efficiency", "prediction wall s"]
+    print(table(headers, rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few rows only (for tests)")
+    args = parser.parse_args(argv)
+    print(f"# machine: {machine()}")
+    print("# compute: ESTIMATE, V100 datasheet peaks x assumed efficiencies; see BENCHMARKS.md\n")
+    if args.quick:
+        readme_rows([16])
+        return
+    readme_rows([1, 2, 4, 8, 16])
+    overlap_rows(32)
+    bucket_rows(32, [0, 1, 5, 10, 25, 50, 100, 200])
+    scaling_rows([8, 16, 32, 64, 128, 256, 1024])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Network models of real clusters: GPUs in nodes, NVLink inside, NICs between, NCCL or gloo.
+
+:class:`Topology` describes the machines: GPUs per node, the bus bandwidth each GPU reaches
+over NVLink/NVSwitch inside a node, and the NICs of a node with their bandwidth.
+:class:`NcclModel` costs a collective as NCCL's own tuning model does (see Note [NCCL's cost
+model]): a fixed base latency per call, a per-step latency by hop type, three protocols (LL
+for small messages, LL128, Simple for large ones) with their bandwidth efficiencies, ring and
+pipelined double binary tree, and the fastest (algorithm, protocol) pair chosen per call as
+NCCL does. :class:`GlooModel` costs gloo's ring over TCP, with the device-host copies it does
+for GPU tensors. :data:`CLUSTER_PRESETS` names real machines; every number says its source.
+
+# Note [NCCL's cost model]
+# NCCL picks an algorithm and protocol per call from a table of predicted times, computed in
+# src/graph/tuning.cc (ncclTopoTuneModel; constants below from NCCL 2.19-2.21):
+#
+#   time = latency + bytes / algorithm bandwidth
+#   latency (ring) = baseLat + (nsteps - nInter) * intraLat + nInter * interLat,
+#       nsteps = 2(n-1) for allreduce, n-1 for allgather/reduce-scatter, n otherwise;
+#       nInter = 2(nNodes-1) for allreduce, nNodes-1 otherwise (0 on one node)
+#   latency (tree allreduce) = baseLat + 2 ((n/nNodes - 1) intraLat + log2(nNodes) interLat)
+#   bus bandwidth: NVLink inside one node, min(NVLink, the node's NICs) across nodes;
+#       ring LL x 0.5, ring LL128 x 0.92; tree allreduce x 0.92, then LL x 1/3.8,
+#       LL128 x 7/9 (one node) or 120/128
+#   algorithm bandwidth = bus bandwidth x n / nsteps (ring), x 0.5 (tree allreduce)
+#
+# So ring allreduce moves 2(n-1)/n * bytes at the bus bandwidth (nccl-tests'
+# doc/PERFORMANCE.md: busbw = algbw * 2(n-1)/n), and the pipelined tree moves 2 * bytes at it,
+# with a latency logarithmic in the nodes. Small messages go LL (half the bandwidth, a
+# fraction of the latency). Not modelled: NVLS/CollNet (switch reductions), per-channel caps,
+# the chunk-size effects inside one protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CLUSTER_PRESETS", "GlooModel", "NcclModel", "Topology"]
+
+NcclAlgorithm = Literal["ring", "tree", "auto"]
+_PROTOCOLS = ("LL", "LL128", "Simple")
+_KINDS = (
+    "allreduce", "sparse_allreduce", "allgather", "broadcast", "barrier", "reduce",
+    "reduce_scatter", "all_to_all", "gather", "scatter", "send",
+)  # fmt: skip
+
+# NCCL src/graph/tuning.cc: base latency (us) per call, by algorithm and protocol.
+_BASE_LAT_US = {"tree": (6.8, 14.0, 8.4), "ring": (6.6, 14.0, 8.4)}
+# The same file: latency (us) per step, by hop type (NVLink, network), algorithm and protocol.
+_HW_LAT_US = {
+    ("nvlink", "tree"): (0.6, 1.25, 4.0),
+    ("nvlink", "ring"): (0.6, 1.9, 3.4),
+    ("net", "tree"): (5.0, 8.5, 14.0),
+    ("net", "ring"): (2.7, 4.0, 14.0),
+}
+
+
+def _positive(owner: str, name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """GPUs in nodes: ``gpus_per_node`` GPUs share NVLink/NVSwitch, each reaching
+    ``intra_Bps`` bus bandwidth (bytes/s, one direction); each node has ``nics_per_node``
+    NICs of ``nic_Bps`` bytes/s each. A world larger than one node must be a multiple of
+    ``gpus_per_node``."""
+
+    gpus_per_node: int
+    intra_Bps: float
+    nics_per_node: int
+    nic_Bps: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("gpus_per_node", "nics_per_node"):
+            value = getattr(self, field_name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"Topology: {field_name} must be an integer >= 1, got {value!r}")
+        _positive("Topology", "intra_Bps (NVLink bandwidth)", self.intra_Bps)
+        _positive("Topology", "nic_Bps (NIC bandwidth)", self.nic_Bps)
+
+    def nodes(self, world_size: int) -> int:
+        """Nodes a world of ``world_size`` ranks fills; ValueError if it does not divide."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if world_size <= self.gpus_per_node:
+            return 1
+        if world_size % self.gpus_per_node:
+            raise ValueError(
+                f"Topology {self.name or ''}: world_size {world_size} is not a multiple of "
+                f"gpus_per_node {self.gpus_per_node}; use whole nodes (a multiple of "
+                f"{self.gpus_per_node}) or a topology with another gpus_per_node"
+            )
+        return world_size // self.gpus_per_node
+
+    def bus_Bps(self, world_size: int) -> float:
+        """Bus bandwidth per GPU: NVLink on one node; across nodes the node's NICs, shared by
+        its GPUs' rings (one ring per NIC, NCCL's channels), capped by NVLink."""
+        if self.nodes(world_size) == 1:
+            return self.intra_Bps
+        return min(self.intra_Bps, self.nics_per_node * self.nic_Bps)
+
+
+@dataclass(frozen=True, slots=True)
+class NcclModel:
+    """NCCL on a :class:`Topology`: see Note [NCCL's cost model]. ``algorithm`` "auto" takes
+    the fastest of ring and tree per call, as NCCL does; "ring" or "tree" forces one (as
+    NCCL_ALGO does). ``launch_s`` is the host's cost to launch one collective kernel, paid
+    before NCCL's base latency."""
+
+    topology: Topology
+    algorithm: NcclAlgorithm = "auto"
+    launch_s: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("ring", "tree", "auto"):
+            raise ValueError(
+                f"NcclModel: algorithm must be 'ring', 'tree' or 'auto', got {self.algorithm!r}"
+            )
+        if not (self.launch_s >= 0 and math.isfinite(self.launch_s)):
+            raise ValueError(f"NcclModel: launch_s must be >= 0, got {self.launch_s!r}")
+
+    def choice(self, kind: str, nbytes: int, world_size: int) -> tuple[str, str, float]:
+        """(algorithm, protocol, seconds) NCCL's tuner would pick for this call."""
+        _check_call("NcclModel", kind, nbytes, world_size)
+        n = world_size
+        if n == 1:
+            return ("ring", "Simple", 0.0)
+        nodes = self.topology.nodes(n)
+        if kind == "barrier":  # an allreduce of one element, as NCCL-based barriers do
+            kind, nbytes = "allreduce", 4
+        if kind in ("sparse_allreduce", "gather", "scatter"):
+            kind = "allgather"  # gathers every rank's part (see fakepg.netmodel)
+        if kind == "send":
+            t = self.topology
+            bus = t.intra_Bps if nodes == 1 else min(t.nic_Bps, t.intra_Bps)
+            hop = "nvlink" if nodes == 1 else "net"
+            return ("p2p", "Simple", self.launch_s + 1e-6 * _HW_LAT_US[(hop, "ring")][2] +
+                    nbytes / bus)  # fmt: skip
+        algorithms = ("ring", "tree") if self.algorithm == "auto" else (self.algorithm,)
+        if kind != "allreduce":
+            algorithms = ("ring",)  # NCCL's tree serves allreduce only
+        best: tuple[str, str, float] | None = None
+        for algorithm in algorithms:
+            for p, protocol in enumerate(_PROTOCOLS):
+                seconds = self._time(kind, nbytes, n, nodes, algorithm, p)
+                if best is None or seconds < best[2]:
+                    best = (algorithm, protocol, seconds)
+        assert best is not None
+        return best[0], best[1], best[2] + self.launch_s
+
+    def _time(self, kind: str, nbytes: int, n: int, nodes: int, algorithm: str, p: int) -> float:
+        bus = self.topology.bus_Bps(n)
+        intra = _HW_LAT_US[("nvlink", algorithm)][p]
+        inter = _HW_LAT_US[("net", algorithm)][p]
+        latency = _BASE_LAT_US[algorithm][p]
+        if algorithm == "ring":
+            bus *= (0.5, 0.92, 1.0)[p]
+            if kind == "allreduce":
+                steps, inter_steps = 2 * (n - 1), 2 * (nodes - 1)
+            elif kind in ("allgather", "reduce_scatter", "all_to_all"):
+                steps, inter_steps = n - 1, nodes - 1
+            else:  # broadcast, reduce: a pipelined chain
+                steps, inter_steps = n, nodes - 1
+            latency += (steps - inter_steps) * intra + inter_steps * inter
+            if kind == "allreduce":
+                moved = nbytes * steps / n  # 2(n-1)/n bytes over the bus
+            elif kind in ("allgather", "all_to_all"):
+                moved = nbytes * (n - 1)  # every other rank's part arrives
+            elif kind == "reduce_scatter":
+                moved = nbytes * (n - 1) / n
+            else:
+                moved = nbytes
+        else:  # tree allreduce
+            bus = bus * 0.92
+            bus *= (1 / 3.8, 7 / 9 if nodes == 1 else 120 / 128, 1.0)[p]
+            latency += 2 * ((n // nodes - 1) * intra + math.log2(nodes) * inter)
+            moved = 2 * nbytes  # algorithm bandwidth = bus bandwidth / 2
+        return latency * 1e-6 + moved / bus
+
+    def collective_time_s(self, kind: str, nbytes: int, world_size: int) -> float:
+        return self.choice(kind, nbytes, world_size)[2]
+
+    def __str__(self) -> str:
+        t = self.topology
+        label = f"{self.name}: " if self.name else ""
+        return (
+            f"{label}NCCL {self.algorithm}, {t.gpus_per_node} GPUs/node at "
+            f"{t.intra_Bps / 1e9:g} GB/s, {t.nics_per_node} x {t.nic_Bps * 8 / 1e9:g} Gb/s NICs"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GlooModel:
+    """gloo's ring allreduce over TCP on a :class:`Topology`.
+
+    gloo does not use NVLink: every hop is a TCP connection (loopback inside a node), each
+    step costs ``latency_s`` and moves its chunk at ``tcp_Bps`` (one connection's throughput,
+    at most one NIC's bandwidth across nodes). ``call_s`` is the fixed cost of one call (the
+    process group's queue and the algorithm's setup); ``copy_Bps`` is the device-host copy
+    bandwidth for GPU tensors (gloo reduces on the host: a copy each way), 0 for CPU tensors.
+    """
+
+    topology: Topology
+    latency_s: float
+    tcp_Bps: float
+    call_s: float
+    copy_Bps: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("GlooModel", "tcp_Bps (TCP bandwidth)", self.tcp_Bps)
+        for field_name in ("latency_s", "call_s", "copy_Bps"):
+            value = getattr(self, field_name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"GlooModel: {field_name} must be >= 0, got {value!r}")
+
+    def collective_time_s(self, kind: str, nbytes: int, world_size: int) -> float:
+        _check_call("GlooModel", kind, nbytes, world_size)
+        n = world_size
+        if n == 1:
+            return 0.0
+        nodes = self.topology.nodes(n)
+        bw = self.tcp_Bps if nodes == 1 else min(self.tcp_Bps, self.topology.nic_Bps)
+        copies = 2 * nbytes / self.copy_Bps if self.copy_Bps else 0.0
+        if kind == "allreduce":
+            steps, moved = 2 * (n - 1), 2 * (n - 1) / n * nbytes
+        elif kind == "barrier":
+            steps, moved = 2 * (n - 1), 0.0
+        elif kind == "send":
+            steps, moved = 1, float(nbytes)
+        elif kind in ("broadcast", "reduce"):
+            steps, moved = n - 1, float(nbytes)
+        elif kind == "reduce_scatter":
+            steps, moved = n - 1, (n - 1) / n * nbytes
+        else:  # allgather and the kinds that gather
+            steps, moved = n - 1, float((n - 1) * nbytes)
+        return self.call_s + steps * self.latency_s + moved / bw + copies
+
+    def __str__(self) -> str:
+        t = self.topology
+        label = f"{self.name}: " if self.name else ""
+        return (
+            f"{label}gloo ring over TCP at {self.tcp_Bps / 1e9:g} GB/s, "
+            f"{self.latency_s * 1e6:g} us/step, {self.call_s * 1e6:g} us/call, "
+            f"{t.gpus_per_node} GPUs/node, {t.nics_per_node} x {t.nic_Bps * 8 / 1e9:g} Gb/s NICs"
+        )
+
+
+def _check_call(owner: str, kind: str, nbytes: int, world_size: int) -> None:
+    if kind not in _KINDS:
+        raise ValueError(
+            f"{owner}: unknown collective kind {kind!r}; expected one of {', '.join(_KINDS)}"
+        )
+    if nbytes < 0 or world_size < 1:
+        raise ValueError(
+            f"{owner}: nbytes must be >= 0 and world_size >= 1, got {nbytes}, {world_size}"
+        )
+
+
+_GB = 1e9
+_GBIT = 1e9 / 8
+
+# DGX-1 (V100): 8 GPUs in a hybrid cube-mesh of NVLink2 links, 25 GB/s per link and direction
+# (NVIDIA Tesla V100 datasheet: 300 GB/s NVLink, six links); NCCL's rings use the links of two
+# rings per GPU direction pair: 2 x 25 x 2 = 100 GB/s of bus bandwidth is what its tuner
+# assumes for six links shared by 8 GPUs (an assumption: we know no published busbw figure).
+# Its NICs: 4 x 100 Gb/s InfiniBand EDR (torch's benchmarks/distributed/ddp/README.md: "8 DGX
+# machines with V100 GPUs ... 4x 100Gb InfiniBand per machine").
+DGX1_V100 = Topology(8, 100 * _GB, 4, 100 * _GBIT, "dgx1-v100")
+# The same GPUs with one 100 Gb/s NIC per node.
+V100_1NIC = Topology(8, 100 * _GB, 1, 100 * _GBIT, "8xv100-1x100g")
+# DGX H100 / H200: NVLink4 through NVSwitch, 900 GB/s bidirectional per GPU, so 450 GB/s per
+# direction (NVIDIA H100 and H200 datasheets); 8 x ConnectX-7 400 Gb/s InfiniBand NDR per node,
+# one per GPU (NVIDIA DGX H100 user guide).
+DGX_H100 = Topology(8, 450 * _GB, 8, 400 * _GBIT, "dgx-h100")
+
+CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
+    "nccl-dgx1-v100": NcclModel(DGX1_V100, "auto", 0.0, "nccl-dgx1-v100"),
+    "nccl-v100-1nic": NcclModel(V100_1NIC, "auto", 0.0, "nccl-v100-1nic"),
+    "nccl-dgx-h100": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h100"),
+    "nccl-dgx-h200": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h200"),  # same fabric as H100
+    # gloo between DGX-1 nodes: TCP over the 100 Gb/s NICs. One TCP connection moves about
+    # 2.5 GB/s (20 Gb/s) and a step costs about 25 us, typical of kernel TCP on 100 GbE (an
+    # assumption, not a measurement of that cluster); call_s 100 us: gloo's per-call setup
+    # (an assumption); copies over PCIe 3 x16 at 12 GB/s of its 15.75 GB/s (PCI-SIG spec).
+    "gloo-dgx1-v100": GlooModel(DGX1_V100, 25e-6, 2.5 * _GB, 100e-6, 12 * _GB, "gloo-dgx1-v100"),
+}
+"""Named clusters: NCCL on DGX-1 V100 (4 x 100 Gb/s IB), on 8 x V100 with one 100 Gb/s NIC,
+on DGX H100/H200 (8 x 400 Gb/s IB); gloo over TCP on DGX-1 V100."""

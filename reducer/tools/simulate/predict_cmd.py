@@ -1,0 +1,254 @@
+"""``python -m reducer simulate --predict``: a step on a real cluster, predicted, as a table.
+
+Reads the prediction's options from the simulate command line, runs
+:func:`reducer.tools.simulate.cluster.predict` once per bucket cap (``--bucket-cap-mb``, or
+each of ``--sweep-bucket-cap``), and prints one row per cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+from rich.table import Table
+
+import fakepg
+
+from . import cluster, gpu, report, shapes
+
+__all__: list[str] = []
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--predict",
+        action="store_true",
+        help="predict one step on a real cluster instead of running the ranks: one rank of "
+        "a model by shape (" + ", ".join(shapes.SHAPE_MODELS) + ") through the real DDP "
+        "reducer, the other ranks identical, --network costing the collectives",
+    )
+    add(
+        "--gpu",
+        default="v100",
+        help="with --predict: estimate compute for this GPU "
+        f"({', '.join(gpu.GPUS)}; default v100) from each kernel's FLOPs and bytes",
+    )
+    add(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="with --predict: compute measured where the job runs (this project's JSON: "
+        "per-parameter gradient-ready times, forward and optimizer time; or torch.profiler's "
+        "Chrome trace of a few steps of the model), instead of the estimate",
+    )
+    add(
+        "--save-profile",
+        default=None,
+        metavar="FILE",
+        help="with --predict --device cuda: write the measured profile there",
+    )
+    add(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="with --predict: off starts no collective before backward ends (default on)",
+    )
+    add(
+        "--shared-cores",
+        action="store_true",
+        help="with --predict: collectives run on the cores that compute (gloo on CPU "
+        "tensors, one core per rank), so none overlaps compute",
+    )
+    add(
+        "--process-groups",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --predict: deal buckets round robin to K process groups (default 1)",
+    )
+
+
+def wants_prediction(args: argparse.Namespace) -> bool:
+    return bool(args.predict) or args.model in shapes.SHAPE_MODELS
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict and print; 2 on bad arguments."""
+    try:
+        configs, notes = _configs(args)
+    except ValueError as exc:
+        print(f"simulate: {exc}", file=sys.stderr)
+        return 2
+    console = report.console()
+    start = time.perf_counter()
+    try:
+        predictions = [cluster.predict(c) for c in configs]
+    except ValueError as exc:
+        print(f"simulate: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    if args.trace is not None:
+        try:
+            count = write_trace(args.trace, predictions[0])
+            notes.append(f"trace: {count} events of the first cap's step written to {args.trace}")
+        except OSError as exc:
+            notes.append(f"trace: could not write {args.trace}: {exc}")
+    _print(console, configs[0], predictions, notes, elapsed)
+    return 0
+
+
+def write_trace(path: str, prediction: cluster.ClusterPrediction) -> int:
+    """The predicted step as Chrome trace-event JSON (ui.perfetto.dev): one track for the
+    compute stream (forward, backward, optimizer), one per process group for collectives."""
+    us = 1e6
+    backward_start = prediction.backward_start_s
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "predicted rank"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+        {"name": "forward", "ph": "X", "pid": 0, "tid": 0,
+         "ts": (backward_start - prediction.forward_s) * us, "dur": prediction.forward_s * us},
+        {"name": "backward", "ph": "X", "pid": 0, "tid": 0, "ts": backward_start * us,
+         "dur": prediction.backward_s * us},
+        {"name": "optimizer", "ph": "X", "pid": 0, "tid": 0,
+         "ts": (prediction.step_s - prediction.optimizer_s) * us,
+         "dur": prediction.optimizer_s * us},
+    ]  # fmt: skip
+    groups = sorted({r.group for r in prediction.collectives})
+    for g in groups:
+        name = f"process group {g}"
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": 1 + g,
+                       "args": {"name": name}})  # fmt: skip
+    for index, record in enumerate(prediction.collectives):
+        if record.start_s != record.start_s:  # NaN: never waited for, never scheduled
+            continue
+        events.append(
+            {"name": f"{record.kind} {index}", "ph": "X", "pid": 0, "tid": 1 + record.group,
+             "ts": record.start_s * us, "dur": (record.done_s - record.start_s) * us,
+             "args": {"bytes": record.nbytes, "launched_us": record.launch_s * us}}
+        )  # fmt: skip
+    with open(path, "w") as out:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, out)
+    return len(events)
+
+
+def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], list[str]]:
+    if args.model not in shapes.SHAPE_MODELS:
+        raise ValueError(
+            f"--predict takes a model by shape: {', '.join(shapes.SHAPE_MODELS)}; got "
+            f"{args.model!r}"
+        )
+    if args.process_groups < 1:
+        raise ValueError(f"--process-groups must be >= 1, got {args.process_groups}")
+    if args.world_size < 1 or args.no_sync_every < 1:
+        raise ValueError("--world-size and --no-sync-every must be >= 1")
+    network = fakepg.parse_network(args.network)
+    notes = []
+    profile = None
+    device = torch.device(args.device)
+    if args.profile is not None:
+        profile = cluster.load_profile(
+            args.profile,
+            model=args.model,
+            batch_size=_batch(args) or shapes.SHAPE_MODELS[args.model].batch_size,
+        )
+        notes.append(f"compute: profile {args.profile} measured on {profile.device}")
+    elif device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {args.device}: this torch sees no GPU; predict from --gpu (an "
+                "estimate) or --profile FILE measured on one"
+            )
+        profile = cluster.measure_profile(args.model, device=device, batch_size=_batch(args))
+        notes.append(f"compute: measured on {profile.device} (this run, one rank)")
+        if args.save_profile:
+            profile.save(args.save_profile)
+            notes.append(f"profile written to {args.save_profile}")
+    spec = gpu.gpu_spec(args.gpu)
+    if profile is None:
+        notes.append(
+            f"compute: ESTIMATE for {spec.name} from each kernel's FLOPs and bytes ({spec.source};"
+            f" {spec.compute_efficiency:g} of FLOP peak, {spec.memory_efficiency:g} of bandwidth)"
+        )
+    caps = [args.bucket_cap_mb]
+    if args.sweep_bucket_cap:
+        try:
+            caps = [float(c) for c in args.sweep_bucket_cap.split(",") if c.strip()]
+        except ValueError:
+            caps = []
+        if not caps or any(not c >= 0 for c in caps):
+            raise ValueError(
+                f"--sweep-bucket-cap takes bucket caps in MiB, >= 0, separated by commas, got "
+                f"{args.sweep_bucket_cap!r}"
+            )
+    configs = [
+        cluster.ClusterConfig(
+            model=args.model,
+            world_size=args.world_size,
+            network=network,
+            bucket_cap_mb=cap,
+            overlap=args.overlap == "on",
+            no_sync_every=args.no_sync_every,
+            process_groups=args.process_groups,
+            batch_size=_batch(args),
+            gpu=spec,
+            profile=profile,
+            find_unused=args.find_unused,
+            shared_cores=args.shared_cores,
+        )
+        for cap in caps
+    ]
+    for c in configs:
+        c.check()
+    return configs, notes
+
+
+def _batch(args: argparse.Namespace) -> int | None:
+    # simulate's own default (32) is for its small models; a model by shape has its own.
+    return None if args.batch_size == 32 else int(args.batch_size)
+
+
+def _print(
+    console: Any,
+    config: cluster.ClusterConfig,
+    predictions: list[cluster.ClusterPrediction],
+    notes: list[str],
+    elapsed: float,
+) -> None:
+    network = "none (memory speed)" if config.network is None else str(config.network)
+    console.print(
+        f"predicted step: {config.model} at {config.world_size} ranks; overlap "
+        f"{'on' if config.overlap else 'off'}, no_sync every {config.no_sync_every}, "
+        f"{config.process_groups} process group(s)"
+    )
+    console.print(f"network: {network}")
+    for note in notes:
+        console.print(note)
+    table = Table()
+    for header in ("bucket cap MiB", "buckets", "forward ms", "backward ms", "comm ms",
+                   "exposed comm ms", "optimizer ms", "step ms"):  # fmt: skip
+        table.add_column(header, justify="right")
+    best = min(predictions, key=lambda p: (p.step_s, p.bucket_cap_mb))
+    for p in predictions:
+        mark = " *" if p is best and len(predictions) > 1 else ""
+        table.add_row(
+            f"{p.bucket_cap_mb:g}{mark}",
+            str(len(p.bucket_nbytes)),
+            f"{p.forward_s * 1e3:.2f}",
+            f"{p.backward_s * 1e3:.2f}",
+            f"{p.comm_s * 1e3:.2f}",
+            f"{p.exposed_s * 1e3:.2f}",
+            f"{p.optimizer_s * 1e3:.2f}",
+            f"{p.step_s * 1e3:.2f}",
+        )
+    console.print(table)
+    if len(predictions) > 1:
+        console.print(
+            f"best: --bucket-cap-mb {best.bucket_cap_mb:g} (predicted {best.step_s * 1e3:.2f} "
+            f"ms per step at {config.world_size} ranks)"
+        )
+    console.print(f"predicted in {elapsed:.1f} s (one rank run on the meta device per cap)")
