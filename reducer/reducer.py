@@ -405,8 +405,11 @@ class Reducer:
             param, view = replica.variables[intra], replica.views[intra]
             # In "reciprocal" mode torch scales each gradient at its hook, and by which
             # rounding depends on whether it was copied in (multiplied on the way) or
-            # accumulated in place (divided). See Note [Gradient scaling] there.
-            per_view = self._prescale and self._scaling == "reciprocal"
+            # accumulated in place (divided). See Note [Gradient scaling] there. A large
+            # gradient is scaled at its hook in either mode: see Note [Division fused into
+            # the copy] in reducer.buckets.
+            reciprocal = self._scaling == "reciprocal"
+            per_view = self._prescale and (reciprocal or replica.fused[intra])
             key = (replica_index, index)
             fresh = key in self._views.fresh  # copied in while accumulating locally
             self._views.fresh.discard(key)
@@ -415,7 +418,7 @@ class Reducer:
             elif param.grad is not view:
                 grad = self._contribution(replica_index, index, param)
                 self._views.settle(param, view, grad, self._copy_in if per_view else Tensor.copy_)
-            elif per_view and fresh:  # torch would copy it in now, multiplying
+            elif per_view and fresh and reciprocal:  # torch would copy it in now, multiplying
                 view.mul_(1.0 / self._divisor)
             elif per_view:  # autograd accumulated into the view, as into torch's
                 view.div_(self._divisor)
@@ -468,13 +471,23 @@ class Reducer:
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
         See Note [Copies batched per bucket replica]."""
-        if self._plain_iteration and not (self._prescale and any(replica.fused)):
+        if self._plain_iteration:
             # Every parameter's hook fired with its gradient in place (see _autograd_hook), so
             # each contributes .grad as it is: one multi-tensor copy, no per-parameter checks.
             # A gradient that is None (reset by another hook) or sparse makes the copy raise
             # before any harm: the checked path below then zeroes or reports it.
-            grads = [param.grad for param in replica.variables]
-            if try_copy_all(replica.views, grads):
+            if self._prescale and any(replica.fused):  # those were copied at their hooks
+                pairs = [
+                    (view, param.grad)
+                    for view, param, fused in zip(
+                        replica.views, replica.variables, replica.fused, strict=True
+                    )
+                    if not fused
+                ]
+                views, grads = [v for v, _ in pairs], [g for _, g in pairs]
+            else:
+                views, grads = replica.views, [param.grad for param in replica.variables]
+            if try_copy_all(views, grads):
                 return
         destinations: list[Tensor] = []
         sources: list[Tensor] = []
@@ -646,7 +659,6 @@ class Reducer:
                 indices,
                 self._expect_sparse,
                 self._names,
-                fuse_division=not self._as_view,
             )
             self._buckets = buckets
             self._slots = slots(buckets, locators, len(self._replicas))

@@ -21,6 +21,7 @@ from torch import nn
 
 import fakepg
 import reducer
+from reducer.buckets import FUSED_DIVISION_MIN_NUMEL
 from reducer.testing.reference import rank_order_average, sparse_average
 
 
@@ -52,6 +53,72 @@ def test_dense_gradients_are_the_bitwise_rank_order_average(world_size: int, as_
 
     for model in run_ranks(fn, world_size):
         assert_grads_equal(model, expected)
+
+
+def wide_mlp() -> nn.Sequential:
+    """Small parameters around one large enough to be scaled at its own hook (see Note
+    [Division fused into the copy] in reducer.buckets)."""
+    side = 1 << 8  # a side x side weight: FUSED_DIVISION_MIN_NUMEL elements
+    assert side * side >= FUSED_DIVISION_MIN_NUMEL
+    return mlp(widths=(6, side, side, 3))
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("scaling", ["divide", "reciprocal"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_large_gradient_scaled_at_its_hook_is_the_bitwise_average(
+    as_view: bool, scaling: str, set_to_none: bool
+) -> None:
+    """Every parameter in one bucket, the large one among small ones, two iterations (a fresh
+    gradient copied in, then, unless set to None, one accumulated into its bucket view in
+    place), at W = 3 where the two roundings differ."""
+    world_size = 3
+    # With bucket views kept between iterations, "reciprocal" divides what autograd
+    # accumulated in place, as torch does (see Note [Gradient scaling]).
+    second = "divide" if as_view and not set_to_none else scaling
+    expected = [
+        [rank_order_average(per_rank, world_size, scaling=s) for per_rank in grads]  # type: ignore[arg-type]
+        for s, grads in zip(
+            (scaling, second), (wide_local(world_size, 0), wide_local(world_size, 1)), strict=True
+        )
+    ]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[torch.Tensor]]:
+        model = wide_mlp()
+        params = list(model.parameters())
+        seen = []
+        with reducer.Reducer(
+            [params],
+            [list(range(len(params)))],
+            pg,
+            gradient_as_bucket_view=as_view,
+            gradient_scaling=scaling,  # type: ignore[arg-type]
+        ) as red:
+            for step in range(2):
+                model.zero_grad(set_to_none=set_to_none)
+                red.prepare_for_backward([])
+                wide_loss(model, pg.rank(), step).backward()
+                seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
+        return seen
+
+    for seen in run_ranks(fn, world_size):
+        for step in range(2):
+            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
+                assert want is not None
+                assert torch.equal(got, want), f"parameter {i}, step {step}"
+
+
+def wide_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    return model(rank_input(rank, (4, 6), step)).pow(2).sum()
+
+
+def wide_local(world_size: int, step: int) -> list[list[torch.Tensor | None]]:
+    """Per parameter, every rank's local gradient of ``wide_loss`` at ``step``."""
+    per_rank = [
+        local_grads(wide_mlp, lambda m, r=rank: wide_loss(m, r, step), rank)
+        for rank in range(world_size)
+    ]
+    return [[g[i] for g in per_rank] for i in range(len(per_rank[0]))]
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
