@@ -13,8 +13,9 @@ import argparse
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,15 +88,19 @@ def compare_training_steps(
     *,
     steps: int,
     argv: list[str] | None = None,
+    extra: Sequence[tuple[tuple[str, ...], dict[str, Any]]] = (),
 ) -> None:
     """The main of a training-step comparison: parse the options (see :func:`_add_arguments`;
     ``steps`` is the default of ``--steps``), then on both ranks ``measure(model, args, rank)``
     for every model of ``models.MODELS``, and print rank 0's rows as one table.
 
-    ``measure`` must be a module-level function (it travels to the spawned ranks).
+    ``measure`` must be a module-level function (it travels to the spawned ranks). ``extra``:
+    more options, as (names, keyword arguments) of ``add_argument``.
     """
     parser = argparse.ArgumentParser(description=description)
     _add_arguments(parser, steps=steps)
+    for names, options in extra:
+        parser.add_argument(*names, **options)
     args = parser.parse_args(argv)
     run(
         name, _table_of_models, (args, measure, headers), threads=args.threads, timeout=args.timeout
@@ -106,7 +111,7 @@ def _table_of_models(
     rank: int, args: argparse.Namespace, measure: Measure, headers: list[str]
 ) -> None:
     rows = [row for model in MODELS for row in measure(model, args, rank)]
-    if rank == 0:
+    if rank == 0 and rows:
         print(
             f"# step time (forward + backward + reduction), {WORLD_SIZE} gloo ranks on "
             f"loopback, batch {args.batch}, bucket cap {args.bucket_cap_mb:g} MiB, "
