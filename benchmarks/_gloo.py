@@ -137,23 +137,37 @@ def _add_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def time_training_steps(
-    variants: dict[str, Variant], x: torch.Tensor, steps: int
+    variants: dict[str, Variant],
+    x: torch.Tensor,
+    steps: int,
+    *,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per variant, the seconds of each of ``steps`` steps after :data:`WARMUP`, interleaved.
 
     A step is zero_grad (set_to_none=False, so autograd accumulates in place), forward, loss,
     the variant's hook and backward, with the wait for every allreduce; the ranks meet at an
-    untimed barrier before each step.
+    untimed barrier before each step. With ``cpu``, each variant's list there gets the CPU
+    seconds the rank's own thread spent in each step (forward, backward, hooks, copies; not
+    the backend's threads, nor time spent waiting): unlike the step's wall time, it hardly
+    moves when other processes load the machine.
     """
+    labels = {id(variant): label for label, variant in variants.items()}
+    if cpu is not None:
+        cpu.update({label: [] for label in variants})
 
-    def step(_step: int, variant: Variant) -> float:
+    def step(index: int, variant: Variant) -> float:
         model, forward, prepare = variant
         model.zero_grad(set_to_none=False)
         dist.barrier()  # untimed: both ranks start the step together
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         loss = forward(x).sum()
         prepare()
         loss.backward()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        if cpu is not None and index >= WARMUP:
+            cpu[labels[id(variant)]].append(time.thread_time() - c0)
+        return elapsed
 
     return interleave(variants, steps, WARMUP, step)

@@ -13,7 +13,9 @@ Two more variants wrap the model in ``reducer.DistributedDataParallel`` (``this 
 and without ``gradient_as_bucket_view``), the wrapper a user replaces torch's with. The
 variants' order rotates from step to step. Rank 0 reports medians, the ratio of each variant's
 median to that of torch's DDP with the same settings, and the median of the per-step ratios
-(paired steps, less noisy).
+(paired steps, less noisy), and the CPU time the rank's own thread spent in a step
+(forward, backward with the reducer's hooks and copies, finalize; not gloo's threads, nor
+time spent waiting), which other processes on the machine hardly move.
 
 ``--profile N`` then runs N more steps of ``this DDP`` (default settings) under cProfile on
 both ranks and prints rank 0's functions by own time, and where its steps went (medians of
@@ -73,10 +75,11 @@ def measure(name: str, args: argparse.Namespace, rank: int) -> list[list[object]
         )
         wrappers.append(ddp)
         variants[f"this DDP{' views' if view else ''}"] = (model, ddp, lambda: None)
+    cpu: dict[str, list[float]] = {}
     if args.steps <= 0:
         samples: dict[str, list[float]] = {}
     else:
-        samples = _gloo.time_training_steps(variants, x, args.steps)
+        samples = _gloo.time_training_steps(variants, x, args.steps, cpu=cpu)
     for red in reducers:
         red.close()
     if args.profile:
@@ -87,13 +90,17 @@ def measure(name: str, args: argparse.Namespace, rank: int) -> list[list[object]
         return []
 
     med = {label: median_ms(s) for label, s in samples.items()}
+    cpu_med = {label: median_ms(s) for label, s in cpu.items()}
     rows: list[list[object]] = []
     for label in variants:
-        ratio = paired = ""
+        ratio = paired = cpu_ratio = ""
         if label in VERSUS:
             ratio = f"{med[label] / med[VERSUS[label]]:.2f}x"
             paired = paired_ratio(samples[label], samples[VERSUS[label]])
-        rows.append([name if not rows else "", label, med[label], ratio, paired])
+            cpu_ratio = f"{cpu_med[label] / cpu_med[VERSUS[label]]:.2f}x"
+        rows.append(
+            [name if not rows else "", label, med[label], ratio, paired, cpu_med[label], cpu_ratio]
+        )
     return rows
 
 
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         "step ms",
         "vs torch DDP (same settings)",
         "median per-step ratio",
+        "rank thread CPU ms",
+        "CPU vs torch DDP",
     ]
     description = __doc__.split("\n\n")[0]
     _gloo.compare_training_steps(
