@@ -7,7 +7,9 @@ the same run it measures torch's threaded group
 (``torch.testing._internal.distributed.multi_threaded_pg``, backend "threaded") on the same
 inputs, and the memory-bandwidth floor: one ``copy_`` that reads and writes as many bytes as
 the collective must (allreduce and all_to_all: W x S read and written; reduce_scatter: W x S
-read, S written).
+read, S written). For reduce_scatter, which reads W times what it writes, a second anchor
+is one ``torch.sum`` over dim 0 of a (W, S) tensor, the same reads and writes as one torch op
+(``x sum floor``).
 
 The time is what a user's ranks wait: from the first rank's call to the last rank's return,
 each rank reading the clock on its own thread, every rank's input refilled with random values
@@ -226,6 +228,20 @@ OTHER_WAYS = (
 )
 
 
+def bench_sum_floor(world_size: int, numel: int, repeats: int) -> list[float]:
+    """One ``torch.sum`` over dim 0 of a (W, S) tensor: what reduce_scatter must read and write
+    (W x S read, S written), as one torch op; a copy_ of the same total bytes reads less."""
+    src = torch.rand(world_size, numel)
+    out = torch.empty(numel)
+    torch.sum(src, dim=0, out=out)
+    samples = []
+    for _ in range(max(repeats, 5)):
+        t0 = time.perf_counter()
+        torch.sum(src, dim=0, out=out)
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
 def measure_cell(
     collective: str, world_size: int, numel: int, repeats: int, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -235,8 +251,8 @@ def measure_cell(
     blocks of the block's fakepg median over its floor median."""
     moved = moved_bytes(collective, world_size, numel * 4)
     source = torch.rand(numel)
-    samples: dict[str, list[float]] = {"floor": [], "fakepg": [], "threaded": []}
-    ratios: dict[str, list[float]] = {"fakepg": []}
+    samples: dict[str, list[float]] = {"floor": [], "fakepg": [], "threaded": [], "sum": []}
+    ratios: dict[str, list[float]] = {"fakepg": [], "sum": []}
     for label, _, _ in OTHER_WAYS:
         samples[label], ratios[label] = [], []
     for _ in range(args.blocks):
@@ -245,6 +261,10 @@ def measure_cell(
         ours = bench_fakepg(collective, world_size, numel, repeats, timing="ranks", source=source)
         samples["fakepg"] += ours
         ratios["fakepg"].append(statistics.median(ours) / floor)
+        if collective == "reduce_scatter":
+            reduction = statistics.median(bench_sum_floor(world_size, numel, repeats))
+            samples["sum"].append(reduction)
+            ratios["sum"].append(statistics.median(ours) / reduction)
         if not args.skip_threaded:
             samples["threaded"] += bench_threaded(
                 collective, world_size, numel, max(3, repeats // 2), timing="ranks", source=source
@@ -292,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# fakepg collectives, float32, SUM\n# machine: {machine()}\n")
     headers = [
         "collective", "W", "size", "fakepg ms", "threaded ms", "speedup", "floor ms", "x floor",
-        "GB/s",
+        "GB/s", "x sum floor",
     ]  # fmt: skip
     if args.explain:
         for label, _, _ in OTHER_WAYS:
@@ -319,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                     cell["floor"],
                     cell["fakepg x floor"],
                     moved / ours / 1e6,
+                    cell["sum x floor"] if collective == "reduce_scatter" else "",
                 ]
                 if args.explain:
                     for label, _, _ in OTHER_WAYS:
@@ -331,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     print("rank's input refilled (random values) before each call. speedup = threaded / fakepg;")
     print("x floor = fakepg / one copy_ moving the bytes the collective must read and write")
     print(f"(median over {args.blocks} alternating blocks of the per-block ratio); GB/s = those")
-    print("bytes per second. --explain: 'main' = the old clock, a barrier with the main thread;")
+    print("bytes per second; x sum floor (reduce_scatter) = fakepg / one torch.sum reading W x S")
+    print("and writing S, as reduce_scatter does (a copy_ of as many bytes reads fewer).")
+    print("--explain: 'main' = the old clock, a barrier with the main thread;")
     print("'zeros' = inputs left zero, not refilled.")
 
 
