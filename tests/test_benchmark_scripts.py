@@ -43,3 +43,27 @@ def test_launch_check_measures_both_variants() -> None:
     )
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out
+
+
+def test_fakepg_collectives_time_every_way() -> None:
+    out = _run(
+        "benchmarks/fakepg_allreduce.py",
+        "--world-sizes",
+        "2",
+        "--sizes",
+        "4KB",
+        "--blocks",
+        "2",
+        "--repeats",
+        "2",
+        "--skip-threaded",
+        "--explain",
+    )
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
+    cells = [row for row in rows if row[1].strip() in ("allreduce", "reduce_scatter", "all_to_all")]
+    # Each collective once as it prints, once in the final table; every timing way filled in.
+    assert len(cells) == 6, out
+    for row in cells:
+        ms = [row[4], row[11], row[13], row[15]]  # ranks refilled, then the three other ways
+        assert all(float(v) > 0 for v in ms), out
+        assert (row[10].strip() != "") == (row[1].strip() == "reduce_scatter"), out
