@@ -180,6 +180,9 @@ class BucketReplica:
     fused: list[bool] = field(default_factory=list)
     scale_runs: list[Tensor] = field(default_factory=list)
     pending: int = 0
+    # Bucket views: small views scaled at their own hook in the current iteration. See Note
+    # [Bucket views scaled by runs] in reducer.reducer.
+    scaled_at_hook: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -108,14 +109,62 @@ def test_a_large_gradient_scaled_at_its_hook_is_the_bitwise_average(
                 assert torch.equal(got, want), f"parameter {i}, step {step}"
 
 
+@pytest.mark.parametrize("fresh", [(), (1,), (0, 3), (0, 1, 2, 3, 4, 5)])
+def test_bucket_views_in_one_bucket_scale_each_gradient_as_torch_does(
+    fresh: tuple[int, ...],
+) -> None:
+    """ "reciprocal" bucket views, every parameter in one bucket, at W = 3: in the second
+    iteration the gradients of ``fresh`` were set to None (autograd creates new ones, copied
+    into their views while multiplied by 1 / W), the others were zeroed in place (autograd
+    accumulates into the views, which are divided). See Note [Bucket views scaled by runs]."""
+    world_size = 3
+    firsts = wide_local(world_size, 0, build=mlp)
+    seconds = wide_local(world_size, 1, build=mlp)
+    expected = [
+        [rank_order_average(g, world_size, scaling="reciprocal") for g in firsts],
+        [
+            rank_order_average(g, world_size, scaling="reciprocal" if i in fresh else "divide")
+            for i, g in enumerate(seconds)
+        ],
+    ]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[torch.Tensor]]:
+        model = mlp()
+        params = list(model.parameters())
+        seen = []
+        with reducer.Reducer(
+            [params],
+            [list(range(len(params)))],
+            pg,
+            gradient_as_bucket_view=True,
+            gradient_scaling="reciprocal",
+        ) as red:
+            for step in range(2):
+                model.zero_grad(set_to_none=False)
+                for i in fresh:
+                    params[i].grad = None
+                red.prepare_for_backward([])
+                wide_loss(model, pg.rank(), step).backward()
+                seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
+        return seen
+
+    for seen in run_ranks(fn, world_size):
+        for step in range(2):
+            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
+                assert want is not None
+                assert torch.equal(got, want), f"parameter {i}, step {step}"
+
+
 def wide_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return model(rank_input(rank, (4, 6), step)).pow(2).sum()
 
 
-def wide_local(world_size: int, step: int) -> list[list[torch.Tensor | None]]:
+def wide_local(
+    world_size: int, step: int, build: Callable[[], nn.Module] = wide_mlp
+) -> list[list[torch.Tensor | None]]:
     """Per parameter, every rank's local gradient of ``wide_loss`` at ``step``."""
     per_rank = [
-        local_grads(wide_mlp, lambda m, r=rank: wide_loss(m, r, step), rank)
+        local_grads(build, lambda m, r=rank: wide_loss(m, r, step), rank)
         for rank in range(world_size)
     ]
     return [[g[i] for g in per_rank] for i in range(len(per_rank[0]))]
