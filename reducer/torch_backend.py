@@ -461,7 +461,8 @@ class TorchWork:
         self._outputs = outputs
         self.launched_ns = launched_ns
         self.completed_ns: int | None = None  # written before _done is set
-        # _settle_lock guards _settle: it runs once, in the first successful wait.
+        # _settle_lock guards _settle (it runs once, in the first successful wait) and
+        # _armed (a direct work adds its done-callback once).
         self._settle_lock = threading.Lock()
         self._settle = settle
         # Set once the future (with its post-processing) completed. See Note [Waiting with a
@@ -498,10 +499,7 @@ class TorchWork:
             if self._armed:
                 return
             self._armed = True
-        if self._future.done():
-            self._on_done(self._future)
-        else:
-            self._future.add_done_callback(self._on_done)
+        self._future.add_done_callback(self._on_done)  # runs at once if already done
 
     def _complete(self, done: torch.futures.Future[object], finish: _Finish | None) -> list[Tensor]:
         value = done.value()  # raises the backend's error
