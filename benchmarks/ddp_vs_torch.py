@@ -48,7 +48,6 @@ from _common import Variant, median_ms, paired_ratio, reducer_and_torch_ddp
 from models import MODELS, batch, with_copies
 
 import reducer
-from reducer.stats import IterationStats
 
 # Each variant's row compares it with torch's DDP with the same settings.
 VERSUS = {
@@ -115,7 +114,7 @@ def _profile(
     """``steps`` steps of ``variant`` under cProfile; rank 0 prints the top functions by own
     time and the medians of the reducer's iteration stats."""
     model, forward, prepare = variant
-    stats: list[IterationStats] = []
+    stats: list[reducer.IterationStats] = []
     profiler = cProfile.Profile()
 
     def step(index: int, _variant: Variant) -> float:
