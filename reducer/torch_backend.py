@@ -490,7 +490,9 @@ class TorchWork:
     # allreduce of one tensor in place, every bucket's case) adds its callback only when
     # someone waits: already done by then (early buckets), it needs none; otherwise the
     # callback runs while the waiter sleeps with the GIL released. ``completed_ns`` is then
-    # when the wait saw it complete, at the latest.
+    # when the wait saw it complete, at the latest: on the reducer's timeline (iteration
+    # stats, traces) a bucket that finished during backward reads as done when finalize
+    # started. The fake world records its own completion times.
 
     def _arm(self) -> None:
         """Set ``_done`` once the backend's future completes (a direct work, first wait or
