@@ -75,12 +75,17 @@ def interleave(
     """Per variant, the seconds of each of its ``steps`` timed steps after ``warmup`` more.
 
     Every step runs every variant once, in turn, so that drift and noise (other processes,
-    clock changes) affect all alike. ``timed_step(step, variant)`` runs one step and returns
-    the seconds it timed (only the part it means to measure).
+    clock changes) affect all alike; the turn rotates from step to step (step k starts with
+    variant k mod n), so that no variant always runs right after the same other one (whose
+    leftover work, such as a backend thread still finishing, it would pay for).
+    ``timed_step(step, variant)`` runs one step and returns the seconds it timed (only the
+    part it means to measure).
     """
     samples: dict[K, list[float]] = {key: [] for key in variants}
+    items = list(variants.items())
     for step in range(steps + warmup):
-        for key, variant in variants.items():
+        shift = step % len(items)
+        for key, variant in items[shift:] + items[:shift]:
             elapsed = timed_step(step, variant)
             if step >= warmup:
                 samples[key].append(elapsed)

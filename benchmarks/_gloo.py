@@ -13,8 +13,9 @@ import argparse
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,15 +88,19 @@ def compare_training_steps(
     *,
     steps: int,
     argv: list[str] | None = None,
+    extra: Sequence[tuple[tuple[str, ...], dict[str, Any]]] = (),
 ) -> None:
     """The main of a training-step comparison: parse the options (see :func:`_add_arguments`;
     ``steps`` is the default of ``--steps``), then on both ranks ``measure(model, args, rank)``
     for every model of ``models.MODELS``, and print rank 0's rows as one table.
 
-    ``measure`` must be a module-level function (it travels to the spawned ranks).
+    ``measure`` must be a module-level function (it travels to the spawned ranks). ``extra``:
+    more options, as (names, keyword arguments) of ``add_argument``.
     """
     parser = argparse.ArgumentParser(description=description)
     _add_arguments(parser, steps=steps)
+    for names, options in extra:
+        parser.add_argument(*names, **options)
     args = parser.parse_args(argv)
     run(
         name, _table_of_models, (args, measure, headers), threads=args.threads, timeout=args.timeout
@@ -106,7 +111,7 @@ def _table_of_models(
     rank: int, args: argparse.Namespace, measure: Measure, headers: list[str]
 ) -> None:
     rows = [row for model in MODELS for row in measure(model, args, rank)]
-    if rank == 0:
+    if rank == 0 and rows:
         print(
             f"# step time (forward + backward + reduction), {WORLD_SIZE} gloo ranks on "
             f"loopback, batch {args.batch}, bucket cap {args.bucket_cap_mb:g} MiB, "
@@ -132,23 +137,37 @@ def _add_arguments(parser: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def time_training_steps(
-    variants: dict[str, Variant], x: torch.Tensor, steps: int
+    variants: dict[str, Variant],
+    x: torch.Tensor,
+    steps: int,
+    *,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per variant, the seconds of each of ``steps`` steps after :data:`WARMUP`, interleaved.
 
     A step is zero_grad (set_to_none=False, so autograd accumulates in place), forward, loss,
     the variant's hook and backward, with the wait for every allreduce; the ranks meet at an
-    untimed barrier before each step.
+    untimed barrier before each step. With ``cpu``, each variant's list there gets the CPU
+    seconds the rank's own thread spent in each step (forward, backward, hooks, copies; not
+    the backend's threads, nor time spent waiting): unlike the step's wall time, it hardly
+    moves when other processes load the machine.
     """
+    labels = {id(variant): label for label, variant in variants.items()}
+    if cpu is not None:
+        cpu.update({label: [] for label in variants})
 
-    def step(_step: int, variant: Variant) -> float:
+    def step(index: int, variant: Variant) -> float:
         model, forward, prepare = variant
         model.zero_grad(set_to_none=False)
         dist.barrier()  # untimed: both ranks start the step together
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         loss = forward(x).sum()
         prepare()
         loss.backward()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        if cpu is not None and index >= WARMUP:
+            cpu[labels[id(variant)]].append(time.thread_time() - c0)
+        return elapsed
 
     return interleave(variants, steps, WARMUP, step)

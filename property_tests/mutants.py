@@ -418,6 +418,15 @@ class ViewsAlwaysMultiply(BucketViews):
         self.fresh = _Everything()
 
 
+class ViewsScaledTwice(_Reducer):
+    """Bucket views: divides every run of small views once the replica is complete, also the
+    views already scaled at their hooks (a gradient copied in while multiplied by 1 / W)."""
+
+    def _scale_replica(self, replica: Any) -> None:
+        replica.scaled_at_hook.clear()
+        super()._scale_replica(replica)
+
+
 class DivideInDDP(_Reducer):
     """Divides by the world size where torch's DDP multiplies by its reciprocal (every
     reducer divides, DDP's too): the last bit differs at 3 ranks."""
@@ -881,6 +890,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "views",
         _in("reducer.reducer", "BucketViews", ViewsAlwaysMultiply),
     ),
+    ("views scaled twice", "views", _reducer_class(ViewsScaledTwice)),
     (
         "bucket views ignore strides",
         "views",

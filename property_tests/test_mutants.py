@@ -406,6 +406,12 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
+    # DDP's first backward copies each fresh gradient into its bucket view, multiplied.
+    "views scaled twice": Case(
+        ddp_scenarios(model=dense_all_used, mode="plain", hook="none", as_view=True),
+        check_ddp,
+        lambda s: s.world_size == 2,
+    ),
     "no_sync ignored": Case(
         ddp_scenarios(model=dense_all_used, mode="plain", hook="none"),
         check_ddp,

@@ -28,10 +28,12 @@ contents, and after the reduction copies the averages back into ``.grad``
 # bfloat16, and multiplies). For d a power of two both are exact and agree; otherwise they
 # can differ in the last bit. Even in "reciprocal" mode torch divides on two paths, and so
 # does this reducer there: a dense gradient that already lives in its bucket view
-# (gradient_as_bucket_view, accumulated in place: ``bucket_view.div_(div_factor)``) and a
-# sparse gradient (``div_``). Which of the two a bucket view's gradient is follows torch's
-# .grad: torch leaves a gradient that autograd created afresh while accumulating locally
-# (no_sync after set_to_none) where it is, and multiplies it into the view at the synced hook;
+# (gradient_as_bucket_view, accumulated in place: ``bucket_view.div_(div_factor)``; this
+# reducer divides such small views by runs, see Note [Bucket views scaled by runs] in
+# reducer.reducer) and a sparse gradient (``div_``). Which of the two a bucket view's
+# gradient is follows torch's .grad: torch leaves a gradient that autograd created afresh
+# while accumulating locally (no_sync after set_to_none) where it is, and multiplies it into
+# the view at the synced hook;
 # this reducer moves it into the view at once (``BucketViews.move_into``), and remembers it
 # (``BucketViews.fresh``) so that the synced hook multiplies it there, as torch does.
 # Comm hooks get undivided buckets and scale as they choose

@@ -154,7 +154,11 @@ class Locator:
 # is copied in (``torch.div(grad, W, out=view)``: the same bits as a copy then ``div_``). Runs of
 # small parameters are copied as they are and divided together when the replica completes:
 # one op for a run beats one op per parameter. ``fused[i]`` says which way parameter i goes;
-# ``scale_runs`` are the views that still need dividing at completion.
+# ``scale_runs`` are the views that still need dividing at completion. With
+# gradient_as_bucket_view a large gradient is already in its view and is divided there at its
+# hook (``view.div_(W)``), as torch's reducer divides each view at its hook: dividing a large
+# bucket as a whole at completion would put a pass over all of it between the bucket's last
+# gradient and its launch.
 FUSED_DIVISION_MIN_NUMEL = 1 << 16
 
 
@@ -176,6 +180,9 @@ class BucketReplica:
     fused: list[bool] = field(default_factory=list)
     scale_runs: list[Tensor] = field(default_factory=list)
     pending: int = 0
+    # Bucket views: small views scaled at their own hook in the current iteration. See Note
+    # [Bucket views scaled by runs] in reducer.reducer.
+    scaled_at_hook: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -256,8 +263,8 @@ def build_buckets(
 ) -> tuple[list[Bucket], list[Locator]]:
     """Allocate each bucket's per-replica contents and views; locate every parameter.
 
-    ``fuse_division=False`` divides every bucket as a whole (gradients that already live in
-    the bucket, as with gradient_as_bucket_view, are not copied, so there is nothing to fuse).
+    ``fuse_division=False`` divides every bucket as a whole at completion (no parameter is
+    scaled at its own hook; see Note [Division fused into the copy]).
     """
     buckets: list[Bucket] = []
     locators: list[Locator | None] = [None] * len(replicas[0])

@@ -247,6 +247,7 @@ class Reducer:
             for bucket in self._buckets:
                 for replica in bucket.replicas:
                     replica.pending = len(replica.variables)
+                    replica.scaled_at_hook.clear()
                 bucket.pending = len(bucket.replicas)
             count = len(self._replicas[0])
             self._ready = [[False] * count for _ in self._replicas]
@@ -377,11 +378,9 @@ class Reducer:
             if not (bucket.expect_sparse_gradient or self._as_view):
                 self._copy_replica(replica_index, bucket, replica)
             # The replica's last gradient: finish prescaling, so that the sum over ranks is
-            # the average. See Note [Division fused into the copy] in reducer.buckets. (Bucket
-            # views in "reciprocal" mode were scaled at their hooks: see _settle_at_hook.)
-            if self._prescale and not (self._as_view and self._scaling == "reciprocal"):
-                for run in replica.scale_runs:
-                    scale_(run, self._divisor, self._scaling)
+            # the average. See Note [Division fused into the copy] in reducer.buckets.
+            if self._prescale:
+                self._scale_replica(replica)
             bucket.pending -= 1
             if bucket.pending == 0:
                 self._mark_bucket_ready(bucket.index)
@@ -401,24 +400,29 @@ class Reducer:
         if bucket.expect_sparse_gradient:
             self._set_sparse_contents(replica_index, index, replica)
         elif self._as_view:
-            # See Note [Gradients as bucket views] in reducer.bucket_views.
+            # See Note [Gradients as bucket views] in reducer.bucket_views and Note [Bucket
+            # views scaled by runs].
             param, view = replica.variables[intra], replica.views[intra]
-            # In "reciprocal" mode torch scales each gradient at its hook, and by which
-            # rounding depends on whether it was copied in (multiplied on the way) or
-            # accumulated in place (divided). See Note [Gradient scaling] there.
-            per_view = self._prescale and self._scaling == "reciprocal"
+            fused = replica.fused[intra]
+            multiply = self._prescale and self._scaling == "reciprocal"
             key = (replica_index, index)
             fresh = key in self._views.fresh  # copied in while accumulating locally
             self._views.fresh.discard(key)
             if not self._used[replica_index][index]:
-                self._views.set_aside(key, param, view)
+                self._views.set_aside(key, param, view)  # zeros: any scaling keeps them
             elif param.grad is not view:
                 grad = self._contribution(replica_index, index, param)
-                self._views.settle(param, view, grad, self._copy_in if per_view else Tensor.copy_)
-            elif per_view and fresh:  # torch would copy it in now, multiplying
+                scaled = grad is not None and (multiply or (self._prescale and fused))
+                self._views.settle(param, view, grad, self._copy_in if scaled else Tensor.copy_)
+                if scaled and not fused:
+                    replica.scaled_at_hook.append(intra)
+            elif multiply and fresh:  # torch would copy it in now, multiplying
                 view.mul_(1.0 / self._divisor)
-            elif per_view:  # autograd accumulated into the view, as into torch's
+                if not fused:
+                    replica.scaled_at_hook.append(intra)
+            elif self._prescale and fused:  # autograd accumulated into a large view
                 view.div_(self._divisor)
+            # Otherwise a small view that autograd accumulated into is divided with its run.
         elif self._prescale:  # replica.fused[intra]
             # See Note [Division fused into the copy]: a large gradient, scaled on the way in.
             grad = self._contribution(replica_index, index, replica.variables[intra])
@@ -426,6 +430,35 @@ class Reducer:
                 replica.views[intra].zero_()
             else:
                 self._copy_in(replica.views[intra], grad)
+
+    # Note [Bucket views scaled by runs]
+    # With gradient_as_bucket_view, torch's reducer scales each view at its hook: it divides
+    # a gradient that autograd accumulated into the view in place, and multiplies by 1 / W
+    # one it copies in (see Note [Gradient scaling] in reducer.bucket_views). Dividing a
+    # small view at its own hook costs an op dispatch per parameter; dividing the runs of
+    # small views (``scale_runs``) once the replica is complete is the same element-wise op
+    # on the same elements, so the same bits, in one op per run. So a small view accumulated
+    # in place waits for its run; a small view scaled at its hook (copied in while
+    # multiplying, or multiplied in place because it was moved in while accumulating
+    # locally) is listed in ``replica.scaled_at_hook``, and a replica with such views divides
+    # the others one by one instead. Large views are scaled at their hooks (see Note
+    # [Division fused into the copy] in reducer.buckets); zeros (unused here) stay zeros.
+
+    def _scale_replica(self, replica: BucketReplica) -> None:
+        """Scale what was not scaled at its hook in a complete replica. Copies: the runs of
+        small gradients, with the reducer's rounding. Bucket views: the small views that
+        autograd accumulated into, divided (see Note [Bucket views scaled by runs])."""
+        if not self._as_view:
+            for run in replica.scale_runs:
+                scale_(run, self._divisor, self._scaling)
+        elif not replica.scaled_at_hook:
+            for run in replica.scale_runs:
+                run.div_(self._divisor)
+        else:
+            done = set(replica.scaled_at_hook)
+            for intra, view in enumerate(replica.views):
+                if not replica.fused[intra] and intra not in done:
+                    view.div_(self._divisor)
 
     def _copy_in(self, view: Tensor, grad: Tensor) -> None:
         """``view = grad``, scaled on the way in. See Note [Gradient scaling]."""
@@ -468,13 +501,23 @@ class Reducer:
     def _copy_replica(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
         """Copy a complete bucket replica's gradients into its contents, as one call.
         See Note [Copies batched per bucket replica]."""
-        if self._plain_iteration and not (self._prescale and any(replica.fused)):
+        if self._plain_iteration:
             # Every parameter's hook fired with its gradient in place (see _autograd_hook), so
             # each contributes .grad as it is: one multi-tensor copy, no per-parameter checks.
             # A gradient that is None (reset by another hook) or sparse makes the copy raise
             # before any harm: the checked path below then zeroes or reports it.
-            grads = [param.grad for param in replica.variables]
-            if try_copy_all(replica.views, grads):
+            if self._prescale and any(replica.fused):  # those were copied at their hooks
+                pairs = [
+                    (view, param.grad)
+                    for view, param, fused in zip(
+                        replica.views, replica.variables, replica.fused, strict=True
+                    )
+                    if not fused
+                ]
+                views, grads = [v for v, _ in pairs], [g for _, g in pairs]
+            else:
+                views, grads = replica.views, [param.grad for param in replica.variables]
+            if try_copy_all(views, grads):
                 return
         destinations: list[Tensor] = []
         sources: list[Tensor] = []
@@ -646,7 +689,6 @@ class Reducer:
                 indices,
                 self._expect_sparse,
                 self._names,
-                fuse_division=not self._as_view,
             )
             self._buckets = buckets
             self._slots = slots(buckets, locators, len(self._replicas))

@@ -54,6 +54,8 @@ command imports it too, to set up groups and run torch's DDP beside the reducer)
 # caller asked for, on every backend; then it calls the backend's own wait (which, on NCCL,
 # orders the current CUDA stream after the collective) and raises the collective's error, if
 # any. After a timeout the collective may still be in flight: the group is no longer usable.
+# (For a single in-place allreduce the done-callback is added at the first wait: see Note
+# [No Python on the backend's thread].)
 # On NCCL the future completes once the collective is queued on the GPU, so the deadline
 # bounds the CPU side only; a collective that never completes on the GPU is NCCL's watchdog's
 # to catch (init_process_group's timeout), as for torch's own DDP. is_completed() asks the
@@ -433,8 +435,9 @@ class TorchWork:
 
     Implements :class:`reducer.Work`; ``get_future()`` returns a torch Future that completes
     with ``result()`` (or the error), as ``fakepg.Work.get_future`` does, for comm hooks.
-    ``launched_ns`` and ``completed_ns`` (``time.perf_counter_ns``; None until completed) are
-    what the reducer's iteration stats read.
+    ``launched_ns`` and ``completed_ns`` (``time.perf_counter_ns``; None until completed, and
+    for a single in-place allreduce until a wait or ``is_completed`` saw it complete: see
+    Note [No Python on the backend's thread]) are what the reducer's iteration stats read.
     """
 
     def __init__(
@@ -458,25 +461,47 @@ class TorchWork:
         self._outputs = outputs
         self.launched_ns = launched_ns
         self.completed_ns: int | None = None  # written before _done is set
-        # _settle_lock guards _settle: it runs once, in the first successful wait.
+        # _settle_lock guards _settle (it runs once, in the first successful wait) and
+        # _armed (a direct work adds its done-callback once).
         self._settle_lock = threading.Lock()
         self._settle = settle
         # Set once the future (with its post-processing) completed. See Note [Waiting with a
         # deadline].
         self._done = threading.Event()
         self._future: torch.futures.Future[list[Tensor]]
+        # See Note [No Python on the backend's thread]: a direct work arms _done in wait.
+        self._armed = not direct
         if direct:
-            # The backend's own future, whose value is the list of reduced tensors: one
-            # Python callback per collective instead of two (each takes the GIL on the
-            # backend's thread, on the path of every bucket).
+            # The backend's own future, whose value is the list of reduced tensors.
             self._future = future  # type: ignore[assignment]
         else:
             self._future = future.then(lambda done: self._complete(done, finish))
-        self._future.add_done_callback(self._on_done)
+            self._future.add_done_callback(self._on_done)
 
     def _on_done(self, _future: torch.futures.Future[list[Tensor]]) -> None:
         self.completed_ns = time.perf_counter_ns()
         self._done.set()
+
+    # Note [No Python on the backend's thread]
+    # A Python done-callback on the backend's future runs on the backend's worker thread and
+    # must take the GIL there, while the rank's thread runs the reducer's hooks: the worker
+    # then waits for the GIL (up to the interpreter's switch interval) before it can move on
+    # to the next bucket's collective. torch's DDP has no Python there. So a direct work (an
+    # allreduce of one tensor in place, every bucket's case) adds its callback only when
+    # someone waits: already done by then (early buckets), it needs none; otherwise the
+    # callback runs while the waiter sleeps with the GIL released. ``completed_ns`` is then
+    # when the wait saw it complete, at the latest: on the reducer's timeline (iteration
+    # stats, traces) a bucket that finished during backward reads as done when finalize
+    # started. The fake world records its own completion times.
+
+    def _arm(self) -> None:
+        """Set ``_done`` once the backend's future completes (a direct work, first wait or
+        poll)."""
+        with self._settle_lock:
+            if self._armed:
+                return
+            self._armed = True
+        self._future.add_done_callback(self._on_done)  # runs at once if already done
 
     def _complete(self, done: torch.futures.Future[object], finish: _Finish | None) -> list[Tensor]:
         value = done.value()  # raises the backend's error
@@ -497,6 +522,8 @@ class TorchWork:
         """Block until complete; raise :class:`TorchCollectiveTimeout` after ``timeout`` seconds
         (None: the group's ``timeout``), or :class:`TorchCollectiveError` if it failed."""
         limit = self._group.timeout if timeout is None else _wait_limit(timeout)
+        if not self._armed:
+            self._arm()
         if not self._done.wait(limit):
             raise TorchCollectiveTimeout(
                 f"{self._where()}: {self._what()} did not complete within {limit:g} s. A peer has "
@@ -522,6 +549,8 @@ class TorchWork:
 
     def is_completed(self) -> bool:
         """True once complete, successfully or not (and post-processed). Never blocks."""
+        if not self._armed and self._future.done():
+            self._arm()
         return self._done.is_set() and all(w.is_completed() for w in self._works)
 
     def result(self) -> list[Tensor]:

@@ -50,3 +50,27 @@ def test_published_figures_prints_predicted_beside_published() -> None:
     rows = [line for line in out.splitlines() if line.startswith("|") and "DDP" in line]
     assert len(rows) == 2, out  # no DDP at 1 GPU; DDP at 16
     assert rows[1].split("|")[3].strip() == "104", out  # the README's 16-GPU row
+
+
+def test_fakepg_collectives_time_every_way() -> None:
+    out = _run(
+        "benchmarks/fakepg_allreduce.py",
+        "--world-sizes",
+        "2",
+        "--sizes",
+        "4KB",
+        "--blocks",
+        "2",
+        "--repeats",
+        "2",
+        "--skip-threaded",
+        "--explain",
+    )
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
+    cells = [row for row in rows if row[1].strip() in ("allreduce", "reduce_scatter", "all_to_all")]
+    # Each collective once as it prints, once in the final table; every timing way filled in.
+    assert len(cells) == 6, out
+    for row in cells:
+        ms = [row[4], row[11], row[13], row[15]]  # ranks refilled, then the three other ways
+        assert all(float(v) > 0 for v in ms), out
+        assert (row[10].strip() != "") == (row[1].strip() == "reduce_scatter"), out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 import fakepg
 import reducer
+from reducer.buckets import FUSED_DIVISION_MIN_NUMEL
 from reducer.testing.reference import rank_order_average, sparse_average
 
 
@@ -52,6 +54,120 @@ def test_dense_gradients_are_the_bitwise_rank_order_average(world_size: int, as_
 
     for model in run_ranks(fn, world_size):
         assert_grads_equal(model, expected)
+
+
+def wide_mlp() -> nn.Sequential:
+    """Small parameters around one large enough to be scaled at its own hook (see Note
+    [Division fused into the copy] in reducer.buckets)."""
+    side = 1 << 8  # a side x side weight: FUSED_DIVISION_MIN_NUMEL elements
+    assert side * side >= FUSED_DIVISION_MIN_NUMEL
+    return mlp(widths=(6, side, side, 3))
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("scaling", ["divide", "reciprocal"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_large_gradient_scaled_at_its_hook_is_the_bitwise_average(
+    as_view: bool, scaling: str, set_to_none: bool
+) -> None:
+    """Every parameter in one bucket, the large one among small ones, two iterations (a fresh
+    gradient copied in, then, unless set to None, one accumulated into its bucket view in
+    place), at W = 3 where the two roundings differ."""
+    world_size = 3
+    # With bucket views kept between iterations, "reciprocal" divides what autograd
+    # accumulated in place, as torch does (see Note [Gradient scaling]).
+    second = "divide" if as_view and not set_to_none else scaling
+    expected = [
+        [rank_order_average(per_rank, world_size, scaling=s) for per_rank in grads]  # type: ignore[arg-type]
+        for s, grads in zip(
+            (scaling, second), (wide_local(world_size, 0), wide_local(world_size, 1)), strict=True
+        )
+    ]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[torch.Tensor]]:
+        model = wide_mlp()
+        params = list(model.parameters())
+        seen = []
+        with reducer.Reducer(
+            [params],
+            [list(range(len(params)))],
+            pg,
+            gradient_as_bucket_view=as_view,
+            gradient_scaling=scaling,  # type: ignore[arg-type]
+        ) as red:
+            for step in range(2):
+                model.zero_grad(set_to_none=set_to_none)
+                red.prepare_for_backward([])
+                wide_loss(model, pg.rank(), step).backward()
+                seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
+        return seen
+
+    for seen in run_ranks(fn, world_size):
+        for step in range(2):
+            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
+                assert want is not None
+                assert torch.equal(got, want), f"parameter {i}, step {step}"
+
+
+@pytest.mark.parametrize("fresh", [(), (1,), (0, 3), (0, 1, 2, 3, 4, 5)])
+def test_bucket_views_in_one_bucket_scale_each_gradient_as_torch_does(
+    fresh: tuple[int, ...],
+) -> None:
+    """ "reciprocal" bucket views, every parameter in one bucket, at W = 3: in the second
+    iteration the gradients of ``fresh`` were set to None (autograd creates new ones, copied
+    into their views while multiplied by 1 / W), the others were zeroed in place (autograd
+    accumulates into the views, which are divided). See Note [Bucket views scaled by runs]."""
+    world_size = 3
+    firsts = wide_local(world_size, 0, build=mlp)
+    seconds = wide_local(world_size, 1, build=mlp)
+    expected = [
+        [rank_order_average(g, world_size, scaling="reciprocal") for g in firsts],
+        [
+            rank_order_average(g, world_size, scaling="reciprocal" if i in fresh else "divide")
+            for i, g in enumerate(seconds)
+        ],
+    ]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[torch.Tensor]]:
+        model = mlp()
+        params = list(model.parameters())
+        seen = []
+        with reducer.Reducer(
+            [params],
+            [list(range(len(params)))],
+            pg,
+            gradient_as_bucket_view=True,
+            gradient_scaling="reciprocal",
+        ) as red:
+            for step in range(2):
+                model.zero_grad(set_to_none=False)
+                for i in fresh:
+                    params[i].grad = None
+                red.prepare_for_backward([])
+                wide_loss(model, pg.rank(), step).backward()
+                seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
+        return seen
+
+    for seen in run_ranks(fn, world_size):
+        for step in range(2):
+            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
+                assert want is not None
+                assert torch.equal(got, want), f"parameter {i}, step {step}"
+
+
+def wide_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    return model(rank_input(rank, (4, 6), step)).pow(2).sum()
+
+
+def wide_local(
+    world_size: int, step: int, build: Callable[[], nn.Module] = wide_mlp
+) -> list[list[torch.Tensor | None]]:
+    """Per parameter, every rank's local gradient of ``wide_loss`` at ``step``."""
+    per_rank = [
+        local_grads(build, lambda m, r=rank: wide_loss(m, r, step), rank)
+        for rank in range(world_size)
+    ]
+    return [[g[i] for g in per_rank] for i in range(len(per_rank[0]))]
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
