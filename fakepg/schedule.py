@@ -34,12 +34,12 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
 # Note [Completion lanes] in fakepg.completion). One actor holds the *baton*; the others wait
 # on conditions of their own. The holder gives it up only at a point, where it decides, under
 # the scheduler's lock, what happens next, from the options in a fixed order:
-#   1. the holder itself goes on (if it can: a waiting holder whose collective is done can);
+#   1. the holder itself goes on, from a point it passes (an issue);
 #   2. a collective that every rank has issued completes (its data moves now, on the deciding
 #      thread, and its callbacks are posted to the ranks' lanes), oldest first;
 #   3. a rank's lane runs its next callback, oldest posted first;
-#   4. another actor resumes (one parked at a point, or waiting for something now done), in
-#      rank order.
+#   4. an actor resumes (one parked at a point, or one waiting for something now done, the
+#      holder included), in rank order.
 # The choice sequence indexes that list (value modulo its length; a point with one option
 # uses no choice; past its end every choice is 0). All zeros is the *natural* order: each
 # thread runs until it must wait, then collectives complete, then callbacks run, so a schedule
@@ -75,6 +75,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -83,7 +84,8 @@ from .faults import FakePGError
 
 __all__ = ["Schedule", "ScheduleDeadlock", "ScheduleEvent"]
 
-_FAKEPG_DIR = os.path.dirname(os.path.abspath(__file__))
+_THIS_FILE = os.path.abspath(__file__)
+_FAKEPG_DIR = os.path.dirname(_THIS_FILE)
 
 # Actor states.
 _READY = "ready"  # parked at a point; may go on
@@ -94,7 +96,9 @@ _IDLE = "idle"  # a lane between callbacks
 _DONE = "done"  # a rank thread that returned
 
 # Sampling of a holder that does not come back (Note [Blocked outside the scheduler]).
-_TICK_S = 0.001
+_TICK_S = 0.0005  # between the samples of an outside actor that may have woken
+_FIRST_TICK_S = 0.0002  # the monitor's first look at a holder, doubling up to the last
+_LAST_TICK_S = 0.002
 _SAMPLES_TO_STALL = 3
 _SAMPLES_TO_SETTLE = 3
 
@@ -179,11 +183,13 @@ def _dense(sparse: Mapping[object, object]) -> list[int]:
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise ValueError(f"Schedule: a choice's point must be an int >= 0, got {key!r}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"Schedule: the choice at point {key} must be an int >= 0, got {value!r}")
-    keys = [k for k in sparse if isinstance(k, int)]
-    dense = [0] * (max(keys) + 1 if keys else 0)
-    for key, value in sparse.items():
-        dense[key] = value  # type: ignore[index,assignment]
+            raise ValueError(
+                f"Schedule: the choice at point {key} must be an int >= 0, got {value!r}"
+            )
+    points = {int(k): int(v) for k, v in sparse.items()}  # type: ignore[call-overload]
+    dense = [0] * (max(points) + 1 if points else 0)
+    for point, choice in points.items():
+        dense[point] = choice
     return dense
 
 
@@ -198,7 +204,10 @@ class _Actor:
     # Lanes: the callbacks posted and not yet started, oldest first: (post number, what).
     posted: deque[tuple[int, str]] = field(default_factory=deque)
     # Samples of a holder that does not come back, or of an outside actor.
-    samples: list[tuple[Any, str]] = field(default_factory=list)
+    samples: list[tuple[Any, str, int | None]] = field(default_factory=list)
+    # The last sample that showed it blocked outside: while its CPU time has not grown since,
+    # it has not run, so it is still blocked there (the fast path of _settle_locked).
+    stalled_at: tuple[Any, str, int | None] | None = None
 
     @property
     def rank(self) -> int:
@@ -371,9 +380,7 @@ class _Scheduler:
                 "collectives only from World.run's rank threads and their done-callbacks"
             )
 
-    def issued(
-        self, what: str, tensors: str, complete: Callable[[], None] | None
-    ) -> None:
+    def issued(self, what: str, tensors: str, complete: Callable[[], None] | None) -> None:
         """The calling actor issued ``what``; ``complete``, if it was the last rank to, moves
         its data and finishes it when a decision says so."""
         actor = self._me()
@@ -386,7 +393,7 @@ class _Scheduler:
                 if complete is not None:
                     self._ready.append(_Ready(what, tensors, complete))
                 self._arrive_locked(actor, _READY)
-        if not controlled:
+        if not controlled or actor is None:
             if complete is not None:
                 complete()
             return
@@ -462,6 +469,7 @@ class _Scheduler:
             self._monitor_cond.notify_all()  # see _settle_locked
         actor.state = state
         actor.samples.clear()
+        actor.stalled_at = None
 
     def _switch_or_park(self, actor: _Actor) -> None:
         """Decide if ``actor`` holds the baton; else (it came back from outside) park."""
@@ -485,15 +493,18 @@ class _Scheduler:
         self.schedule.timeline.append(ScheduleEvent(label, rank, event, what, tensors, choice))
 
     def _options_locked(self, me: _Actor | None) -> list[tuple[str, Any]]:
+        # The holder goes on first only from a point it passes (an issue); once it waited, it
+        # resumes among the others, after what completes meanwhile.
+        goes_on = me is not None and me.state == _READY
         others = sorted(
-            (a for a in self._actors.values() if a is not me and a.runnable()),
+            (a for a in self._actors.values() if a.runnable() and not (a is me and goes_on)),
             key=lambda a: a.key,
         )
         callbacks = sorted(
             (a for a in self._actors.values() if a.state == _IDLE and a.posted),
             key=lambda a: a.posted[0][0],
         )
-        mine: list[tuple[str, Any]] = [("run", me)] if me is not None and me.runnable() else []
+        mine: list[tuple[str, Any]] = [("run", me)] if goes_on else []
         completes: list[tuple[str, Any]] = [("complete", r) for r in self._ready]
         runs: list[tuple[str, Any]] = [("run", a) for a in others]
         if self.schedule.adversarial:
@@ -521,10 +532,9 @@ class _Scheduler:
                 if not self._active:
                     return
                 if settle:
-                    self._settle_locked()
                     settle = False
-                    if not self._active:
-                        return
+                    self._settle_locked()
+                    continue  # look again: the schedule may have stopped meanwhile
                 options = self._options_locked(me)
                 if not options:
                     if self._wait_for_outside_locked():
@@ -562,7 +572,9 @@ class _Scheduler:
             self._record_locked(target, "callback", what, choice=choice)
         elif target is not me:
             event = "resume" if target.state == _BLOCKED else "run"
-            self._record_locked(target, event, target.waits_for if event == "resume" else "", choice=choice)
+            self._record_locked(
+                target, event, target.waits_for if event == "resume" else "", choice=choice
+            )
         target.state = _RUNNING
         target.pred, target.waits_for = None, ""
         target.samples.clear()
@@ -594,14 +606,19 @@ class _Scheduler:
     def _watch(self, run: int) -> None:
         """The monitor of run ``run``: sample a holder that does not come back; decide in its
         place once it is blocked outside. Ends with the run (end, abort, close)."""
+        tick, seen = _FIRST_TICK_S, -1
         while True:
             with self._lock:
                 if not self._active or self._run != run:
                     return
                 gen, holder = self._gen, self._holder
+                # Look soon after a hand-over, then less and less often: a holder that blocks
+                # is seen within about a millisecond, one that computes long costs few wakes.
+                tick = _FIRST_TICK_S if gen != seen else min(2 * tick, _LAST_TICK_S)
+                seen = gen
                 # Not woken by hand-overs (that would cost a thread switch each): the
                 # generation says whether the holder moved since.
-                self._monitor_cond.wait(_TICK_S if holder is not None else 0.05)
+                self._monitor_cond.wait(tick if holder is not None else 0.05)
                 if not self._active or holder is None or gen != self._gen:
                     continue
                 if holder is not self._holder or holder.state != _RUNNING:
@@ -615,20 +632,28 @@ class _Scheduler:
                 self._holder = None
             self._switch(None)
 
-    def _sample(self, actor: _Actor) -> tuple[Any, str]:
+    def _sample(self, actor: _Actor) -> tuple[Any, str, int | None]:
+        """Where the actor's thread is (its innermost Python frame and instruction), its OS
+        state ("S" sleeping, "R" running or runnable, ...) and its CPU time in ns (None where
+        the OS does not say)."""
         thread = actor.thread
         if thread is None or thread.ident is None:
-            return (None, "?")
+            return (None, "?", None)
         frame = sys._current_frames().get(thread.ident)
-        where = None if frame is None else (id(frame), frame.f_lasti)
-        state = "S"
+        # Only where a thread may wait for the world without a point (see Note [Blocked
+        # outside the scheduler]); elsewhere a sleeping thread is slow, not blocked.
+        where = None if frame is None or not _blocking_site(frame) else (id(frame), frame.f_lasti)
+        state, ran = "S", None
         if self._proc and thread.native_id is not None:
+            task = f"/proc/self/task/{thread.native_id}"
             try:
-                with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                with open(f"{task}/stat") as f:
                     state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                state = "?"
-        return (where, state)
+                with open(f"{task}/schedstat") as f:
+                    ran = int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                state = "?" if state == "S" else state
+        return (where, state, ran)
 
     def _stalled(self, actor: _Actor, count: int) -> bool:
         if not self._proc:
@@ -636,8 +661,20 @@ class _Scheduler:
         samples = actor.samples[-count:]
         if len(samples) < count:
             return False
-        first = samples[0][0]
-        return first is not None and all(w == first and s in ("S", "D") for w, s in samples)
+        first, ran = samples[0][0], samples[0][2]
+        if first is None or not all(
+            w == first and s in ("S", "D") and r == ran for w, s, r in samples
+        ):
+            return False
+        actor.stalled_at = samples[-1]
+        return True
+
+    def _still_stalled(self, actor: _Actor) -> bool:
+        """One look: asleep where it was last seen blocked, without having run since."""
+        if actor.stalled_at is None or actor.stalled_at[2] is None:
+            return False
+        where, state, ran = self._sample(actor)
+        return state in ("S", "D") and (where, ran) == (actor.stalled_at[0], actor.stalled_at[2])
 
     def _settle_locked(self) -> None:
         """Before a decision: every outside actor has parked at a point or is blocked again.
@@ -649,7 +686,7 @@ class _Scheduler:
         while self._active and time.monotonic() < deadline:
             arrived = False
             for actor in list(self._actors.values()):
-                if actor.state != _OUTSIDE:
+                if actor.state != _OUTSIDE or self._still_stalled(actor):
                     continue
                 actor.samples.clear()
                 while self._active and time.monotonic() < deadline:
@@ -711,6 +748,31 @@ class _Scheduler:
         return rank, ScheduleDeadlock("\n".join(lines))
 
 
+# The innermost Python frames of a thread that waits without a scheduling point: a wait of
+# the threading module (this project's DDP waits for a hook's future on an Event), and
+# autograd's engine (torch's C++ DDP waits for its buckets' futures inside backward).
+_ENGINE_FRAMES = frozenset({"_engine_run_backward", "run_backward"})
+
+
+_THREADING_WAITS = frozenset({"wait", "acquire", "join", "_wait_for_tstate_lock"})
+
+
+def _blocking_site(frame: FrameType) -> bool:
+    code = frame.f_code
+    if not code.co_filename.endswith("threading.py"):
+        return code.co_name in _ENGINE_FRAMES
+    if code.co_name not in _THREADING_WAITS:
+        return False  # a thread's own start (_bootstrap...)
+    # Not Thread.start waiting for the new thread to run (the world's timer starts so), and
+    # not this module's own waits (a holder that was just handed the turn wakes from one).
+    outer: FrameType | None = frame
+    while outer is not None and outer.f_code.co_filename.endswith("threading.py"):
+        if outer.f_code.co_name == "start":
+            return False
+        outer = outer.f_back
+    return outer is None or os.path.abspath(outer.f_code.co_filename) != _THIS_FILE
+
+
 def _internal(filename: str) -> bool:
     """Frames of the fake world and of threading: not what the user needs to see."""
     return os.path.dirname(os.path.abspath(filename)) == _FAKEPG_DIR or filename.endswith(
@@ -719,28 +781,30 @@ def _internal(filename: str) -> bool:
 
 
 # -------------------------------------------------------------------------------------------
-# torch futures: a Python-level wait on a controlled thread is a point.
+# torch futures: a Python-level wait on a controlled thread is a point. (torch.futures.Future
+# is a Python subclass of torch._C.Future; then() returns the C++ type itself.)
 
 _installed = False
 _install_lock = threading.Lock()
 
 
 def install_future_wait() -> None:
-    """Make ``torch.futures.Future.wait`` a scheduling point on controlled threads (and
-    nothing else anywhere else). Process-wide and permanent; idempotent."""
+    """Make a Python-level wait on any torch future (``fut.wait()``, on the futures ``then``
+    returns too) a scheduling point on controlled threads, and nothing else anywhere else.
+    Process-wide and permanent; idempotent."""
     global _installed
     with _install_lock:
         if _installed:
             return
-        original = torch.futures.Future.wait
+        future_type: Any = torch._C.Future
+        original = future_type.wait
 
-        def wait(self: torch.futures.Future[Any]) -> Any:
+        def wait(self: Any) -> Any:
             sched = current_scheduler()
             if sched is not None and not self.done():
                 sched.block(self.done, "wait", "a torch future")
             return original(self)
 
         wait.__doc__ = original.__doc__
-        torch.futures.Future.wait = wait  # type: ignore[method-assign]
+        future_type.wait = wait
         _installed = True
-
