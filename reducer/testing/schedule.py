@@ -36,10 +36,9 @@ R = TypeVar("R")
 _MAX_CHOICE = 7
 
 
-@st.composite
 def schedules(
-    draw: st.DrawFn, *, max_choices: int = 64, adversarial: bool | None = None
-) -> fakepg.Schedule:
+    *, max_choices: int = 64, adversarial: bool | None = None
+) -> st.SearchStrategy[fakepg.Schedule]:
     """A :class:`fakepg.Schedule`: up to ``max_choices`` choices (each in 0..7, taken modulo
     the options at its point; past the end the natural order), in the natural or the
     adversarial order (``adversarial``: None draws it). Shrinks toward fewer and smaller
@@ -49,9 +48,9 @@ def schedules(
         raise ValueError(f"schedules: max_choices must be an int >= 0, got {max_choices!r}")
     if adversarial is not None and not isinstance(adversarial, bool):
         raise ValueError(f"schedules: adversarial must be a bool or None, got {adversarial!r}")
-    mode = draw(st.booleans()) if adversarial is None else adversarial
-    choices = draw(st.lists(st.integers(0, _MAX_CHOICE), max_size=max_choices))
-    return fakepg.Schedule(choices, adversarial=mode)
+    modes = st.booleans() if adversarial is None else st.just(adversarial)
+    choices = st.lists(st.integers(0, _MAX_CHOICE), max_size=max_choices)
+    return st.builds(lambda c, a: fakepg.Schedule(c, adversarial=a), choices, modes)
 
 
 def race_report(schedule: fakepg.Schedule, *, last: int | None = 60) -> str:
