@@ -99,7 +99,7 @@ _DONE = "done"  # a rank thread that returned
 _TICK_S = 0.0005  # between the samples of an outside actor that may have woken
 _FIRST_TICK_S = 0.0002  # the monitor's first look at a holder, doubling up to the last
 _LAST_TICK_S = 0.002
-_SAMPLES_TO_STALL = 3
+_SAMPLES_TO_STALL = 2
 _SAMPLES_TO_SETTLE = 3
 
 

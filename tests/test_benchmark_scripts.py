@@ -43,3 +43,9 @@ def test_launch_check_measures_both_variants() -> None:
     )
     rows = [line for line in out.splitlines() if line.startswith("| 2 |")]
     assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out
+
+
+def test_schedule_throughput_measures_every_workload() -> None:
+    out = _run("benchmarks/schedule_throughput.py", "--examples", "2")
+    rows = [line for line in out.splitlines() if line.startswith("|") and "| 2 |" in line]
+    assert len(rows) == 4, out
