@@ -2,7 +2,7 @@
 
 With ``World(n, schedule=Schedule(choices))`` the ranks' threads still exist, but only one of
 them runs at a time between *scheduling points*: where a rank issues a collective, waits for
-one (``Work.wait``, a torch work's ``wait``, ``torch.futures.Future.wait``), returns, and where
+one (``Work.wait``, a torch work's ``wait``, any torch future's ``wait``), returns, and where
 a done-callback (a torch future's ``then`` chain) starts and ends. At each point the scheduler
 lists what may happen next (the thread that reached it goes on, another thread resumes, a
 collective whose ranks have all issued it completes, a rank's next callback runs) and a
@@ -17,7 +17,8 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
         t.div_(pg.size())          # races the in-flight allreduce
         work.wait()
         return t
-    schedule = fakepg.Schedule([0, 1])   # rank 1's issue is followed by the completion
+    schedule = fakepg.Schedule([0, 1])   # after rank 0's issue, rank 1 runs: it divides
+                                         # before the data moves, rank 0 after
     fakepg.run(step, 2, schedule=schedule)
     print(schedule.format())       # the timeline: rank, event, collective, tensors
 
@@ -54,15 +55,18 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
 # Note [Blocked outside the scheduler]
 # A thread may block where no point sees it: torch's C++ DDP waits for a comm hook's future in
 # C++, this project's DDP on a threading.Event. Holding the baton, it would stall the world.
-# A monitor thread therefore samples a holder that has not reached a point for a while: when
-# its Python frame stays the same and the OS shows the thread sleeping (Linux /proc; elsewhere
-# the frame alone, sampled longer), it is *outside*: the monitor decides in its place and the
-# world goes on. An outside thread that a later event wakes (a callback completes its future)
+# A monitor thread therefore samples a holder that has not reached a point: when its innermost
+# Python frame is such a wait (a wait of the threading module, not a thread's start nor this
+# module's own; autograd's engine running backward) and stays the same, and the OS shows the
+# thread sleeping without having run between two looks (Linux /proc; elsewhere the frame
+# alone, sampled longer), it is *outside*: the monitor decides in its place and the world
+# goes on. An outside thread that a later event wakes (a callback completes its future)
 # parks at its next point; before each decision that follows a segment of code, the scheduler
 # waits until every outside thread has either parked or is seen blocked again, so that the
-# options do not depend on how fast it woke. This is a sampling heuristic: a thread sleeping
-# for time (``time.sleep``) counts as blocked, and decisions stay exact as long as an outside
-# thread can move only when the world does.
+# options do not depend on how fast it woke. This is a sampling heuristic: decisions stay
+# exact as long as an outside thread can move only when the world does. A thread sleeping
+# elsewhere (``time.sleep``, a lock of its own) is only slow: the others wait for it, up to the
+# world's timeout, which then reports it with every rank's stack.
 """
 
 from __future__ import annotations
