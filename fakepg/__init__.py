@@ -25,6 +25,7 @@ from .faults import (
 )
 from .group import FakeProcessGroup
 from .netmodel import NETWORK_PRESETS, AlphaBeta, FixedLatency, NetworkModel, parse_network
+from .schedule import Schedule, ScheduleDeadlock, ScheduleEvent
 from .torch_backend import init_torch_group, register_torch_backend, run_torch
 from .work import Work
 from .world import World, run
@@ -42,6 +43,9 @@ __all__ = [
     "NcclModel",
     "NetworkModel",
     "RankExited",
+    "Schedule",
+    "ScheduleDeadlock",
+    "ScheduleEvent",
     "Topology",
     "Work",
     "World",

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from .executor import Timer
 from .faults import interrupt_thread
+from .schedule import _Scheduler
 
 __all__: list[str] = []
 
@@ -99,9 +100,18 @@ class Completions:
     [Completion lanes]."""
 
     def __init__(
-        self, name: str, *, timeout: float, timer: Timer, on_failure: FailureHandler
+        self,
+        name: str,
+        *,
+        timeout: float,
+        timer: Timer,
+        on_failure: FailureHandler,
+        scheduler: _Scheduler | None = None,
     ) -> None:
         self._name = name
+        # Under a controlled schedule, a lane takes its next callback only when chosen (see
+        # Note [Controlled scheduling] in fakepg.schedule).
+        self._scheduler = scheduler
         self._timeout_ns = int(timeout * 1e9)
         self._timer = timer
         self._on_failure = on_failure
@@ -131,6 +141,8 @@ class Completions:
         if lane is None:
             lane = self._lanes[(rank, level)] = Lane(self, rank, level)
         lane.queue.append(_Item(run, what))
+        if self._scheduler is not None:
+            self._scheduler.lane_posted(rank, level, what)
         if lane.thread is None:
             # After close nothing should be posted (every collective is finished by then);
             # if something is, it still runs, on a thread that ends once the queue is empty.
@@ -152,6 +164,7 @@ class Completions:
     def _work(self, lane: Lane) -> None:
         _local.lane = lane
         me = threading.current_thread()
+        scheduler = self._scheduler
         try:
             while True:
                 with self.lock:
@@ -162,6 +175,14 @@ class Completions:
                     if not lane.queue:
                         lane.thread = None  # closed and drained
                         return
+                    if scheduler is not None and scheduler.active:
+                        self.lock.release()  # wait for the turn without the lanes' lock
+                        try:
+                            scheduler.lane_acquire(lane.rank, lane.level)
+                        finally:
+                            self.lock.acquire()
+                        if lane.thread is not me or not lane.queue:
+                            continue  # replaced meanwhile
                     item = lane.queue.popleft()
                     lane.current = item
                     lane.quiet_since_ns = time.perf_counter_ns()
@@ -174,6 +195,8 @@ class Completions:
                     pass  # declared stuck: the world was told (see _check)
                 except BaseException as exc:  # a done-callback must not raise
                     error = exc
+                if scheduler is not None:
+                    scheduler.lane_release()
                 with self.lock:
                     lane.in_callback.discard(me)
                     if lane.thread is me:

@@ -129,6 +129,7 @@ from torch.distributed import distributed_c10d as _c10d
 from reducer.process_group import ReduceOp
 
 from .netmodel import NetworkModel
+from .schedule import Schedule, wait_event
 from .work import Work
 from .world import FakeProcessGroup, World
 
@@ -220,6 +221,7 @@ def run_torch(
     timeout: float = 60.0,
     network: NetworkModel | None = None,
     per_rank_rng: bool = True,
+    schedule: Schedule | None = None,
 ) -> list[T]:
     """Like :func:`fakepg.run`, with torch.distributed's default group on the fake world.
 
@@ -228,12 +230,13 @@ def run_torch(
     FakeProcessGroup, on the same world as the torch group), then ``destroy_process_group``.
     Failures behave as in :func:`fakepg.run`: a failure anywhere aborts the world, every rank
     blocked in a collective (a torch one included) wakes, and the first failure is re-raised
-    with a note naming its rank. Returns the results in rank order.
+    with a note naming its rank. Returns the results in rank order. ``schedule``: see
+    :func:`fakepg.run`.
     """
     if not callable(fn):
         raise ValueError(f"run_torch: fn must be callable, got {fn!r}")
     register_torch_backend()
-    with World(world_size, timeout=timeout, network=network) as world:
+    with World(world_size, timeout=timeout, network=network, schedule=schedule) as world:
         # Unused by the backend, but init_process_group wants a store. (torch re-exports
         # HashStore without listing it, hence the ignore.)
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -730,7 +733,7 @@ class _TorchWork(dist.Work):
             future = self._future
         # The future completes on this rank's completion thread once the works are done (see
         # Note [Completion lanes] in fakepg.completion): after wait() returns, it must be too.
-        if future is not None and not self._future_done.wait(limit):
+        if future is not None and not wait_event(self._future_done, limit, "a torch future"):
             raise RuntimeError(
                 f"fakepg torch backend: the collective completed but its future did not "
                 f"within {limit:g} s (a done-callback before it on this rank is blocked)"

@@ -28,6 +28,7 @@ from .faults import FakePGError
 if TYPE_CHECKING:
     from .completion import Completions, Lane
     from .executor import Executor, Timer
+    from .schedule import _Scheduler
 
 __all__ = ["Work"]
 
@@ -49,6 +50,9 @@ class _Host(Protocol):
 
     @property
     def completions(self) -> Completions: ...
+
+    @property
+    def scheduler(self) -> _Scheduler | None: ...
 
     def _wait_timed_out(self, collective: Collective, rank: int, timeout: float) -> None: ...
 
@@ -142,6 +146,19 @@ class Collective:
             self.world.timer.call_at(lands_at_ns, lambda: self._submit(tasks))
         else:
             self._submit(tasks)
+
+    def run_inline(self, tasks: list[Task]) -> None:
+        """Move the data now, on this thread, then finish: how a controlled schedule completes
+        a collective (see Note [Controlled scheduling] in fakepg.schedule)."""
+        self.started_ns = time.perf_counter_ns()
+        for task in tasks:
+            if self.failed:  # aborted meanwhile: stop moving data
+                break
+            try:
+                task()
+            except BaseException as exc:
+                self.finish(_internal_error(self, exc))
+        self.finish(None)
 
     def _submit(self, tasks: list[Task]) -> None:
         if not tasks:
@@ -246,6 +263,10 @@ class Work:
         with c._lock:
             c.waiters += 1
         try:
+            scheduler = c.world.scheduler
+            if scheduler is not None and not c.done.is_set():
+                # A point: wait until a decision completes it (or the schedule lets go).
+                scheduler.block(c.done.is_set, "wait", c.describe())
             if not c.done.wait(limit):
                 c.world._wait_timed_out(c, self._rank, limit)
         finally:

@@ -9,7 +9,9 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # autograd's, and its completion threads, where its futures' callbacks run), but every method
 # of World, FakeProcessGroup and Work is thread-safe. A world holds no global state; any
 # number of worlds run at once in one process, nested or not. Threads a world starts (the
-# data workers, the timer, the ranks' completion threads) are joined by its close().
+# data workers, the timer, the ranks' completion threads) are joined by its close(). Under a
+# schedule (see Note [Controlled scheduling] in fakepg.schedule) one controlled thread runs at
+# a time, and a collective's data moves on the thread that decides its completion.
 
 # Note [Matching by sequence number]
 # A *channel* is one sequence space: the collectives of one group (the whole world, or a
@@ -78,6 +80,7 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -103,6 +106,7 @@ from .faults import (
 )
 from .group import FakeProcessGroup
 from .netmodel import NetworkModel
+from .schedule import Schedule, _Scheduler, install_future_wait
 from .work import Channel, Collective, ErrorFactory, Work
 
 __all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
@@ -121,8 +125,10 @@ class World:
     ``timeout`` is the default for ``Work.wait`` (a finite number of seconds: every wait has a
     deadline). ``threads`` is the number of workers that move data (default: one per core, at
     most 8). ``network`` adds simulated network time to each collective (see
-    :mod:`fakepg.netmodel`). Use as a context manager, or call :meth:`close`, so that the
-    worker threads are joined.
+    :mod:`fakepg.netmodel`). ``schedule`` runs :meth:`run`'s ranks under a controlled
+    scheduler, one thread at a time, in the order its choices decide (see
+    :mod:`fakepg.schedule`); not with ``network``. Use as a context manager, or call
+    :meth:`close`, so that the worker threads are joined.
     """
 
     def __init__(
@@ -132,6 +138,7 @@ class World:
         timeout: float = 30.0,
         threads: int | None = None,
         network: NetworkModel | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"World: world_size must be an int >= 1, got {world_size!r}")
@@ -142,9 +149,27 @@ class World:
                 f"World: timeout must be > 0 seconds and finite, got {timeout!r}: every wait "
                 "has a deadline; pass a large number (e.g. 3600) to wait long"
             )
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise ValueError(f"World: schedule must be a fakepg.Schedule, got {schedule!r}")
+        if schedule is not None and network is not None:
+            raise ValueError(
+                "World: a schedule decides when collectives complete, a network model times "
+                "them; pass one or the other"
+            )
         self.world_size = world_size
         self.timeout = float(timeout)
         self.network = network
+        # See Note [Controlled scheduling] in fakepg.schedule.
+        self.scheduler: _Scheduler | None = None
+        if schedule is not None:
+            install_future_wait()
+            on_deadlock = weakref.WeakMethod(self._deadlocked)
+            self.scheduler = _Scheduler(
+                schedule,
+                world_size,
+                timeout=self.timeout,
+                on_deadlock=lambda *args: _call_if_alive(on_deadlock, *args),
+            )
         name = f"fakepg-{id(self):x}"
         self.executor = Executor(threads or default_thread_count(), name=name)
         self.timer = Timer(name=name)
@@ -156,6 +181,7 @@ class World:
             timeout=self.timeout,
             timer=self.timer,
             on_failure=lambda *args: _call_if_alive(on_failure, *args),
+            scheduler=self.scheduler,
         )
         # If a world is dropped without close(), still stop its daemon threads.
         weakref.finalize(
@@ -294,6 +320,9 @@ class World:
         net_kind: str,
     ) -> Work:
         """``rank`` (a world rank) issues its next collective on ``channel``."""
+        scheduler = self.scheduler
+        if scheduler is not None:
+            scheduler.check_thread(_describe(fingerprint, channel.next_seq[rank], channel))
         for observer in self._observers:
             observer(rank, fingerprint.kind, channel.members, outputs, nbytes)
         now = time.perf_counter_ns()
@@ -327,6 +356,7 @@ class World:
                 if not collective.failed:
                     collective.started_ns = time.perf_counter_ns()
                     lands_at_ns = self._reserve_link(collective, nbytes, net_kind)
+        complete: Callable[[], None] | None = None
         if full and not collective.failed:
             payloads = [collective.payloads[r] for r in channel.members]
             try:
@@ -334,7 +364,19 @@ class World:
             except _c.Disagreement as exc:
                 collective.finish(_disagree(collective, str(exc)))
             else:
-                collective.start(tasks, lands_at_ns)
+                if scheduler is None:
+                    collective.start(tasks, lands_at_ns)
+                else:
+                    complete = functools.partial(collective.run_inline, tasks)
+        if scheduler is not None:
+            # A point: who runs next, and when this collective completes, is decided there.
+            # As this rank issued it (its peers' may differ: a desync).
+            fp = fingerprint
+            extra = f" (op={fp.op.name})" if fp.op is not None else ""
+            extra = f" (root={fp.root})" if fp.root is not None else extra
+            what = f"{_describe(fp, collective.seq, channel)}{extra}"
+            tensors = ", ".join(str(spec) for spec in fp.specs)
+            scheduler.issued(what, tensors, complete)
         return Work(collective, rank, outputs)
 
     def _reserve_link(self, collective: Collective, nbytes: int, kind: str) -> int | None:
@@ -466,6 +508,14 @@ class World:
                 self._own_failure = (rank, failure)
         self.abort(failure, rank=rank)
 
+    def _deadlocked(self, rank: int, error: BaseException) -> None:
+        """The scheduler's report: under its schedule nothing can move (see Note [Controlled
+        scheduling] in fakepg.schedule). Aborts the world; run() re-raises it first."""
+        with self._lock:
+            if self._own_failure is None and self._abort is None:
+                self._own_failure = (rank, error)
+        self.abort(error, rank=rank)
+
     # ---------------------------------------------------------------------------------------
     # Running one thread per rank.
 
@@ -511,8 +561,12 @@ class World:
                 failures.append((rank, exc))
             self.abort(exc, rank=rank)
 
+        scheduler = self.scheduler
+
         def rank_main(rank: int) -> None:
             try:
+                if scheduler is not None:
+                    scheduler.enter(rank)
                 try:
                     # See Note [Each rank runs its own backward].
                     with (
@@ -532,15 +586,21 @@ class World:
             except _Stop:
                 pass  # delivered after fn had ended: there is nothing left to stop
             finally:
+                if scheduler is not None:
+                    scheduler.leave()
                 changed.set()
 
         threads = [
             threading.Thread(target=rank_main, args=(r,), name=f"fakepg-rank-{r}", daemon=True)
             for r in range(self.world_size)
         ]
+        if scheduler is not None:
+            scheduler.begin()
         for thread in threads:
             thread.start()
         stuck = _join_ranks(self, threads, changed, grace_s=float(grace_s))
+        if scheduler is not None:
+            scheduler.end()
         with lock:
             own = self._own_failure
             if own is not None and all(exc is not own[1] for _, exc in failures):
@@ -607,6 +667,8 @@ class World:
                 return
             self._abort, self._abort_rank = reason, rank
             unfinished = list(self._active)
+        if self.scheduler is not None:
+            self.scheduler.abort()  # every thread runs free: each wakes with the abort
         self._fail_all(unfinished, lambda what: lambda r: self._aborted_error(r, what))
 
     @property
@@ -648,6 +710,8 @@ class World:
                 return
             self._closed = True
             unfinished = list(self._active)
+        if self.scheduler is not None:
+            self.scheduler.close()
         self._fail_all(unfinished, lambda what: lambda r: self._aborted_error(r, what))
         _close_threads(self.executor, self.timer, self.completions, self.timeout)
 
@@ -835,6 +899,7 @@ def run(
     timeout: float = 60.0,
     network: NetworkModel | None = None,
     per_rank_rng: bool = True,
+    schedule: Schedule | None = None,
 ) -> list[T]:
     """Call ``fn(pg)`` on one thread per rank of a new world; return the results in rank order.
 
@@ -844,9 +909,11 @@ def run(
     ``network`` simulates transfer time (see :mod:`fakepg.netmodel`). A rank that returns while
     its peers wait for it makes their collectives fail at once. Every thread started here has
     ended when ``run`` returns or raises (see ``World.run``). With ``per_rank_rng`` (the
-    default) each rank draws from a generator of its own (see :mod:`fakepg.rng`).
+    default) each rank draws from a generator of its own (see :mod:`fakepg.rng`). With a
+    ``schedule``, one thread runs at a time, in the order it decides (see
+    :mod:`fakepg.schedule`); its ``timeline`` then shows what happened.
     """
-    with World(world_size, timeout=timeout, network=network) as world:
+    with World(world_size, timeout=timeout, network=network, schedule=schedule) as world:
         return world.run(fn, per_rank_rng=per_rank_rng)
 
 

@@ -41,6 +41,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fakepg.collectives
 import fakepg.rng
+import fakepg.schedule
 import reducer
 import reducer.bucket_views
 import reducer.buckets
@@ -67,6 +68,7 @@ _compress_wrapper = reducer.hooks._default._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
 _rank_stream = fakepg.rng.rank_stream
+_Scheduler = fakepg.schedule._Scheduler
 
 
 # -------------------------------------------------------------------------------------------
@@ -517,6 +519,29 @@ def _one_stream_for_all(streams: Any, rank: int) -> Any:
 
 
 # -------------------------------------------------------------------------------------------
+# The fake world's controlled scheduler.
+
+
+class IgnoreChoices(_Scheduler):
+    """The scheduler reads every choice as 0: each run takes the natural order, whatever the
+    schedule says, so no schedule shows a race that the natural order hides."""
+
+    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
+        super()._choose_locked(n)  # consumes the choice, as the real one does
+        return 0, None
+
+
+class CompleteAtOnce(_Scheduler):
+    """A collective completes the moment its last rank issues it, not when a decision says
+    so: as if a collective were never in flight, so no rank ever reads a tensor early."""
+
+    def issued(self, what: str, tensors: str, complete: Callable[[], None] | None) -> None:
+        if complete is not None:
+            complete()
+        super().issued(what, tensors, None)
+
+
+# -------------------------------------------------------------------------------------------
 # Nested and higher-order backward.
 
 
@@ -950,6 +975,9 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "fake world",
         _in("fakepg.rng", "rank_stream", _one_stream_for_all),
     ),
+    # The fake world's controlled scheduler.
+    ("schedule choices ignored", "scheduler", _in("fakepg.world", "_Scheduler", IgnoreChoices)),
+    ("completions at once", "scheduler", _in("fakepg.world", "_Scheduler", CompleteAtOnce)),
     # Checkpointing, higher-order and repeated backward.
     (
         "finalize at a checkpoint's inner end",

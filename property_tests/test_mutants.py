@@ -31,6 +31,7 @@ from reducer.testing.harness import Scenario, check_against_reference, reference
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
 from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
+from . import test_schedules
 from .mutants import CATALOGUE, Mutant, applied
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
@@ -464,6 +465,9 @@ MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
     ],
     "accept invalid buckets": [(corrupted(), check_invalid_buckets)],
 }
+# The scheduler's mutants: each lets a race of property_tests/test_schedules.py through (no
+# schedule shows it), so the race property fails.
+SCHEDULING = {"schedule choices ignored", "completions at once"}
 BUCKETING = {
     "close a bucket above the limit",
     "never move to the next limit",
@@ -474,8 +478,20 @@ BUCKETING = {
 
 
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING == set(CATALOGUE)
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING == set(CATALOGUE)
     assert len(CATALOGUE) >= 25
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULING))
+def test_the_race_property_kills_the_scheduler_mutants(name: str) -> None:
+    races = sorted(test_schedules.RACY)
+    with applied(CATALOGUE[name]):
+        missed = [
+            r for r in races if _fails(lambda r=r: test_schedules.race_is_found_and_shrunk(r))
+        ]
+    assert missed, f"{name}: every race is still found"
+    for race in missed:
+        test_schedules.race_is_found_and_shrunk(race)  # the real scheduler shows it
 
 
 def _search(mutant: Mutant, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> Any:

@@ -74,3 +74,10 @@ def test_fakepg_collectives_time_every_way() -> None:
         ms = [row[4], row[11], row[13], row[15]]  # ranks refilled, then the three other ways
         assert all(float(v) > 0 for v in ms), out
         assert (row[10].strip() != "") == (row[1].strip() == "reduce_scatter"), out
+
+
+def test_schedule_throughput_measures_every_workload() -> None:
+    out = _run("benchmarks/schedule_throughput.py", "--examples", "2")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
+    counts = [row[2].strip() for row in rows[2:]]  # after the header and its rule
+    assert counts == ["2"] * 4, out

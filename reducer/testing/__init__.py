@@ -14,7 +14,9 @@ pytest). It holds what the project's own property suite is built on:
 - :mod:`~reducer.testing.checks`: checks for any data-parallel wrapper built from (module,
   process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own) and
   ``check_comm_hook`` (exact, or within a bound you state), on :class:`TrainingScenario`
-  values that ``training_scenarios`` draws from your model factory and inputs.
+  values that ``training_scenarios`` draws from your model factory and inputs;
+- :mod:`~reducer.testing.schedule`: races made repeatable: ``schedules`` draws the fake
+  world's schedule for the checks' ``schedule=``, ``race_report`` prints it as a timeline.
 
 This module is a tool layer: it imports the core and ``fakepg``; the core never imports it.
 Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest plugin).
@@ -33,6 +35,7 @@ from .checks import (
 )
 from .harness import Scenario, check_against_reference
 from .reference import rank_order_average, sparse_average, sum_then_divide
+from .schedule import race_report, schedules
 from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
 
 __all__ = [
@@ -51,4 +54,6 @@ __all__ = [
     "rank_order_average",
     "sum_then_divide",
     "sparse_average",
+    "schedules",
+    "race_report",
 ]

@@ -41,6 +41,7 @@ import fakepg
 import reducer
 
 from .reference import Scaling, rank_order_average
+from .schedule import reports_schedule
 
 __all__ = [
     "Average",
@@ -245,6 +246,7 @@ def _play(
     *,
     setup: Callable[[nn.Module, reducer.ProcessGroup], None] | None,
     timeout: float,
+    schedule: fakepg.Schedule | None = None,
 ) -> list[_RankTrace]:
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()  # guards errors: each rank thread records its own failure
@@ -292,7 +294,7 @@ def _play(
         return trace
 
     try:
-        return fakepg.run_torch(rank_fn, s.world_size, timeout=timeout)
+        return fakepg.run_torch(rank_fn, s.world_size, timeout=timeout, schedule=schedule)
     except Exception as exc:
         if s.refusal is None:
             raise
@@ -479,6 +481,7 @@ def _compare(
     )
 
 
+@reports_schedule
 def check_data_parallel(
     make_wrapper: WrapperFactory,
     scenario: TrainingScenario,
@@ -488,6 +491,7 @@ def check_data_parallel(
     check_strides: bool = True,
     broadcast_buffers: bool = True,
     timeout: float = 60.0,
+    schedule: fakepg.Schedule | None = None,
 ) -> None:
     """Train ``scenario`` with ``make_wrapper(module, pg, **scenario.options)`` on every rank
     of a fake world; after every step, each rank's gradients and parameters must equal the
@@ -500,10 +504,11 @@ def check_data_parallel(
     it (channels_last stays channels_last). The module's buffers after every step must be
     those of a forward that started from rank 0's buffers (``broadcast_buffers``, DDP's
     default, each buffer found by name, so one that forward reassigns too) or from the rank's
-    own.
+    own. ``schedule``: run the ranks under it, one thread at a time in the order it decides
+    (see :mod:`reducer.testing.schedule`); a failure then shows its timeline.
     """
     s = scenario
-    runs = _play(make_wrapper, s, setup=None, timeout=timeout)
+    runs = _play(make_wrapper, s, setup=None, timeout=timeout, schedule=schedule)
     if s.refusal is not None:
         if runs:
             raise AssertionError(
@@ -549,6 +554,7 @@ def check_data_parallel(
                 _compare(run.final[i], want.final[i], f"{where} (the last joiner's)")
 
 
+@reports_schedule
 def check_comm_hook(
     hook: Callable[[Any, Any], torch.futures.Future[Tensor]],
     scenario: TrainingScenario,
@@ -560,6 +566,7 @@ def check_comm_hook(
     rtol: float = 0.0,
     cumulative_atol: float | None = None,
     timeout: float = 60.0,
+    schedule: fakepg.Schedule | None = None,
 ) -> None:
     """Register ``hook`` (with ``state(pg)`` as its state, None if not given) on the wrapper
     (torch's DDP by default), run every step of ``scenario`` without updating the parameters,
@@ -570,6 +577,7 @@ def check_comm_hook(
     elementwise. ``cumulative_atol``: also, at every step, the running sums over steps of the
     hook's gradients and of the exact ones are within it: a hook with error feedback keeps
     them so (what it drops now, it adds later); one that loses its residual drifts steadily.
+    ``schedule``: as in :func:`check_data_parallel`.
     """
     if scenario.reload_after is not None:
         raise ValueError(
@@ -582,7 +590,7 @@ def check_comm_hook(
     def setup(module: nn.Module, pg: reducer.ProcessGroup) -> None:
         module.register_comm_hook(None if state is None else state(pg), hook)  # type: ignore[operator]
 
-    runs = _play(wrapper, s, setup=setup, timeout=timeout)
+    runs = _play(wrapper, s, setup=setup, timeout=timeout, schedule=schedule)
     want = _reference(s, _average_for("divide", average), broadcast_buffers=True).grads
     for rank, run in enumerate(runs):
         sums: list[Tensor | None] = [None] * len(run.names)
