@@ -119,7 +119,8 @@ def test_the_api_is_exactly_what_init_exports() -> None:
     # its modules' asserts and leaves "@py_builtins" and "@pytest_ar" in their namespaces.
     public = {name for name in dir(fakepg) if not name.startswith("_") and name.isidentifier()}
     modules = {
-        "collectives", "completion", "executor", "faults", "group", "netmodel", "rng", "schedule",
+        "clusternet", "collectives", "completion", "executor", "faults", "group", "netmodel", "rng",
+        "schedule",
         "torch_backend", "work", "world", "annotations",
     }  # fmt: skip
     assert set(fakepg.__all__) == public - modules
