@@ -674,7 +674,7 @@ def _mixed_precision_sum_in_full(
     buffer = bucket.buffer()
     state.group.allreduce([buffer], reducer.ReduceOp.SUM).wait()
     low = buffer.to(reduce_dtype).div_(state.group.size())
-    mp.to_full_precision(bucket.parameters())
+    mp.to_full_precision(owner._mp_twins, bucket.parameters())
     done: torch.futures.Future[Tensor] = torch.futures.Future()
     done.set_result(buffer.copy_(low))
     return done
