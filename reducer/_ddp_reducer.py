@@ -24,6 +24,14 @@ from .reducer import Reducer
 __all__: list[str] = []
 
 
+# A rank's view of a bucket, for skip_all_reduce_unused_params. See Note [Skipping buckets
+# of unused parameters].
+_NO_VIEW = -1  # a joined rank: it trains no more
+_USED = 0  # some parameter of it is used in this synced pass
+_ACCUMULATED = 1  # unused in this pass, but holds gradients accumulated under no_sync
+_SKIP = 2  # unused, and nothing accumulated: this rank alone would skip it
+
+
 class DDPReducer(Reducer):
     """A :class:`reducer.Reducer` with the calls torch's DDP reducer offers its callers."""
 
@@ -86,30 +94,39 @@ class DDPReducer(Reducer):
     # skipped on every rank: where they differ, the ranks issue different collectives, and
     # torch's DDP sums one bucket of a rank with another bucket of another rank where their
     # shapes agree (two same-shaped branches, each unused on a different rank), silently.
-    # So each synced iteration starts with one small allgather of every rank's decisions
-    # (one int per bucket), and a disagreement is an error on every rank, naming the
-    # buckets' parameters and the ranks, before any bucket is reduced. A rank that ran out
-    # of inputs under join has no decisions of its own: it takes the others' (see
-    # _shadow_iteration), so its shadow reductions match theirs.
+    # So each synced iteration starts with one small allgather of every rank's view of each
+    # bucket (one int per bucket: _USED, _ACCUMULATED or _SKIP), before any bucket is
+    # reduced. A bucket is skipped only where every rank would skip it. Where some rank uses
+    # it in this pass and another leaves it unused, every rank raises an error naming the
+    # bucket's parameters and the ranks: the unused parameters differ, which the option
+    # does not allow. Where it is unused everywhere in this pass but some ranks hold
+    # gradients accumulated under no_sync, every rank reduces it (the others contribute
+    # zeros): nothing a rank computed is lost. A rank that ran out of inputs under join has
+    # no view of its own (_NO_VIEW): it takes the others' (see _shadow_iteration), so its
+    # shadow reductions match theirs.
 
     def _local_skips(self) -> list[int]:
-        """Per bucket, 1 where this rank would skip it (see the Note), else 0."""
-        return [
-            int(
-                all(
-                    (0, i) in self._unused_set and not self._used[0][i]
-                    for i in bucket.variable_indices
-                )
-            )
-            for bucket in self._buckets
-        ]
+        """Per bucket, this rank's view (see the Note): _SKIP where every parameter is
+        unused in this pass and got no gradient locally since the last synced pass,
+        _ACCUMULATED where every one is unused but some got one under no_sync, else _USED."""
+        views = []
+        for bucket in self._buckets:
+            indices = bucket.variable_indices
+            if not all((0, i) in self._unused_set for i in indices):
+                views.append(_USED)
+            elif any(self._used[0][i] for i in indices):
+                views.append(_ACCUMULATED)
+            else:
+                views.append(_SKIP)
+        return views
 
     def _agree_on_skips(self, local: list[int] | None) -> list[bool]:
-        """Every rank's skip decisions (``local``; None: no opinion, a joined rank), gathered;
-        the agreed ones, or an error on every rank where ranks disagree."""
+        """Every rank's view of each bucket (``local``; None: no view, a joined rank),
+        gathered; per bucket, whether every rank skips it, or an error on every rank where
+        some rank uses a bucket that another would skip."""
         count = len(self._buckets)
         device = self._replicas[0][0].device
-        mine = torch.tensor([-1] * count if local is None else local, dtype=torch.int32)
+        mine = torch.tensor([_NO_VIEW] * count if local is None else local, dtype=torch.int32)
         mine = mine.to(device)
         world = self._process_group.size()
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -118,8 +135,8 @@ class DDPReducer(Reducer):
         agreed: list[bool] = []
         for index, bucket in enumerate(self._buckets):
             column = [row[index] for row in table]
-            skipping = [r for r, v in enumerate(column) if v == 1]
-            reducing = [r for r, v in enumerate(column) if v == 0]
+            skipping = [r for r, v in enumerate(column) if v == _SKIP]
+            reducing = [r for r, v in enumerate(column) if v == _USED]
             if skipping and reducing:
                 names = ", ".join(
                     str(i) if self._names is None else f"{i} {self._names[i]!r}"
@@ -128,14 +145,15 @@ class DDPReducer(Reducer):
                 raise self._fail(
                     errors.ReductionError(
                         "DistributedDataParallel(skip_all_reduce_unused_params=True) needs the "
-                        "same buckets unused on every rank, but bucket "
+                        "same parameters unused on every rank, but bucket "
                         f"{index} (parameters {names}) is unused on rank(s) {skipping} and "
-                        f"used on rank(s) {reducing}: skipping it on some ranks only would "
-                        "reduce different buckets together. Leave the same parameters unused "
-                        "on every rank, or pass skip_all_reduce_unused_params=False"
+                        f"used on rank(s) {reducing} in this pass: skipping it on some ranks "
+                        "only would reduce different buckets together. Leave the same "
+                        "parameters unused on every rank, or pass "
+                        "skip_all_reduce_unused_params=False"
                     )
                 )
-            agreed.append(bool(skipping))
+            agreed.append(all(v in (_SKIP, _NO_VIEW) for v in column) and bool(skipping))
         return agreed
 
     def _shadow_iteration(self, *, used_map: bool) -> None:

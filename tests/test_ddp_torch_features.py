@@ -362,6 +362,32 @@ def test_skipping_buckets_unused_on_some_ranks_only_is_an_error_naming_them() ->
     ), messages[0]
 
 
+def test_a_bucket_one_rank_accumulated_under_no_sync_is_reduced_by_every_rank() -> None:
+    """Rank 0 runs branch b under no_sync, then the synced pass leaves b unused on every
+    rank: b's bucket holds rank 0's accumulated gradient, so every rank reduces it (rank 1
+    contributing zeros) instead of skipping it: the gradients without skipping, no error."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        traces = []
+        for skip in (True, False):
+            model = seeded(TwoBranches, seed=1)
+            ddp = reducer.DistributedDataParallel(
+                model, pg, bucket_cap_mb=1e-5, find_unused_parameters=True,
+                skip_all_reduce_unused_params=skip,
+            )  # fmt: skip
+            with ddp.no_sync():
+                branch = "b" if pg.rank() == 0 else "a"
+                ddp(rank_input(pg.rank(), (2, 4), 0), branch).pow(2).sum().backward()
+            ddp(rank_input(pg.rank(), (2, 4), 1), "a").pow(2).sum().backward()
+            traces.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return traces
+
+    for rank, (skipped, reduced) in enumerate(run_ranks(fn, W)):
+        assert len(skipped) == len(reduced) == 2, rank  # b: rank 0's accumulated, averaged
+        for a, b in zip(skipped, reduced, strict=True):
+            assert torch.equal(a, b), rank
+
+
 def test_skipping_the_same_unused_bucket_under_join_matches_no_skipping() -> None:
     """Uneven inputs under join(): the rank that ran out takes the others' skip decisions,
     so its shadow reductions match theirs; the gradients are those without skipping."""
