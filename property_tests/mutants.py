@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -50,6 +51,8 @@ import reducer.comm_hooks
 import reducer.ddp
 import reducer.graph
 import reducer.reducer
+import reducer.testing.checks
+import reducer.testing.strategies
 from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
@@ -62,7 +65,10 @@ _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp.replace_tensors
 _read_buffers = reducer.ddp.read_buffers
 _synced_parameters = reducer.ddp.synced_parameters
+_named_buffers = reducer.ddp.named_buffers
+_compare = reducer.testing.checks._compare
 _bucket_view = reducer.buckets.bucket_view
+_mp_setup = reducer._ddp_mixed_precision.setup
 _compress_wrapper = reducer.comm_hooks._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
@@ -641,6 +647,16 @@ class ReloadReducesIgnored(_DDP):
         super().__setstate__(state)
 
 
+class ReloadForgetsStaticGraph(_DDP):
+    """Once unpickled, a ``static_graph=True`` wrapper builds its new reducer without the
+    static graph (the flag is kept, the reducer not told): a parameter that then gets no
+    gradient is waited for, and the next step finds the reduction unfinished."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__({**state, "static_graph": False})
+        self.static_graph = bool(state.get("static_graph", False))
+
+
 class SkipPartlyUnusedBucket(_DDPReducer):
     """With ``skip_all_reduce_unused_params``, skips a bucket where any of its parameters is
     unused, not only where all are: the used ones keep their local, unaveraged gradients."""
@@ -663,6 +679,18 @@ class SkipPartlyUnusedBucket(_DDPReducer):
             self.buckets_reduced = self._reducing
 
 
+class SkipForgetsNoSync(_DDPReducer):
+    """With ``skip_all_reduce_unused_params``, a bucket unused in the synced pass counts as
+    skippable even where this rank accumulated gradients into it under ``no_sync``: what
+    the rank computed stays local, never averaged."""
+
+    def _local_skips(self) -> list[int]:
+        return [
+            2 if all((0, i) in self._unused_set for i in bucket.variable_indices) else 0
+            for bucket in self._buckets
+        ]
+
+
 def _mixed_precision_sum_in_full(
     state: Any, bucket: reducer.GradBucket
 ) -> torch.futures.Future[Tensor]:
@@ -678,6 +706,31 @@ def _mixed_precision_sum_in_full(
     done: torch.futures.Future[Tensor] = torch.futures.Future()
     done.set_result(buffer.copy_(low))
     return done
+
+
+def _mixed_precision_divide_after_upcast(
+    state: Any, bucket: reducer.GradBucket
+) -> torch.futures.Future[Tensor]:
+    """DDP mixed precision sums in ``reduce_dtype`` but divides by the world size after
+    casting the sum back to full precision: right at 2 ranks, another rounding at 3."""
+    mp = reducer._ddp_mixed_precision
+    owner = state.owner()
+    buffer = bucket.buffer()
+    low = buffer.to(owner.mixed_precision.reduce_dtype)
+    state.group.allreduce([low], reducer.ReduceOp.SUM).wait()
+    mp.to_full_precision(owner._mp_twins, bucket.parameters())
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer.copy_(low).div_(state.group.size()))
+    return done
+
+
+def _buffers_in_param_dtype(config: Any, module: torch.nn.Module) -> Any:
+    """DDP mixed precision casts buffers to ``param_dtype``, not ``buffer_dtype``."""
+    twins = _mp_setup(dataclasses.replace(config, buffer_dtype=None), module)
+    if config.buffer_dtype is not None and config.param_dtype is not None:
+        for buffer in module.buffers():
+            buffer.data = buffer.to(dtype=config.param_dtype)
+    return twins
 
 
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
@@ -702,6 +755,44 @@ def _buffers_first_seen(slots: Sequence[tuple[Any, str]]) -> list[Tensor]:
             seen[name] = buffer
         found.append(seen[name])
     return found
+
+
+# Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
+_hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _named_buffers_first_seen(module: torch.nn.Module, slots: Sequence[Any]) -> dict[str, Tensor]:
+    """Hands a buffer comm hook the buffers as it first got them, by name (as torch's DDP
+    keeps them from construction): a buffer that forward reassigns is no longer synced,
+    the hook syncs the old tensor."""
+    if module not in _hooked_first:
+        _hooked_first[module] = _named_buffers(module, slots)
+    return dict(_hooked_first[module])
+
+
+# -------------------------------------------------------------------------------------------
+# The harness itself: reducer.testing's check and scenarios.
+
+
+def _compare_within_tolerance(
+    got: Tensor | None, want: Tensor | None, where: str, **kwargs: Any
+) -> None:
+    """The check compares gradients and parameters with torch.testing.assert_close's
+    default tolerance for their dtype, not bit for bit."""
+    if (
+        got is not None
+        and want is not None
+        and (got.shape, got.dtype) == (want.shape, want.dtype)
+        and torch.allclose(got, want)
+    ):
+        return
+    _compare(got, want, where, **kwargs)
+
+
+def _powers_of_two_ranks(max_size: int) -> Any:
+    """The training scenarios draw 1, 2 or 4 ranks, never 3: a rounding that differs only
+    where W is not a power of two is never exercised."""
+    return st.sampled_from([w for w in (1, 2, 4) if w <= max_size])
 
 
 # -------------------------------------------------------------------------------------------
@@ -982,6 +1073,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp", "read_buffers", _buffers_first_seen),
     ),
     (
+        "buffer comm hook gets reassigned buffers stale",
+        "DDP wrapper",
+        _in("reducer.ddp", "named_buffers", _named_buffers_first_seen),
+    ),
+    (
         "rebuild from own ready order",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
@@ -992,14 +1088,49 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer", "DistributedDataParallel", ReloadReducesIgnored),
     ),
     (
+        "reloaded static graph not told to the reducer",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", ReloadForgetsStaticGraph),
+    ),
+    (
         "skip a bucket partly unused",
         "DDP wrapper",
         _in("reducer._ddp_reducer", "DDPReducer", SkipPartlyUnusedBucket),
     ),
     (
+        "skip forgets no_sync gradients",
+        "DDP wrapper",
+        _in("reducer._ddp_reducer", "DDPReducer", SkipForgetsNoSync),
+    ),
+    (
         "mixed precision sums in full precision",
         "DDP wrapper",
         _in("reducer._ddp_mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
+    ),
+    (
+        "mixed precision divides after the upcast",
+        "DDP wrapper",
+        _in(
+            "reducer._ddp_mixed_precision",
+            "allreduce_and_upcast",
+            _mixed_precision_divide_after_upcast,
+        ),
+    ),
+    (
+        "mixed precision buffers in param_dtype",
+        "DDP wrapper",
+        _in("reducer._ddp_mixed_precision", "setup", _buffers_in_param_dtype),
+    ),
+    # The harness itself.
+    (
+        "check compares with a tolerance",
+        "harness",
+        _in("reducer.testing.checks", "_compare", _compare_within_tolerance),
+    ),
+    (
+        "scenarios never draw three ranks",
+        "harness",
+        _in("reducer.testing.strategies", "_ranks", _powers_of_two_ranks),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

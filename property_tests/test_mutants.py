@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
+from torch.nn.parallel.distributed import _MixedPrecision
 
 import reducer
 from reducer.testing import TrainingScenario
@@ -32,6 +33,11 @@ from reducer.testing.model import BranchSpec, ModelSpec, wide_width
 from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
 from .mutants import CATALOGUE, Mutant, applied
+from .test_check_strictness import (
+    check_division_is_found,
+    check_one_ulp_is_caught,
+    strictness_scenarios,
+)
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,
@@ -45,10 +51,15 @@ from .test_multi_iteration import TrainingMachine
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
 from .test_wrappers import (
+    _BUFFER_HOOKED,
+    _STATIC,
+    check_buffer_hook,
     check_fsdp2,
+    check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
+    mixed_precision_configs,
     wrapper_scenarios,
 )
 
@@ -95,6 +106,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example.model.parameter_count, example.world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
         return example[0].model.parameter_count, example[0].world_size
+    if isinstance(example, _MixedPrecision):  # a configuration, checked on one Linear
+        return 2, 1
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -334,6 +347,10 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2,
     ),
+    # Two ranks, two steps, a buffer comm hook: it broadcasts the buffer forward replaced.
+    "buffer comm hook gets reassigned buffers stale": Case(
+        _BUFFER_HOOKED, check_buffer_hook, lambda s: s.world_size == 2
+    ),
     # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
     "reassigned buffer not synced": Case(
         wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2
@@ -425,6 +442,12 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2 and s.reload_after is not None and len(s.ignored) == 1,
     ),
+    # A static graph, reloaded, then steps that leave a branch out: the wait for its
+    # gradient shows as an unfinished reduction at the next step (or on two ranks, as the
+    # others' reductions moving on without it).
+    "reloaded static graph not told to the reducer": Case(
+        _STATIC, check_our_ddp, lambda s: s.reload_after is not None
+    ),
     # Two ranks, one bucket of a used and an unused parameter (the same unused everywhere):
     # the used one keeps its own gradient.
     "skip a bucket partly unused": Case(
@@ -434,6 +457,13 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2 and s.options["skip_all_reduce_unused_params"],
     ),
+    # skip_all_reduce_unused_params, a no_sync pass that runs a branch the synced pass then
+    # leaves unused on every rank (the accumulated gradient must still be averaged).
+    "skip forgets no_sync gradients": Case(
+        ddp_scenarios(model=dense_optional, mode="find_unused", hook="none", skip_unused=True),
+        check_ddp,
+        lambda s: s.world_size <= 2,
+    ),
     # Two ranks, reducing in float16 or bfloat16: the sum rounded once, not per addition.
     "mixed precision sums in full precision": Case(
         wrapper_scenarios(
@@ -441,6 +471,25 @@ CASES: dict[str, Case] = {
         ),
         check_our_ddp,
         lambda s: s.world_size == 2 and s.options["mixed_precision"] is not None,
+    ),
+    # Three ranks, reducing in float16 or bfloat16: (sum / 3) in the low dtype differs from
+    # the sum cast back and divided in full precision.
+    "mixed precision divides after the upcast": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, mixed=True, lr=0.0
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 3 and s.options["mixed_precision"] is not None,
+        max_ranks=3,
+    ),
+    "mixed precision buffers in param_dtype": Case(
+        mixed_precision_configs(),
+        check_mixed_precision_dtypes,
+        lambda c: c.param_dtype != c.buffer_dtype,
+    ),
+    # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
+    "check compares with a tolerance": Case(
+        strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1
     ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
@@ -458,6 +507,11 @@ MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
     ],
     "accept invalid buckets": [(corrupted(), check_invalid_buckets)],
 }
+# A mutant of the scenarios: the property that kills it is a search, not a check of one
+# example (it must find, within the ci profile's examples, a wrapper wrong only at W = 3).
+SEARCHES: dict[str, Callable[[], object]] = {
+    "scenarios never draw three ranks": check_division_is_found,
+}
 BUCKETING = {
     "close a bucket above the limit",
     "never move to the next limit",
@@ -468,7 +522,7 @@ BUCKETING = {
 
 
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING == set(CATALOGUE)
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | set(SEARCHES) == set(CATALOGUE)
     assert len(CATALOGUE) >= 25
 
 
@@ -541,6 +595,13 @@ def test_the_misuse_properties_catch_and_shrink(
         params = shrunk[0]
         assert len(params) <= 2, f"{name}: not shrunk: {len(params)} parameters"
     check(shrunk)  # the real reducer passes the same example
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_the_searching_properties_catch(name: str) -> None:
+    with applied(CATALOGUE[name]):
+        assert _fails(SEARCHES[name]), f"{name}: the search still succeeds"
+    SEARCHES[name]()  # the real code passes
 
 
 def test_applying_a_mutant_replaces_the_code_and_restores_it() -> None:

@@ -45,9 +45,10 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
-from torch.nn.parallel.distributed import _MixedPrecision
+from torch.nn.parallel.distributed import _BufferCommHookLocation, _MixedPrecision
 from torch.utils.checkpoint import checkpoint
 
+import fakepg
 import reducer
 from reducer.testing import (
     TrainingScenario,
@@ -61,8 +62,8 @@ from reducer.testing import (
 )
 from reducer.testing.checks import Average
 from reducer.testing.harness import note_size
-from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, loss_of
-from reducer.testing.strategies import GeneratedTraining, model_specs
+from reducer.testing.model import BranchSpec, GeneratedModel, ModelSpec, branch_inputs, loss_of
+from reducer.testing.strategies import GeneratedTraining, WithBuffers, model_specs
 
 # Mixed precision of the reduction alone: forward and backward in each parameter's dtype,
 # the allreduce in float16 or bfloat16 (param_dtype None: no cast before forward). torch's
@@ -88,6 +89,9 @@ def wrapper_scenarios(
     skip_unused: bool = False,
     mixed: bool = False,
     lr: float = 0.1,
+    static: bool = False,
+    min_steps: int = 1,
+    require_optional: bool = False,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -100,19 +104,35 @@ def wrapper_scenarios(
     reloaded between two steps (``torch.save``/``torch.load``); with ``skip_unused``, the
     branches left out are the same on every rank at every step (torch's condition) and
     ``skip_all_reduce_unused_params`` is drawn; with ``mixed``, ``mixed_precision`` is drawn
-    (None, or a reduction in float16 or bfloat16: see :func:`check_our_ddp`); ``lr``: the SGD
-    step after each step (0: gradients only)."""
+    (a reduction in float16 or bfloat16, a third each, or None: see :func:`check_our_ddp`;
+    three ranks, where a division's place changes its rounding, are drawn often); with
+    ``static``, ``static_graph=True`` and ``find_unused_parameters`` drawn, the branches left
+    out the same at every step (and on every rank); ``min_steps``: at least that many steps;
+    ``require_optional``: every model has a branch that can go unused; ``lr``: the SGD step
+    after each step (0: gradients only)."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
         drawn["skip_all_reduce_unused_params"] = st.booleans()
     if mixed:
-        drawn["mixed_precision"] = st.none() | st.sampled_from(_REDUCE_IN)
+        # A sampled choice, not st.none() | ...: one_of draws None most of the time.
+        drawn["mixed_precision"] = st.sampled_from((*_REDUCE_IN, None))
+    options: dict[str, Any] = {"find_unused_parameters": True}
+    if static:
+        options = {"static_graph": True}
+        drawn["find_unused_parameters"] = st.booleans()
     return generated_training_scenarios(
-        model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
+        model=model_specs(
+            max_branches=3,
+            max_params=6,
+            allow_sparse=False,
+            allow_unused=unused,
+            require_optional=require_optional,
+        ),
         max_world_size=max_world_size,
+        min_steps=min_steps,
         bucket_caps=bucket_caps_mb(),
-        options={"find_unused_parameters": True},
+        options=options,
         drawn_options=drawn,
         buffers=buffers,
         layouts=layouts,
@@ -120,7 +140,7 @@ def wrapper_scenarios(
         dropout=dropout,
         uneven=uneven,
         reload=reload,
-        uniform_skip=skip_unused,
+        uniform_skip=skip_unused or static,
         lr=lr,
     )
 
@@ -190,7 +210,122 @@ def test_this_projects_ddp_with_mixed_precision_reduces_exactly(s: TrainingScena
     _note(s)
     config = s.options["mixed_precision"]
     event(f"reduce_dtype={None if config is None else config.reduce_dtype}")
+    if config is not None:
+        event(f"reduce_dtype={config.reduce_dtype} at world size {s.world_size}")
     check_our_ddp(s)
+
+
+_CAST_TO = st.sampled_from((torch.float16, torch.bfloat16, torch.float64, None))
+
+
+@st.composite
+def mixed_precision_configs(draw: st.DrawFn) -> _MixedPrecision:
+    """torch's ``_MixedPrecision`` with each of its three dtypes drawn (float16, bfloat16,
+    float64 or None), so that they differ most of the time."""
+    return _MixedPrecision(
+        param_dtype=draw(_CAST_TO), reduce_dtype=draw(_CAST_TO), buffer_dtype=draw(_CAST_TO)
+    )
+
+
+def check_mixed_precision_dtypes(config: _MixedPrecision) -> None:
+    """The property: after construction every buffer is in ``buffer_dtype`` (unchanged
+    where None) and every parameter full precision; in forward every parameter is in
+    ``param_dtype``; after backward every gradient is full precision."""
+    seen: list[torch.dtype] = []
+
+    def fn(pg: reducer.ProcessGroup) -> None:
+        model = WithBuffers(nn.Linear(3, 2, dtype=torch.float32))
+        model.inner.register_forward_pre_hook(
+            lambda m, args: seen.extend(p.dtype for p in m.parameters())
+        )
+        before = {name: b.dtype for name, b in model.named_buffers()}
+        ddp = reducer.DistributedDataParallel(model, pg, mixed_precision=config)
+        for name, buffer in model.named_buffers():
+            want = before[name] if config.buffer_dtype is None else config.buffer_dtype
+            assert buffer.dtype == want, f"buffer {name!r}: {buffer.dtype}, expected {want}"
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        out = ddp(torch.ones(2, 3))
+        torch.stack([o.float().sum() for o in out]).sum().backward()
+        want_param = config.param_dtype or torch.float32
+        assert set(seen) == {want_param}, f"forward saw {set(seen)}, expected {want_param}"
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32, f"{name}: {p.dtype} after backward"
+            assert p.grad is not None and p.grad.dtype == torch.float32, f"{name}: gradient"
+
+    fakepg.run(fn, 1, timeout=20.0)
+
+
+@given(mixed_precision_configs())
+def test_mixed_precision_casts_buffers_and_parameters_to_their_own_dtypes(
+    config: _MixedPrecision,
+) -> None:
+    event(f"param_dtype={config.param_dtype}, buffer_dtype={config.buffer_dtype}")
+    check_mixed_precision_dtypes(config)
+
+
+# static_graph, with or without the search for unused parameters, the same branches left
+# out at every step (some model's branch can go unused), two steps at least, and the wrapper
+# pickled and reloaded between two of them (drawn): the reloaded wrapper records its graph
+# anew in its first step, a parameter that gets no gradient included.
+_STATIC = wrapper_scenarios(
+    static=True, reload=True, min_steps=2, require_optional=True, buffers=False
+)
+
+
+# Twice the profile's examples (cheap ones: ci, about 7 s), for the corner, reloaded then a
+# parameter without a gradient, about one example in seven.
+@settings(max_examples=2 * settings().max_examples)
+@given(_STATIC)
+def test_this_projects_ddp_with_a_static_graph_reloaded_averages_exactly(
+    s: TrainingScenario,
+) -> None:
+    _note(s)
+    unused = _left_out(s)
+    event(f"reloaded after step {s.reload_after}; a branch left out: {unused}")
+    if s.reload_after is not None and unused:
+        event("static graph: reloaded, then a step with a parameter that gets no gradient")
+    check_our_ddp(s)
+
+
+def _left_out(s: TrainingScenario) -> bool:
+    """Does rank 0 leave some branch out (the same at every step: a static graph)?"""
+    args = s.inputs[0][0]
+    assert args is not None
+    inner = next(m for m in s.make_model().modules() if isinstance(m, GeneratedModel))
+    return len(args[1]) < len(inner.spec.branches)
+
+
+def _broadcast_from_rank_0(ddp: Any, named: dict[str, Tensor]) -> None:
+    """A buffer comm hook that does what forward does without one: broadcast every synced
+    buffer from rank 0 (torch's own example hook)."""
+    ddp._default_broadcast_coalesced(list(named.values()))
+
+
+def reducer_ddp_with_buffer_hook(
+    module: nn.Module, pg: reducer.ProcessGroup, **options: Any
+) -> nn.Module:
+    """This project's DDP syncing buffers through a buffer comm hook, before forward."""
+    ddp = reducer.DistributedDataParallel(module, pg, **options)
+    ddp._register_buffer_comm_hook(ddp, _broadcast_from_rank_0, _BufferCommHookLocation.PRE_FORWARD)
+    return ddp
+
+
+def check_buffer_hook(s: TrainingScenario) -> None:
+    """The property for buffer comm hooks: a hook that broadcasts from rank 0 before forward
+    gives what the broadcast without a hook gives, a buffer that forward reassigns included
+    (the hook must get the tensor the module holds now, by name)."""
+    check_data_parallel(reducer_ddp_with_buffer_hook, s, scaling="reciprocal")
+
+
+# Models with buffers (one that forward reassigns), ignored ones drawn.
+_BUFFER_HOOKED = wrapper_scenarios(buffers=True)
+
+
+@given(_BUFFER_HOOKED)
+def test_this_projects_ddp_with_a_buffer_comm_hook_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"buffer comm hook over {s.world_size} rank(s), {s.steps} step(s)")
+    check_buffer_hook(s)
 
 
 # The same branches unused on every rank at every step, and buckets holding only unused
