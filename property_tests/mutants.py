@@ -45,6 +45,7 @@ import fakepg.rng
 import reducer
 import reducer._ddp_mixed_precision
 import reducer._ddp_reducer
+import reducer._join
 import reducer.bucket_views
 import reducer.buckets
 import reducer.comm_hooks
@@ -424,6 +425,18 @@ class ViewsAlwaysMultiply(BucketViews):
         self.fresh = _Everything()
 
 
+class FusedCopyDivides(_Reducer):
+    """A gradient of 2**16 elements or more, scaled on its way into the bucket (the fused
+    copy), is divided by W whatever the reducer's scaling: under DDP, which multiplies by
+    ``1.0 / W`` as torch's does, its last bit differs at 3 ranks."""
+
+    def _copy_in(self, view: Tensor, grad: Tensor) -> None:
+        if grad.numel() >= reducer.buckets.FUSED_DIVISION_MIN_NUMEL:
+            torch.div(grad, self._divisor, out=view)
+        else:
+            super()._copy_in(view, grad)
+
+
 class DivideInDDP(_Reducer):
     """Divides by the world size where torch's DDP multiplies by its reciprocal (every
     reducer divides, DDP's too): the last bit differs at 3 ranks."""
@@ -655,6 +668,24 @@ class ReloadForgetsStaticGraph(_DDP):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__({**state, "static_graph": False})
         self.static_graph = bool(state.get("static_graph", False))
+
+
+class ShadowStaticUsedMapAlways(reducer._join.DDPJoinHook):
+    """Under join, a rank that ran out shadows every iteration of a static graph with a used
+    map, as in its first (recording) iteration: the ranks still training reduce none after
+    it, and their collectives no longer match."""
+
+    def main_hook(self) -> None:
+        ddp: Any = self._ddp
+        synced = reducer._join._count(ddp._group, ddp.join_device, 0.0) > 0
+        if synced and ddp._should_rebuild():
+            ddp._rebuild_buckets()
+        ddp._sync_buffers(candidate=False)
+        if not synced:
+            return
+        searched = ddp.find_unused_parameters and not ddp.static_graph
+        ddp.reducer._shadow_iteration(used_map=searched or ddp.static_graph)
+        ddp._shadowed += 1
 
 
 class SkipPartlyUnusedBucket(_DDPReducer):
@@ -935,6 +966,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ("forget to wait", "averaging", _reducer_class(ForgetToWait)),
     ("drop the last bucket", "averaging", _reducer_class(DropLastBucket)),
     ("DDP divides instead of multiplying", "averaging", _reducer_class(DivideInDDP)),
+    ("fused copy divides", "averaging", _reducer_class(FusedCopyDivides)),
     # Replicas.
     ("reduce only replica 0", "replicas", _reducer_class(ReduceOnlyReplicaZero)),
     ("replicas read replica 0", "replicas", _reducer_class(ReplicasReadReplicaZero)),
@@ -1091,6 +1123,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "reloaded static graph not told to the reducer",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", ReloadForgetsStaticGraph),
+    ),
+    (
+        "joined rank shadows a static graph's used map",
+        "DDP wrapper",
+        _in("reducer._join", "DDPJoinHook", ShadowStaticUsedMapAlways),
     ),
     (
         "skip a bucket partly unused",

@@ -58,6 +58,7 @@ from reducer.testing.harness import (
 )
 from reducer.testing.hooks import AVERAGES, HOOK_NAMES, HOOKS, state_for
 from reducer.testing.model import (
+    LARGE_NUMEL,
     BranchSpec,
     GeneratedModel,
     ModelSpec,
@@ -449,6 +450,8 @@ def test_ddp_gradients_equal_the_mirrors_after_every_pass(s: DDPScenario) -> Non
     event(f"outputs left out of the loss: {any(d for w in s.dropped for p in w for d in p)}")
     event(f"outputs nested: {s.layout is not None}; backward: {s.backward}; twice: {s.twice}")
     event(f"checkpoints: {sorted({b.checkpoint for b in s.model.branches})}")
+    if any(b.width * b.out >= LARGE_NUMEL for b in s.model.branches):
+        event(f"a weight of 2**16 elements or more (a fused copy), world size {s.world_size}")
     if s.skip_unused:
         event(f"skip_all_reduce_unused_params, world size {s.world_size}")
         if _accumulated_where_synced_pass_leaves_unused(s):

@@ -53,6 +53,7 @@ from .test_torch_equivalence import check_bucket_assignment
 from .test_wrappers import (
     _BUFFER_HOOKED,
     _STATIC,
+    _UNEVEN_STATIC,
     check_buffer_hook,
     check_fsdp2,
     check_mixed_precision_dtypes,
@@ -416,6 +417,13 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
+    # A weight of 2**16 elements or more (its division fused into the copy) at 3 ranks.
+    "fused copy divides": Case(
+        ddp_scenarios(model=wide_only, mode="plain", hook="none", as_view=False),
+        check_ddp,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
+    ),
     # A gradient autograd accumulated into its bucket view in place, at 3 ranks: torch divides it.
     "views always multiply": Case(
         ddp_scenarios(model=dense_all_used, mode="plain", hook="none", as_view=True),
@@ -434,6 +442,10 @@ CASES: dict[str, Case] = {
         ddp_scenarios(model=dense_optional, min_iterations=2, mode="static_graph", hook="none"),
         check_ddp,
         lambda s: s.world_size == 2,
+    ),
+    # Two ranks, a static graph, one runs out: its shadow issues a used map the other does not.
+    "joined rank shadows a static graph's used map": Case(
+        _UNEVEN_STATIC, check_our_join, lambda s: s.world_size == 2 and s.uneven
     ),
     # Two ranks, one ignored parameter, reloaded between two steps: the reloaded wrapper
     # averages the ignored parameter's gradient (each rank keeps its own before).

@@ -423,6 +423,22 @@ def test_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
     check_our_join(s)
 
 
+# Uneven inputs under join() with static_graph (find_unused_parameters drawn), the same
+# branches left out at every step and on every rank (a static graph): a rank that ran out
+# shadows iterations whose used map was recorded once, in the first.
+_UNEVEN_STATIC = wrapper_scenarios(
+    buffers=False, ignore=False, uneven=True, static=True, require_optional=True
+)
+
+
+@settings(max_examples=2 * settings().max_examples)
+@given(_UNEVEN_STATIC)
+def test_join_with_a_static_graph_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"uneven: {s.uneven}; a branch left out: {_left_out(s)}")
+    check_our_join(s)
+
+
 # torch's join: every branch used (see the pinned difference below).
 @given(wrapper_scenarios(buffers=False, ignore=False, uneven=True, unused=False))
 def test_torch_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
