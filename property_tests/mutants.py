@@ -67,6 +67,7 @@ _replace_tensors = reducer.ddp.replace_tensors
 _read_buffers = reducer.ddp.read_buffers
 _synced_parameters = reducer.ddp.synced_parameters
 _named_buffers = reducer.ddp.named_buffers
+_mesh_group = reducer.ddp.mesh_group
 _compare = reducer.testing.checks._compare
 _bucket_view = reducer.buckets.bucket_view
 _mp_setup = reducer._ddp_mixed_precision.setup
@@ -788,6 +789,14 @@ def _buffers_first_seen(slots: Sequence[tuple[Any, str]]) -> list[Tensor]:
     return found
 
 
+def _root_mesh_first_dimension(device_mesh: Any, process_group: object) -> object:
+    """DDP over a one-dimensional slice of a larger mesh reduces over the first dimension
+    of the whole mesh, not over the slice: right only where the data-parallel dimension
+    is the first."""
+    _mesh_group(device_mesh, process_group)  # the real checks
+    return device_mesh._get_root_mesh().get_group(mesh_dim=0)
+
+
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
 _hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -1103,6 +1112,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "reassigned buffer not synced",
         "DDP wrapper",
         _in("reducer.ddp", "read_buffers", _buffers_first_seen),
+    ),
+    (
+        "device mesh slice taken as the whole mesh's first dimension",
+        "DDP wrapper",
+        _in("reducer.ddp", "mesh_group", _root_mesh_first_dimension),
     ),
     (
         "buffer comm hook gets reassigned buffers stale",

@@ -54,12 +54,15 @@ from .test_wrappers import (
     _BUFFER_HOOKED,
     _STATIC,
     _UNEVEN_STATIC,
+    MeshScenario,
     check_buffer_hook,
+    check_device_mesh,
     check_fsdp2,
     check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
+    mesh_scenarios,
     mixed_precision_configs,
     wrapper_scenarios,
 )
@@ -109,6 +112,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example[0].model.parameter_count, example[0].world_size
     if isinstance(example, _MixedPrecision):  # a configuration, checked on one Linear
         return 2, 1
+    if isinstance(example, MeshScenario):  # always a 2 x 2 mesh
+        return example.spec.parameter_count, 4
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -347,6 +352,10 @@ CASES: dict[str, Case] = {
         wrapper_scenarios(buffers=False, layouts=False, as_view=False),
         check_our_ddp,
         lambda s: s.world_size == 2,
+    ),
+    # The data-parallel dimension second: the ranks the whole mesh's first dimension groups.
+    "device mesh slice taken as the whole mesh's first dimension": Case(
+        mesh_scenarios(), check_device_mesh, lambda s: s.dp_dim == 1, max_ranks=4
     ),
     # Two ranks, two steps, a buffer comm hook: it broadcasts the buffer forward replaced.
     "buffer comm hook gets reassigned buffers stale": Case(

@@ -37,7 +37,7 @@ refuses the step with an error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -61,8 +61,16 @@ from reducer.testing import (
     torch_ddp,
 )
 from reducer.testing.checks import Average
-from reducer.testing.harness import note_size
-from reducer.testing.model import BranchSpec, GeneratedModel, ModelSpec, branch_inputs, loss_of
+from reducer.testing.harness import active_branches, note_size
+from reducer.testing.model import (
+    BranchSpec,
+    GeneratedModel,
+    ModelSpec,
+    branch_inputs,
+    build_model,
+    loss_of,
+)
+from reducer.testing.reference import rank_order_average
 from reducer.testing.strategies import GeneratedTraining, WithBuffers, model_specs
 
 # Mixed precision of the reduction alone: forward and backward in each parameter's dtype,
@@ -518,3 +526,79 @@ def test_torch_ddp_silently_diverges_on_a_layer_in_two_reentrant_checkpoints(w: 
 def test_this_projects_ddp_refuses_a_layer_in_two_reentrant_checkpoints() -> None:
     scenario = _two_checkpoints(2, refusal="Expected to mark a variable ready only once")
     check_data_parallel(reducer_ddp(), scenario, scaling="reciprocal")
+
+
+# -------------------------------------------------------------------------------------------
+# device_mesh: DDP over one dimension of a 2 x 2 mesh.
+
+
+@dataclass(frozen=True)
+class MeshScenario:
+    """Four ranks as a 2 x 2 device mesh whose data-parallel dimension is ``dp_dim`` (0: the
+    first, 1: the second), a dense model, ``steps`` steps of gradients (no optimizer step)."""
+
+    spec: ModelSpec
+    dp_dim: int
+    steps: int
+    bucket_cap_mb: float
+
+
+def mesh_scenarios() -> st.SearchStrategy[MeshScenario]:
+    """Either dimension data-parallel, half the time each (shrinks toward the first)."""
+    return st.builds(
+        MeshScenario,
+        model_specs(max_branches=2, max_params=3, allow_sparse=False, allow_unused=False),
+        st.sampled_from([0, 1]),
+        st.integers(1, 2),
+        bucket_caps_mb(),
+    )
+
+
+def check_device_mesh(s: MeshScenario) -> None:
+    """The property: DDP over ``mesh["dp"]`` averages each rank's gradient over its
+    data-parallel group only (the two ranks that share its other coordinate), in the
+    group's rank order, with torch's rounding (``g * (1.0 / 2)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("dp", "tp") if s.dp_dim == 0 else ("tp", "dp")
+    active = active_branches(s.spec, frozenset(s.spec.optional_branches))
+
+    def fn(pg: reducer.ProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]], list[int]]:
+        rank = pg.rank()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        model, local = build_model(s.spec), build_model(s.spec)
+        ddp = reducer.DistributedDataParallel(
+            model, device_mesh=mesh["dp"], bucket_cap_mb=s.bucket_cap_mb
+        )
+        got: list[list[Tensor]] = []
+        own: list[list[Tensor]] = []
+        for step in range(s.steps):
+            inputs = branch_inputs(s.spec, (s.spec.seed * 7919 + rank * 1009 + step) % 2**31)
+            for m in (model, local):
+                m.zero_grad(set_to_none=True)
+            loss_of(ddp(inputs, active)).backward()
+            loss_of(local(inputs, active)).backward()
+            got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            own.append([p.grad.clone() for p in local.parameters() if p.grad is not None])
+        group = [int(r) for r in mesh["dp"].mesh.tolist()]
+        return got, own, group
+
+    results = fakepg.run_torch(fn, 4, timeout=60.0)
+    for rank, (got, _, group) in enumerate(results):
+        assert rank in group and len(group) == 2, f"rank {rank}: data-parallel group {group}"
+        for step, grads in enumerate(got):
+            for i, grad in enumerate(grads):
+                column = [results[r][1][step][i] for r in group]
+                want = rank_order_average(column, 2, scaling="reciprocal")
+                assert want is not None and torch.equal(grad, want), (
+                    f"rank {rank}, step {step}, parameter {i}: not the average over its "
+                    f"data-parallel group {group} (mesh dimensions {names})"
+                )
+
+
+@settings(max_examples=max(5, settings().max_examples // 2))
+@given(mesh_scenarios())
+def test_ddp_over_one_dimension_of_a_device_mesh_averages_within_it(s: MeshScenario) -> None:
+    note_size(s.spec.parameter_count, 4)
+    event(f"data-parallel dimension {s.dp_dim} of a 2 x 2 mesh")
+    check_device_mesh(s)
