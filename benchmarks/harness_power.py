@@ -2,9 +2,9 @@
 
 For each mutant of ``property_tests/mutants.py`` (``CATALOGUE``), a subprocess runs the
 property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTANT``, see
-``property_tests/conftest.py``): the ten property files (the reducer's, those that check
-this project's DDP, torch's DDP and its comm hooks, FSDP2 and a user's wrapper, and the one
-that checks ``reducer.testing``'s own check and scenarios), under
+``property_tests/conftest.py``): the eleven property files (the reducer's, those that check
+this project's DDP, torch's DDP and its comm hooks, FSDP2 and a user's wrapper, the one
+that checks ``reducer.testing``'s own check and scenarios, and launch's pre-import), under
 the ``ci`` profile's example counts (derandomized; the core properties get four times the
 profile's examples, the unused-parameter and DDP ones eight), generate and shrink phases
 only (a failing explicit example would be reported unshrunk). The unit tests (``tests/``)
@@ -66,6 +66,7 @@ PROPERTIES = (
     "test_wrappers.py",
     "test_torch_comm_hooks.py",
     "test_check_strictness.py",
+    "test_launch_preimport.py",
 )
 REAL = "(real code)"
 WITHIN = (3, 3)  # the goal: reported examples of at most 3 parameters and 3 ranks

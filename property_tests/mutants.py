@@ -797,6 +797,19 @@ def _root_mesh_first_dimension(device_mesh: Any, process_group: object) -> objec
     return device_mesh._get_root_mesh().get_group(mesh_dim=0)
 
 
+def _every_top_level_import(tree: Any) -> list[Any]:
+    """launch's pre-import runs every import at the script's top level, also one after a
+    statement that may prepare it (``os.environ[...] = ...``, ``sys.path.insert``)."""
+    import ast
+
+    return [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+    ]
+
+
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
 _hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -1171,6 +1184,12 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "mixed precision buffers in param_dtype",
         "DDP wrapper",
         _in("reducer._ddp_mixed_precision", "setup", _buffers_in_param_dtype),
+    ),
+    # Tools.
+    (
+        "launch pre-imports past the leading block",
+        "tools",
+        _in("reducer.tools.launch.imports", "leading_imports", _every_top_level_import),
     ),
     # The harness itself.
     (

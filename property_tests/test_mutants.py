@@ -47,6 +47,8 @@ from .test_errors import (
     unfinished_iterations,
     used_outside_forward,
 )
+from .test_launch_preimport import _PREFIX as _PROBE
+from .test_launch_preimport import check_preimport, scripts
 from .test_multi_iteration import TrainingMachine
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
@@ -114,6 +116,8 @@ def _size(example: Any) -> tuple[int, int]:
         return 2, 1
     if isinstance(example, MeshScenario):  # always a 2 x 2 mesh
         return example.spec.parameter_count, 4
+    if isinstance(example, tuple) and isinstance(example[0], str):  # a script: no ranks
+        return 0, 1
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -507,6 +511,12 @@ CASES: dict[str, Case] = {
         mixed_precision_configs(),
         check_mixed_precision_dtypes,
         lambda c: c.param_dtype != c.buffer_dtype,
+    ),
+    # os.environ set, then an import: it must wait for the ranks.
+    "launch pre-imports past the leading block": Case(
+        scripts(),
+        check_preimport,
+        lambda script: "os.environ" in script[0] and script[0].count(_PROBE) == 1,
     ),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
