@@ -54,6 +54,7 @@ import reducer.graph
 import reducer.reducer
 import reducer.testing.checks
 import reducer.testing.strategies
+import reducer.tools.check
 from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
@@ -68,6 +69,7 @@ _read_buffers = reducer.ddp.read_buffers
 _synced_parameters = reducer.ddp.synced_parameters
 _named_buffers = reducer.ddp.named_buffers
 _mesh_group = reducer.ddp.mesh_group
+_ReplicaCheck = reducer.tools.check.ReplicaCheck
 _compare = reducer.testing.checks._compare
 _bucket_view = reducer.buckets.bucket_view
 _mp_setup = reducer._ddp_mixed_precision.setup
@@ -810,6 +812,39 @@ def _every_top_level_import(tree: Any) -> list[Any]:
     ]
 
 
+def _agree_within_tolerance(per_rank: Sequence[Sequence[Tensor]]) -> bool:
+    """The replica check takes every rank's tensors as agreeing with rank 0's where
+    ``torch.allclose`` does, not bit for bit."""
+    first = per_rank[0] if per_rank else []
+    return all(
+        len(tensors) == len(first)
+        and all(
+            a.shape == b.shape and torch.allclose(a.double(), b.double(), equal_nan=True)
+            for a, b in zip(tensors, first, strict=True)
+        )
+        for tensors in per_rank[1:]
+    )
+
+
+class FirstGroupOnlyCheck(_ReplicaCheck):
+    """The replica check compares the parameters of the optimizer's first parameter group
+    only (nanoGPT's weight-decay split puts the biases and norms in a second one)."""
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        first = _FirstGroup(optimizer)
+        super()._before(first, args, kwargs)  # type: ignore[arg-type]
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        super()._after(_FirstGroup(optimizer), args, kwargs)  # type: ignore[arg-type]
+
+
+class _FirstGroup:
+    """An optimizer seen through its first parameter group only."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups[:1]
+
+
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
 _hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -1190,6 +1225,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "launch pre-imports past the leading block",
         "tools",
         _in("reducer.tools.launch.imports", "leading_imports", _every_top_level_import),
+    ),
+    (
+        "replica check compares with a tolerance",
+        "tools",
+        _in("reducer.tools.check._audit", "_agree", _agree_within_tolerance),
+    ),
+    (
+        "replica check reads the first param group only",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", FirstGroupOnlyCheck),
     ),
     # The harness itself.
     (

@@ -50,6 +50,7 @@ from .test_errors import (
 from .test_launch_preimport import _PREFIX as _PROBE
 from .test_launch_preimport import check_preimport, scripts
 from .test_multi_iteration import TrainingMachine
+from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
 from .test_wrappers import (
@@ -118,6 +119,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example.spec.parameter_count, 4
     if isinstance(example, tuple) and isinstance(example[0], str):  # a script: no ranks
         return 0, 1
+    if isinstance(example, CheckScenario):  # one Linear layer
+        return 2, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -517,6 +520,18 @@ CASES: dict[str, Case] = {
         scripts(),
         check_preimport,
         lambda script: "os.environ" in script[0] and script[0].count(_PROBE) == 1,
+    ),
+    # Two ranks, a one-ulp fault on one of them.
+    "replica check compares with a tolerance": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault is not None,
+    ),
+    # Two ranks, two parameter groups, the fault in the second (a bias).
+    "replica check reads the first param group only": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.groups == 2 and s.fault is not None,
     ),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
