@@ -440,6 +440,16 @@ class FusedCopyDivides(_Reducer):
             super()._copy_in(view, grad)
 
 
+class JoinDivisorDivides(_Reducer):
+    """Under ``join(divide_by_initial_world_size=False)``, the number of ranks still
+    training is applied as a division (``g / n``) where the reducer multiplies by ``1/n``
+    as torch's does: the last bit differs where three ranks still train."""
+
+    def _set_divisor(self, divisor: int) -> None:
+        super()._set_divisor(divisor)
+        self._scaling = "divide" if divisor != self._world_size else "reciprocal"
+
+
 class DivideInDDP(_Reducer):
     """Divides by the world size where torch's DDP multiplies by its reciprocal (every
     reducer divides, DDP's too): the last bit differs at 3 ranks."""
@@ -1024,6 +1034,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ("drop the last bucket", "averaging", _reducer_class(DropLastBucket)),
     ("DDP divides instead of multiplying", "averaging", _reducer_class(DivideInDDP)),
     ("fused copy divides", "averaging", _reducer_class(FusedCopyDivides)),
+    ("join divisor divides", "averaging", _reducer_class(JoinDivisorDivides)),
     # Replicas.
     ("reduce only replica 0", "replicas", _reducer_class(ReduceOnlyReplicaZero)),
     ("replicas read replica 0", "replicas", _reducer_class(ReplicasReadReplicaZero)),

@@ -61,12 +61,14 @@ from .test_wrappers import (
     check_buffer_hook,
     check_device_mesh,
     check_fsdp2,
+    check_join_dividing_by_training_ranks,
     check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
     mesh_scenarios,
     mixed_precision_configs,
+    one_of_four_out,
     wrapper_scenarios,
 )
 
@@ -439,6 +441,13 @@ CASES: dict[str, Case] = {
         check_ddp,
         lambda s: s.world_size == 3,
         max_ranks=3,
+    ),
+    # Four ranks, one out: the divisor is three (needs a fourth rank to be other than W).
+    "join divisor divides": Case(
+        one_of_four_out(),
+        check_join_dividing_by_training_ranks,
+        lambda s: s.world_size == 4,
+        max_ranks=4,
     ),
     # A gradient autograd accumulated into its bucket view in place, at 3 ranks: torch divides it.
     "views always multiply": Case(

@@ -100,6 +100,7 @@ def wrapper_scenarios(
     static: bool = False,
     min_steps: int = 1,
     require_optional: bool = False,
+    world_sizes: st.SearchStrategy[int] | None = None,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -116,8 +117,9 @@ def wrapper_scenarios(
     three ranks, where a division's place changes its rounding, are drawn often); with
     ``static``, ``static_graph=True`` and ``find_unused_parameters`` drawn, the branches left
     out the same at every step (and on every rank); ``min_steps``: at least that many steps;
-    ``require_optional``: every model has a branch that can go unused; ``lr``: the SGD step
-    after each step (0: gradients only)."""
+    ``require_optional``: every model has a branch that can go unused; ``world_sizes``: the
+    ranks (default: 1 to ``max_world_size``, three often); ``lr``: the SGD step after each
+    step (0: gradients only)."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
@@ -138,6 +140,7 @@ def wrapper_scenarios(
             require_optional=require_optional,
         ),
         max_world_size=max_world_size,
+        world_sizes=world_sizes,
         min_steps=min_steps,
         bucket_caps=bucket_caps_mb(),
         options=options,
@@ -445,6 +448,75 @@ def test_join_with_a_static_graph_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
     event(f"uneven: {s.uneven}; a branch left out: {_left_out(s)}")
     check_our_join(s)
+
+
+def reducer_ddp_dividing_by_training_ranks(
+    module: nn.Module, pg: reducer.ProcessGroup, **options: Any
+) -> nn.Module:
+    """This project's DDP whose ``join()`` divides by the ranks still training
+    (``divide_by_initial_world_size=False``)."""
+    ddp = reducer.DistributedDataParallel(module, pg, **options)
+    join = ddp.join
+    ddp.join = lambda **kwargs: join(divide_by_initial_world_size=False, **kwargs)  # type: ignore[method-assign]
+    return ddp
+
+
+def average_over_training_ranks(column: Sequence[Tensor | None], world_size: int) -> Tensor | None:
+    """Every branch used, so a None is a rank that ran out: the others' ``g * (1.0 / n)``
+    (n: how many still train) and zeros, summed in rank order."""
+    present = [g for g in column if g is not None]
+    if not present:
+        return None
+    factor = 1.0 / len(present)
+    terms = [torch.zeros_like(present[0]) if g is None else g * factor for g in column]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def check_join_dividing_by_training_ranks(s: TrainingScenario) -> None:
+    """The property of ``join(divide_by_initial_world_size=False)``: each step's gradient is
+    the average over the ranks still training, with torch's rounding."""
+    check_data_parallel(
+        reducer_ddp_dividing_by_training_ranks, s, average=average_over_training_ranks
+    )
+
+
+@st.composite
+def one_of_four_out(draw: st.DrawFn) -> TrainingScenario:
+    """Four ranks, every branch used, two or three steps; one rank (drawn) runs out before
+    the last step, so three still train there."""
+    s = draw(
+        wrapper_scenarios(
+            buffers=False, ignore=False, unused=False, min_steps=2, world_sizes=st.just(4)
+        )
+    )
+    out = draw(st.integers(0, 3))
+    first_out = draw(st.integers(1, s.steps - 1))
+    inputs = tuple(
+        tuple(None if (r == out and k >= first_out) else args for r, args in enumerate(step))
+        for k, step in enumerate(s.inputs)
+    )
+    return replace(s, inputs=inputs)
+
+
+# Every branch used (a None in a step's column is then a rank that ran out): any uneven
+# inputs, or four ranks with one out (the divisor is three).
+_UNEVEN_DIVIDING = st.one_of(
+    wrapper_scenarios(buffers=False, ignore=False, uneven=True, unused=False),
+    one_of_four_out(),
+)
+
+
+@given(_UNEVEN_DIVIDING)
+def test_join_dividing_by_the_ranks_still_training_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    counts = {sum(s.trains(k, r) for r in range(s.world_size)) for k in range(s.steps)}
+    event(f"ranks still training in some step: {sorted(counts)}")
+    if any(c == 3 and c < s.world_size for c in counts):
+        event("join: three ranks still training, one out")
+    check_join_dividing_by_training_ranks(s)
 
 
 # torch's join: every branch used (see the pinned difference below).
