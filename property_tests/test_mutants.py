@@ -4,9 +4,12 @@ For each mutant of :data:`property_tests.mutants.CATALOGUE`, with the mutant in 
 real code, Hypothesis searches the inputs of the property meant to catch it for one that
 fails, and shrinks it. Each test asserts that one is found, that the shrunk example is small
 (at most 3 parameters and 2 ranks, or 3 ranks for a rounding that differs only where W is not
-a power of two; and where it says more, the smallest that can show the bug: two ranks to see a
-wrong average, two replicas to see replica 1 left out, ...), and that the real code passes
-that very example.
+a power of two, or 4 where the bug needs them: a 2 x 2 device mesh, three ranks still
+training under join with one out; and where it says more, the smallest that can show the
+bug: two ranks to see a wrong average, two replicas to see replica 1 left out, ...), and that
+the real code passes that very example. A mutant of the scenarios themselves is killed by a
+search (``SEARCHES``): within the ci profile's examples they must find a wrapper that is
+wrong only at three ranks.
 
 This is the fast check that CI runs: each search is narrowed to the part of the property's
 input space where the mutant's bug lives (``CASES``), with the property's own check.
