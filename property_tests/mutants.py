@@ -848,6 +848,14 @@ class FirstGroupOnlyCheck(_ReplicaCheck):
         super()._after(_FirstGroup(optimizer), args, kwargs)  # type: ignore[arg-type]
 
 
+class JoinBlindCheck(_ReplicaCheck):
+    """The replica check does not look for ``join()``: a rank that ran out of inputs, whose
+    next optimizer step never comes, is taken for a stalled rank and the run is stopped."""
+
+    def _joining(self) -> bool:
+        return False
+
+
 class _FirstGroup:
     """An optimizer seen through its first parameter group only."""
 
@@ -1246,6 +1254,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "replica check reads the first param group only",
         "tools",
         _in("reducer.tools.check._run", "ReplicaCheck", FirstGroupOnlyCheck),
+    ),
+    (
+        "replica check blind to join",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", JoinBlindCheck),
     ),
     # The harness itself.
     (

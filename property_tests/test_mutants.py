@@ -545,6 +545,12 @@ CASES: dict[str, Case] = {
         check_replica_check,
         lambda s: s.world_size == 2 and s.groups == 2 and s.fault is not None,
     ),
+    # Two ranks under join, one with a step more: its last step is taken for a stall.
+    "replica check blind to join": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.joined is not None,
+    ),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
         strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1

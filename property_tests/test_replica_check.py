@@ -6,7 +6,10 @@ matrices only, nanoGPT's split), one synced step. With no fault the check must p
 one rank's gradient of one parameter moved by one unit in the last place after the
 reduction (a rank whose reduction went wrong by a rounding), it must stop with "gradients
 differ", whichever group the parameter is in: a check that compares with a tolerance, or
-reads only the first parameter group, lets it pass.
+reads only the first parameter group, lets it pass. Or, with no fault, the ranks train a
+drawn number of steps each under the wrapper's ``join()`` (uneven inputs): the check must
+pass, with a note of the uneven inputs where the counts differ (a check that takes a rank
+that ran out for a stalled one stops a correct run).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class CheckScenario:
     world_size: int
     groups: int  # 1, or 2: weight decay on the matrices only
     fault: tuple[int, int] | None
+    joined: tuple[int, ...] | None = None  # per rank, its steps under join() (no fault)
 
 
 _PARAMS = 2  # the model below: a Linear layer's weight (decayed) and bias
@@ -44,8 +48,15 @@ def check_scenarios(draw: st.DrawFn) -> CheckScenario:
     fault = None
     if draw(st.sampled_from([True, True, False])):  # a fault two times in three
         fault = (draw(st.integers(0, world - 1)), draw(st.integers(0, _PARAMS - 1)))
+    joined = None
+    if fault is None and draw(st.booleans()):
+        joined = tuple(draw(st.integers(1, 3)) for _ in range(world))
     return CheckScenario(
-        draw(st.sampled_from(["torch", "ours"])), world, draw(st.sampled_from([2, 1])), fault
+        draw(st.sampled_from(["torch", "ours"])),
+        world,
+        draw(st.sampled_from([2, 1])),
+        fault,
+        joined,
     )
 
 
@@ -69,6 +80,15 @@ def _train(s: CheckScenario) -> Any:
                 [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                 lr=0.1,
             )
+        if s.joined is not None:
+            with ddp.join():
+                for k in range(s.joined[pg.rank()]):
+                    seed = 100 * pg.rank() + k
+                    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed))
+                    ddp(x).square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return
         x = torch.randn(2, 3, generator=torch.Generator().manual_seed(100 * pg.rank()))
         ddp(x).square().mean().backward()
         if s.fault is not None and s.fault[0] == pg.rank():
@@ -81,10 +101,14 @@ def _train(s: CheckScenario) -> Any:
 
 
 def check_replica_check(s: CheckScenario) -> None:
-    """The property: the check passes a clean step, and stops one with a one-ulp fault."""
+    """The property: the check passes a clean step, and stops one with a one-ulp fault;
+    under join, it passes, noting uneven inputs where the ranks' step counts differ."""
     check = run_checked(_train(s), world_size=s.world_size, timeout=20, out=io.StringIO())
     if s.fault is None:
         assert not check.diverged, check.findings
+        if s.joined is not None:
+            uneven = [f for f in check.findings if f.title == "uneven inputs"]
+            assert bool(uneven) == (len(set(s.joined)) > 1), (s.joined, check.findings)
         return
     assert check.diverged, f"one ulp on rank {s.fault[0]}, parameter {s.fault[1]}: not seen"
     assert [e.title for e in check.errors] == ["gradients differ"], check.errors
@@ -93,4 +117,6 @@ def check_replica_check(s: CheckScenario) -> None:
 @given(check_scenarios())
 def test_the_replica_check_sees_one_bit_on_one_rank(s: CheckScenario) -> None:
     event(f"{s.kind}, {s.world_size} ranks, {s.groups} group(s), fault: {s.fault is not None}")
+    if s.joined is not None:
+        event(f"under join(), uneven inputs: {len(set(s.joined)) > 1}")
     check_replica_check(s)
