@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -45,12 +46,16 @@ import fakepg.schedule
 import reducer
 import reducer.bucket_views
 import reducer.buckets
+import reducer.ddp._join
 import reducer.ddp._mixed_precision
 import reducer.ddp._reducer
 import reducer.ddp._wrapper
 import reducer.graph
 import reducer.hooks._default
 import reducer.reducer
+import reducer.testing.checks
+import reducer.testing.strategies
+import reducer.tools.check
 from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
@@ -63,7 +68,12 @@ _copy_all = reducer.bucket_views.copy_all
 _replace_tensors = reducer.ddp._wrapper.replace_tensors
 _read_buffers = reducer.ddp._wrapper.read_buffers
 _synced_parameters = reducer.ddp._wrapper.synced_parameters
+_named_buffers = reducer.ddp._wrapper.named_buffers
+_mesh_group = reducer.ddp._wrapper.mesh_group
+_ReplicaCheck = reducer.tools.check.ReplicaCheck
+_compare = reducer.testing.checks._compare
 _bucket_view = reducer.buckets.bucket_view
+_mp_setup = reducer.ddp._mixed_precision.setup
 _compress_wrapper = reducer.hooks._default._compress_wrapper
 _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
@@ -429,6 +439,28 @@ class ViewsScaledTwice(_Reducer):
         super()._scale_replica(replica)
 
 
+class FusedCopyDivides(_Reducer):
+    """A gradient of 2**16 elements or more, scaled on its way into the bucket (the fused
+    copy), is divided by W whatever the reducer's scaling: under DDP, which multiplies by
+    ``1.0 / W`` as torch's does, its last bit differs at 3 ranks."""
+
+    def _copy_in(self, view: Tensor, grad: Tensor) -> None:
+        if grad.numel() >= reducer.buckets.FUSED_DIVISION_MIN_NUMEL:
+            torch.div(grad, self._divisor, out=view)
+        else:
+            super()._copy_in(view, grad)
+
+
+class JoinDivisorDivides(_Reducer):
+    """Under ``join(divide_by_initial_world_size=False)``, the number of ranks still
+    training is applied as a division (``g / n``) where the reducer multiplies by ``1/n``
+    as torch's does: the last bit differs where three ranks still train."""
+
+    def _set_divisor(self, divisor: int) -> None:
+        super()._set_divisor(divisor)
+        self._scaling = "divide" if divisor != self._world_size else "reciprocal"
+
+
 class DivideInDDP(_Reducer):
     """Divides by the world size where torch's DDP multiplies by its reciprocal (every
     reducer divides, DDP's too): the last bit differs at 3 ranks."""
@@ -675,6 +707,34 @@ class ReloadReducesIgnored(_DDP):
         super().__setstate__(state)
 
 
+class ReloadForgetsStaticGraph(_DDP):
+    """Once unpickled, a ``static_graph=True`` wrapper builds its new reducer without the
+    static graph (the flag is kept, the reducer not told): a parameter that then gets no
+    gradient is waited for, and the next step finds the reduction unfinished."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__({**state, "static_graph": False})
+        self.static_graph = bool(state.get("static_graph", False))
+
+
+class ShadowStaticUsedMapAlways(reducer.ddp._join.DDPJoinHook):
+    """Under join, a rank that ran out shadows every iteration of a static graph with a used
+    map, as in its first (recording) iteration: the ranks still training reduce none after
+    it, and their collectives no longer match."""
+
+    def main_hook(self) -> None:
+        ddp: Any = self._ddp
+        synced = reducer.ddp._join._count(ddp._group, ddp.join_device, 0.0) > 0
+        if synced and ddp._should_rebuild():
+            ddp._rebuild_buckets()
+        ddp._sync_buffers(candidate=False)
+        if not synced:
+            return
+        searched = ddp.find_unused_parameters and not ddp.static_graph
+        ddp.reducer._shadow_iteration(used_map=searched or ddp.static_graph)
+        ddp._shadowed += 1
+
+
 class SkipPartlyUnusedBucket(_DDPReducer):
     """With ``skip_all_reduce_unused_params``, skips a bucket where any of its parameters is
     unused, not only where all are: the used ones keep their local, unaveraged gradients."""
@@ -697,6 +757,18 @@ class SkipPartlyUnusedBucket(_DDPReducer):
             self.buckets_reduced = self._reducing
 
 
+class SkipForgetsNoSync(_DDPReducer):
+    """With ``skip_all_reduce_unused_params``, a bucket unused in the synced pass counts as
+    skippable even where this rank accumulated gradients into it under ``no_sync``: what
+    the rank computed stays local, never averaged."""
+
+    def _local_skips(self) -> list[int]:
+        return [
+            2 if all((0, i) in self._unused_set for i in bucket.variable_indices) else 0
+            for bucket in self._buckets
+        ]
+
+
 def _mixed_precision_sum_in_full(
     state: Any, bucket: reducer.GradBucket
 ) -> torch.futures.Future[Tensor]:
@@ -708,10 +780,35 @@ def _mixed_precision_sum_in_full(
     buffer = bucket.buffer()
     state.group.allreduce([buffer], reducer.ReduceOp.SUM).wait()
     low = buffer.to(reduce_dtype).div_(state.group.size())
-    mp.to_full_precision(bucket.parameters())
+    mp.to_full_precision(owner._mp_twins, bucket.parameters())
     done: torch.futures.Future[Tensor] = torch.futures.Future()
     done.set_result(buffer.copy_(low))
     return done
+
+
+def _mixed_precision_divide_after_upcast(
+    state: Any, bucket: reducer.GradBucket
+) -> torch.futures.Future[Tensor]:
+    """DDP mixed precision sums in ``reduce_dtype`` but divides by the world size after
+    casting the sum back to full precision: right at 2 ranks, another rounding at 3."""
+    mp = reducer.ddp._mixed_precision
+    owner = state.owner()
+    buffer = bucket.buffer()
+    low = buffer.to(owner.mixed_precision.reduce_dtype)
+    state.group.allreduce([low], reducer.ReduceOp.SUM).wait()
+    mp.to_full_precision(owner._mp_twins, bucket.parameters())
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer.copy_(low).div_(state.group.size()))
+    return done
+
+
+def _buffers_in_param_dtype(config: Any, module: torch.nn.Module) -> Any:
+    """DDP mixed precision casts buffers to ``param_dtype``, not ``buffer_dtype``."""
+    twins = _mp_setup(dataclasses.replace(config, buffer_dtype=None), module)
+    if config.buffer_dtype is not None and config.param_dtype is not None:
+        for buffer in module.buffers():
+            buffer.data = buffer.to(dtype=config.param_dtype)
+    return twins
 
 
 def _ignore_nothing(module: torch.nn.Module, ignore: set[str]) -> list[tuple[str, Any]]:
@@ -736,6 +833,106 @@ def _buffers_first_seen(slots: Sequence[tuple[Any, str]]) -> list[Tensor]:
             seen[name] = buffer
         found.append(seen[name])
     return found
+
+
+def _root_mesh_first_dimension(device_mesh: Any, process_group: object) -> object:
+    """DDP over a one-dimensional slice of a larger mesh reduces over the first dimension
+    of the whole mesh, not over the slice: right only where the data-parallel dimension
+    is the first."""
+    _mesh_group(device_mesh, process_group)  # the real checks
+    return device_mesh._get_root_mesh().get_group(mesh_dim=0)
+
+
+def _every_top_level_import(tree: Any) -> list[Any]:
+    """launch's pre-import runs every import at the script's top level, also one after a
+    statement that may prepare it (``os.environ[...] = ...``, ``sys.path.insert``)."""
+    import ast
+
+    return [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and not (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+    ]
+
+
+def _agree_within_tolerance(per_rank: Sequence[Sequence[Tensor]]) -> bool:
+    """The replica check takes every rank's tensors as agreeing with rank 0's where
+    ``torch.allclose`` does, not bit for bit."""
+    first = per_rank[0] if per_rank else []
+    return all(
+        len(tensors) == len(first)
+        and all(
+            a.shape == b.shape and torch.allclose(a.double(), b.double(), equal_nan=True)
+            for a, b in zip(tensors, first, strict=True)
+        )
+        for tensors in per_rank[1:]
+    )
+
+
+class FirstGroupOnlyCheck(_ReplicaCheck):
+    """The replica check compares the parameters of the optimizer's first parameter group
+    only (nanoGPT's weight-decay split puts the biases and norms in a second one)."""
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        first = _FirstGroup(optimizer)
+        super()._before(first, args, kwargs)  # type: ignore[arg-type]
+
+    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        super()._after(_FirstGroup(optimizer), args, kwargs)  # type: ignore[arg-type]
+
+
+class JoinBlindCheck(_ReplicaCheck):
+    """The replica check does not look for ``join()``: a rank that ran out of inputs, whose
+    next optimizer step never comes, is taken for a stalled rank and the run is stopped."""
+
+    def _joining(self) -> bool:
+        return False
+
+
+class _FirstGroup:
+    """An optimizer seen through its first parameter group only."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups[:1]
+
+
+# Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
+_hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _named_buffers_first_seen(module: torch.nn.Module, slots: Sequence[Any]) -> dict[str, Tensor]:
+    """Hands a buffer comm hook the buffers as it first got them, by name (as torch's DDP
+    keeps them from construction): a buffer that forward reassigns is no longer synced,
+    the hook syncs the old tensor."""
+    if module not in _hooked_first:
+        _hooked_first[module] = _named_buffers(module, slots)
+    return dict(_hooked_first[module])
+
+
+# -------------------------------------------------------------------------------------------
+# The harness itself: reducer.testing's check and scenarios.
+
+
+def _compare_within_tolerance(
+    got: Tensor | None, want: Tensor | None, where: str, **kwargs: Any
+) -> None:
+    """The check compares gradients and parameters with torch.testing.assert_close's
+    default tolerance for their dtype, not bit for bit."""
+    if (
+        got is not None
+        and want is not None
+        and (got.shape, got.dtype) == (want.shape, want.dtype)
+        and torch.allclose(got, want)
+    ):
+        return
+    _compare(got, want, where, **kwargs)
+
+
+def _powers_of_two_ranks(max_size: int) -> Any:
+    """The training scenarios draw 1, 2 or 4 ranks, never 3: a rounding that differs only
+    where W is not a power of two is never exercised."""
+    return st.sampled_from([w for w in (1, 2, 4) if w <= max_size])
 
 
 # -------------------------------------------------------------------------------------------
@@ -879,6 +1076,8 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     ("forget to wait", "averaging", _reducer_class(ForgetToWait)),
     ("drop the last bucket", "averaging", _reducer_class(DropLastBucket)),
     ("DDP divides instead of multiplying", "averaging", _reducer_class(DivideInDDP)),
+    ("fused copy divides", "averaging", _reducer_class(FusedCopyDivides)),
+    ("join divisor divides", "averaging", _reducer_class(JoinDivisorDivides)),
     # Replicas.
     ("reduce only replica 0", "replicas", _reducer_class(ReduceOnlyReplicaZero)),
     ("replicas read replica 0", "replicas", _reducer_class(ReplicasReadReplicaZero)),
@@ -1021,6 +1220,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp._wrapper", "read_buffers", _buffers_first_seen),
     ),
     (
+        "device mesh slice taken as the whole mesh's first dimension",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "mesh_group", _root_mesh_first_dimension),
+    ),
+    (
+        "buffer comm hook gets reassigned buffers stale",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "named_buffers", _named_buffers_first_seen),
+    ),
+    (
         "rebuild from own ready order",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
@@ -1031,14 +1240,75 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer", "DistributedDataParallel", ReloadReducesIgnored),
     ),
     (
+        "reloaded static graph not told to the reducer",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", ReloadForgetsStaticGraph),
+    ),
+    (
+        "joined rank shadows a static graph's used map",
+        "DDP wrapper",
+        _in("reducer.ddp._join", "DDPJoinHook", ShadowStaticUsedMapAlways),
+    ),
+    (
         "skip a bucket partly unused",
         "DDP wrapper",
         _in("reducer.ddp._reducer", "DDPReducer", SkipPartlyUnusedBucket),
     ),
     (
+        "skip forgets no_sync gradients",
+        "DDP wrapper",
+        _in("reducer.ddp._reducer", "DDPReducer", SkipForgetsNoSync),
+    ),
+    (
         "mixed precision sums in full precision",
         "DDP wrapper",
         _in("reducer.ddp._mixed_precision", "allreduce_and_upcast", _mixed_precision_sum_in_full),
+    ),
+    (
+        "mixed precision divides after the upcast",
+        "DDP wrapper",
+        _in(
+            "reducer.ddp._mixed_precision",
+            "allreduce_and_upcast",
+            _mixed_precision_divide_after_upcast,
+        ),
+    ),
+    (
+        "mixed precision buffers in param_dtype",
+        "DDP wrapper",
+        _in("reducer.ddp._mixed_precision", "setup", _buffers_in_param_dtype),
+    ),
+    # Tools.
+    (
+        "launch pre-imports past the leading block",
+        "tools",
+        _in("reducer.tools.launch.imports", "leading_imports", _every_top_level_import),
+    ),
+    (
+        "replica check compares with a tolerance",
+        "tools",
+        _in("reducer.tools.check._audit", "_agree", _agree_within_tolerance),
+    ),
+    (
+        "replica check reads the first param group only",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", FirstGroupOnlyCheck),
+    ),
+    (
+        "replica check blind to join",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", JoinBlindCheck),
+    ),
+    # The harness itself.
+    (
+        "check compares with a tolerance",
+        "harness",
+        _in("reducer.testing.checks", "_compare", _compare_within_tolerance),
+    ),
+    (
+        "scenarios never draw three ranks",
+        "harness",
+        _in("reducer.testing.strategies", "_ranks", _powers_of_two_ranks),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

@@ -58,6 +58,7 @@ from reducer.testing.harness import (
 )
 from reducer.testing.hooks import AVERAGES, HOOK_NAMES, HOOKS, state_for
 from reducer.testing.model import (
+    LARGE_NUMEL,
     BranchSpec,
     GeneratedModel,
     ModelSpec,
@@ -68,7 +69,13 @@ from reducer.testing.model import (
     unpack,
 )
 from reducer.testing.reference import Scaling, rank_order_average
-from reducer.testing.strategies import model_specs, output_layouts, unused_patterns, world_sizes
+from reducer.testing.strategies import (
+    model_specs,
+    odd_heavy_world_sizes,
+    output_layouts,
+    unused_patterns,
+    world_sizes,
+)
 
 Pattern = tuple[frozenset[int], ...]  # per rank: the optional branches that run
 
@@ -93,6 +100,9 @@ class DDPScenario:
     layout: OutputLayout | None = None  # how forward nests its outputs (None: a list)
     backward: str = "plain"  # see harness.BACKWARDS
     twice: bool = False  # a first backward of branch 0 before each synced one
+    # skip_all_reduce_unused_params; drawn only with the synced passes' patterns the same on
+    # every rank (the option's condition), the local passes' free.
+    skip_unused: bool = False
 
     def kept(self, packed: object, active: frozenset[int], dropped: frozenset[int]) -> Tensor:
         """The loss over the outputs of ``active`` branches (in index order) not dropped."""
@@ -140,9 +150,14 @@ def ddp_scenarios(
     as_view: bool | None = None,
     hook: str | None = None,
     nested: bool | None = None,
+    skip_unused: bool | None = None,
 ) -> DDPScenario:
     """A DDP scenario. ``mode`` is "plain", "find_unused", "static_graph" or "both"; it and
-    the other flags are drawn where None (a narrower search for a known bug fixes some)."""
+    the other flags are drawn where None (a narrower search for a known bug fixes some).
+    With ``skip_unused`` (half the time where drawn), ``skip_all_reduce_unused_params`` is
+    on and each synced pass runs, and leaves out of the loss, the same branches on every
+    rank; the ``no_sync`` passes before it still differ per rank (gradients accumulated in
+    a part the synced pass leaves unused everywhere must not be lost)."""
     optional = draw(st.integers(0, 3)) > 0  # mostly models with branches that can go unused
     spec = draw(
         model
@@ -153,9 +168,16 @@ def ddp_scenarios(
             allow_sparse=False,
             require_optional=optional,
             allow_checkpoint=True,
+            allow_wide=True,  # a weight of 2**16 elements or more: the division fused in
         )
     )
-    world_size = draw(world_sizes(max_world_size))
+    # Three ranks often: torch's rounding differs from a division only there.
+    world_size = draw(
+        odd_heavy_world_sizes(max_world_size)
+        if max_world_size >= 3
+        else world_sizes(max_world_size)
+    )
+    skip = draw(st.booleans()) if skip_unused is None else skip_unused
     mode = draw(_WRAPPER_MODES) if mode is None else mode
     static_graph = mode in ("static_graph", "both")
     find_unused = mode in ("find_unused", "both")
@@ -179,6 +201,8 @@ def ddp_scenarios(
         # heads left out of the loss as unused with or without find_unused_parameters.
         fixed = draw(unused_patterns(spec, world_size, 1, synced_all_used=False))[0]
         fixed_drop = drop(fixed, True)
+        if skip:  # every rank as rank 0
+            fixed, fixed_drop = _uniform(fixed), _uniform(fixed_drop)
         lengths = [draw(st.integers(0, 2)) + 1 for _ in range(iterations)]
         windows = tuple(tuple(fixed for _ in range(n)) for n in lengths)
         dropped = tuple(tuple(fixed_drop for _ in range(n)) for n in lengths)
@@ -197,6 +221,9 @@ def ddp_scenarios(
         dropped = tuple(
             tuple(drop(p, find_unused or n < len(w) - 1) for n, p in enumerate(w)) for w in windows
         )
+        if skip:  # the synced pass of every window: every rank as rank 0
+            windows = tuple((*w[:-1], _uniform(w[-1])) for w in windows)
+            dropped = tuple((*d[:-1], _uniform(d[-1])) for d in dropped)
     # A second backward only where the first leaves the synced pass unfinished on every
     # rank: without the sink (see the module docstring), every branch runs in a synced pass
     # (synced_all_used), so some branch must own layers other than branch 0's.
@@ -228,7 +255,13 @@ def ddp_scenarios(
         ),
         backward=chosen if chosen in modes else "plain",
         twice=twice_possible and draw(_RARELY),
+        skip_unused=skip,
     )
+
+
+def _uniform(pattern: Pattern) -> Pattern:
+    """Rank 0's part of a per-rank pattern, for every rank."""
+    return tuple(pattern[0] for _ in pattern)
 
 
 def _zero(model: nn.Module, how: str) -> None:
@@ -267,6 +300,7 @@ def run_ddp(s: DDPScenario) -> list[DDPRankRun]:
             find_unused_parameters=s.find_unused,
             gradient_as_bucket_view=s.as_view,
             static_graph=s.static_graph,
+            skip_all_reduce_unused_params=s.skip_unused,
         )
         try:
             if s.hook != "none":
@@ -428,6 +462,14 @@ def test_ddp_gradients_equal_the_mirrors_after_every_pass(s: DDPScenario) -> Non
     event(f"outputs left out of the loss: {any(d for w in s.dropped for p in w for d in p)}")
     event(f"outputs nested: {s.layout is not None}; backward: {s.backward}; twice: {s.twice}")
     event(f"checkpoints: {sorted({b.checkpoint for b in s.model.branches})}")
+    if any(b.width * b.out >= LARGE_NUMEL for b in s.model.branches):
+        event(f"a weight of 2**16 elements or more (a fused copy), world size {s.world_size}")
+    if s.skip_unused:
+        event(f"skip_all_reduce_unused_params, world size {s.world_size}")
+        if _accumulated_where_synced_pass_leaves_unused(s):
+            event(
+                "skip_all_reduce_unused_params: no_sync gradients in a part the synced pass skips"
+            )
     why = s.refusal
     event(f"refused: {why.why}" if why is not None else "averaged")
     check_ddp(s)
@@ -454,3 +496,15 @@ def check_ddp(s: DDPScenario) -> None:
                 assert (g is None) == (w is None), f"{where}: {g} vs {w}"
                 if g is not None and w is not None:
                     assert torch.equal(g, w), f"{where}: differs from the exact reference"
+
+
+def _accumulated_where_synced_pass_leaves_unused(s: DDPScenario) -> bool:
+    """Does some rank run, in a no_sync pass, a branch that the window's synced pass leaves
+    unused on every rank? (The corner of ``skip_all_reduce_unused_params``.)"""
+    for window in s.windows:
+        synced = window[-1]
+        run = set.union(*(set(p) for p in synced))
+        for local in window[:-1]:
+            if any(set(p) - run for p in local):
+                return True
+    return False

@@ -4,9 +4,12 @@ For each mutant of :data:`property_tests.mutants.CATALOGUE`, with the mutant in 
 real code, Hypothesis searches the inputs of the property meant to catch it for one that
 fails, and shrinks it. Each test asserts that one is found, that the shrunk example is small
 (at most 3 parameters and 2 ranks, or 3 ranks for a rounding that differs only where W is not
-a power of two; and where it says more, the smallest that can show the bug: two ranks to see a
-wrong average, two replicas to see replica 1 left out, ...), and that the real code passes
-that very example.
+a power of two, or 4 where the bug needs them: a 2 x 2 device mesh, three ranks still
+training under join with one out; and where it says more, the smallest that can show the
+bug: two ranks to see a wrong average, two replicas to see replica 1 left out, ...), and that
+the real code passes that very example. A mutant of the scenarios themselves is killed by a
+search (``SEARCHES``): within the ci profile's examples they must find a wrapper that is
+wrong only at three ranks.
 
 This is the fast check that CI runs: each search is narrowed to the part of the property's
 input space where the mutant's bug lives (``CASES``), with the property's own check.
@@ -24,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
+from torch.nn.parallel.distributed import _MixedPrecision
 
 import reducer
 from reducer.testing import TrainingScenario
@@ -33,6 +37,11 @@ from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
 from . import test_schedules
 from .mutants import CATALOGUE, Mutant, applied
+from .test_check_strictness import (
+    check_division_is_found,
+    check_one_ulp_is_caught,
+    strictness_scenarios,
+)
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,
@@ -42,14 +51,28 @@ from .test_errors import (
     unfinished_iterations,
     used_outside_forward,
 )
+from .test_launch_preimport import _PREFIX as _PROBE
+from .test_launch_preimport import check_preimport, scripts
 from .test_multi_iteration import TrainingMachine
+from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
 from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
 from .test_torch_equivalence import check_bucket_assignment
 from .test_wrappers import (
+    _BUFFER_HOOKED,
+    _STATIC,
+    _UNEVEN_STATIC,
+    MeshScenario,
+    check_buffer_hook,
+    check_device_mesh,
     check_fsdp2,
+    check_join_dividing_by_training_ranks,
+    check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
+    mesh_scenarios,
+    mixed_precision_configs,
+    one_of_four_out,
     wrapper_scenarios,
 )
 
@@ -96,6 +119,14 @@ def _size(example: Any) -> tuple[int, int]:
         return example.model.parameter_count, example.world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
         return example[0].model.parameter_count, example[0].world_size
+    if isinstance(example, _MixedPrecision):  # a configuration, checked on one Linear
+        return 2, 1
+    if isinstance(example, MeshScenario):  # always a 2 x 2 mesh
+        return example.spec.parameter_count, 4
+    if isinstance(example, tuple) and isinstance(example[0], str):  # a script: no ranks
+        return 0, 1
+    if isinstance(example, CheckScenario):  # one Linear layer
+        return 2, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -335,6 +366,14 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2,
     ),
+    # The data-parallel dimension second: the ranks the whole mesh's first dimension groups.
+    "device mesh slice taken as the whole mesh's first dimension": Case(
+        mesh_scenarios(), check_device_mesh, lambda s: s.dp_dim == 1, max_ranks=4
+    ),
+    # Two ranks, two steps, a buffer comm hook: it broadcasts the buffer forward replaced.
+    "buffer comm hook gets reassigned buffers stale": Case(
+        _BUFFER_HOOKED, check_buffer_hook, lambda s: s.world_size == 2
+    ),
     # Two ranks, two steps: the second forward starts from rank 0's reassigned buffer.
     "reassigned buffer not synced": Case(
         wrapper_scenarios(buffers=True), check_our_ddp, lambda s: s.world_size == 2
@@ -400,6 +439,20 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
+    # A weight of 2**16 elements or more (its division fused into the copy) at 3 ranks.
+    "fused copy divides": Case(
+        ddp_scenarios(model=wide_only, mode="plain", hook="none", as_view=False),
+        check_ddp,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
+    ),
+    # Four ranks, one out: the divisor is three (needs a fourth rank to be other than W).
+    "join divisor divides": Case(
+        one_of_four_out(),
+        check_join_dividing_by_training_ranks,
+        lambda s: s.world_size == 4,
+        max_ranks=4,
+    ),
     # A gradient autograd accumulated into its bucket view in place, at 3 ranks: torch divides it.
     "views always multiply": Case(
         ddp_scenarios(model=dense_all_used, mode="plain", hook="none", as_view=True),
@@ -425,12 +478,22 @@ CASES: dict[str, Case] = {
         check_ddp,
         lambda s: s.world_size == 2,
     ),
+    # Two ranks, a static graph, one runs out: its shadow issues a used map the other does not.
+    "joined rank shadows a static graph's used map": Case(
+        _UNEVEN_STATIC, check_our_join, lambda s: s.world_size == 2 and s.uneven
+    ),
     # Two ranks, one ignored parameter, reloaded between two steps: the reloaded wrapper
     # averages the ignored parameter's gradient (each rank keeps its own before).
     "reloaded wrapper reduces ignored parameters": Case(
         wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=False, reload=True),
         check_our_ddp,
         lambda s: s.world_size == 2 and s.reload_after is not None and len(s.ignored) == 1,
+    ),
+    # A static graph, reloaded, then steps that leave a branch out: the wait for its
+    # gradient shows as an unfinished reduction at the next step (or on two ranks, as the
+    # others' reductions moving on without it).
+    "reloaded static graph not told to the reducer": Case(
+        _STATIC, check_our_ddp, lambda s: s.reload_after is not None
     ),
     # Two ranks, one bucket of a used and an unused parameter (the same unused everywhere):
     # the used one keeps its own gradient.
@@ -441,6 +504,13 @@ CASES: dict[str, Case] = {
         check_our_ddp,
         lambda s: s.world_size == 2 and s.options["skip_all_reduce_unused_params"],
     ),
+    # skip_all_reduce_unused_params, a no_sync pass that runs a branch the synced pass then
+    # leaves unused on every rank (the accumulated gradient must still be averaged).
+    "skip forgets no_sync gradients": Case(
+        ddp_scenarios(model=dense_optional, mode="find_unused", hook="none", skip_unused=True),
+        check_ddp,
+        lambda s: s.world_size <= 2,
+    ),
     # Two ranks, reducing in float16 or bfloat16: the sum rounded once, not per addition.
     "mixed precision sums in full precision": Case(
         wrapper_scenarios(
@@ -448,6 +518,49 @@ CASES: dict[str, Case] = {
         ),
         check_our_ddp,
         lambda s: s.world_size == 2 and s.options["mixed_precision"] is not None,
+    ),
+    # Three ranks, reducing in float16 or bfloat16: (sum / 3) in the low dtype differs from
+    # the sum cast back and divided in full precision.
+    "mixed precision divides after the upcast": Case(
+        wrapper_scenarios(
+            buffers=False, layouts=False, as_view=False, dropout=False, mixed=True, lr=0.0
+        ),
+        check_our_ddp,
+        lambda s: s.world_size == 3 and s.options["mixed_precision"] is not None,
+        max_ranks=3,
+    ),
+    "mixed precision buffers in param_dtype": Case(
+        mixed_precision_configs(),
+        check_mixed_precision_dtypes,
+        lambda c: c.param_dtype != c.buffer_dtype,
+    ),
+    # os.environ set, then an import: it must wait for the ranks.
+    "launch pre-imports past the leading block": Case(
+        scripts(),
+        check_preimport,
+        lambda script: "os.environ" in script[0] and script[0].count(_PROBE) == 1,
+    ),
+    # Two ranks, a one-ulp fault on one of them.
+    "replica check compares with a tolerance": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault is not None,
+    ),
+    # Two ranks, two parameter groups, the fault in the second (a bias).
+    "replica check reads the first param group only": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.groups == 2 and s.fault is not None,
+    ),
+    # Two ranks under join, one with a step more: its last step is taken for a stall.
+    "replica check blind to join": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.joined is not None,
+    ),
+    # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
+    "check compares with a tolerance": Case(
+        strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1
     ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
@@ -468,6 +581,11 @@ MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
 # The scheduler's mutants: each lets a race of property_tests/test_schedules.py through (no
 # schedule shows it), so the race property fails.
 SCHEDULING = {"schedule choices ignored", "completions at once"}
+# A mutant of the scenarios: the property that kills it is a search, not a check of one
+# example (it must find, within the ci profile's examples, a wrapper wrong only at W = 3).
+SEARCHES: dict[str, Callable[[], object]] = {
+    "scenarios never draw three ranks": check_division_is_found,
+}
 BUCKETING = {
     "close a bucket above the limit",
     "never move to the next limit",
@@ -478,7 +596,9 @@ BUCKETING = {
 
 
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING == set(CATALOGUE)
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING | set(SEARCHES) == set(
+        CATALOGUE
+    )
     assert len(CATALOGUE) >= 25
 
 
@@ -563,6 +683,13 @@ def test_the_misuse_properties_catch_and_shrink(
         params = shrunk[0]
         assert len(params) <= 2, f"{name}: not shrunk: {len(params)} parameters"
     check(shrunk)  # the real reducer passes the same example
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_the_searching_properties_catch(name: str) -> None:
+    with applied(CATALOGUE[name]):
+        assert _fails(SEARCHES[name]), f"{name}: the search still succeeds"
+    SEARCHES[name]()  # the real code passes
 
 
 def test_applying_a_mutant_replaces_the_code_and_restores_it() -> None:

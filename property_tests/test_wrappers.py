@@ -37,7 +37,7 @@ refuses the step with an error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -45,9 +45,10 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
-from torch.nn.parallel.distributed import _MixedPrecision
+from torch.nn.parallel.distributed import _BufferCommHookLocation, _MixedPrecision
 from torch.utils.checkpoint import checkpoint
 
+import fakepg
 import reducer
 from reducer.testing import (
     TrainingScenario,
@@ -60,9 +61,17 @@ from reducer.testing import (
     torch_ddp,
 )
 from reducer.testing.checks import Average
-from reducer.testing.harness import note_size
-from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, loss_of
-from reducer.testing.strategies import GeneratedTraining, model_specs
+from reducer.testing.harness import active_branches, note_size
+from reducer.testing.model import (
+    BranchSpec,
+    GeneratedModel,
+    ModelSpec,
+    branch_inputs,
+    build_model,
+    loss_of,
+)
+from reducer.testing.reference import rank_order_average
+from reducer.testing.strategies import GeneratedTraining, WithBuffers, model_specs
 
 # Mixed precision of the reduction alone: forward and backward in each parameter's dtype,
 # the allreduce in float16 or bfloat16 (param_dtype None: no cast before forward). torch's
@@ -88,6 +97,10 @@ def wrapper_scenarios(
     skip_unused: bool = False,
     mixed: bool = False,
     lr: float = 0.1,
+    static: bool = False,
+    min_steps: int = 1,
+    require_optional: bool = False,
+    world_sizes: st.SearchStrategy[int] | None = None,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -100,19 +113,37 @@ def wrapper_scenarios(
     reloaded between two steps (``torch.save``/``torch.load``); with ``skip_unused``, the
     branches left out are the same on every rank at every step (torch's condition) and
     ``skip_all_reduce_unused_params`` is drawn; with ``mixed``, ``mixed_precision`` is drawn
-    (None, or a reduction in float16 or bfloat16: see :func:`check_our_ddp`); ``lr``: the SGD
-    step after each step (0: gradients only)."""
+    (a reduction in float16 or bfloat16, a third each, or None: see :func:`check_our_ddp`;
+    three ranks, where a division's place changes its rounding, are drawn often); with
+    ``static``, ``static_graph=True`` and ``find_unused_parameters`` drawn, the branches left
+    out the same at every step (and on every rank); ``min_steps``: at least that many steps;
+    ``require_optional``: every model has a branch that can go unused; ``world_sizes``: the
+    ranks (default: 1 to ``max_world_size``, three often); ``lr``: the SGD step after each
+    step (0: gradients only)."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
         drawn["skip_all_reduce_unused_params"] = st.booleans()
     if mixed:
-        drawn["mixed_precision"] = st.none() | st.sampled_from(_REDUCE_IN)
+        # A sampled choice, not st.none() | ...: one_of draws None most of the time.
+        drawn["mixed_precision"] = st.sampled_from((*_REDUCE_IN, None))
+    options: dict[str, Any] = {"find_unused_parameters": True}
+    if static:
+        options = {"static_graph": True}
+        drawn["find_unused_parameters"] = st.booleans()
     return generated_training_scenarios(
-        model=model_specs(max_branches=3, max_params=6, allow_sparse=False, allow_unused=unused),
+        model=model_specs(
+            max_branches=3,
+            max_params=6,
+            allow_sparse=False,
+            allow_unused=unused,
+            require_optional=require_optional,
+        ),
         max_world_size=max_world_size,
+        world_sizes=world_sizes,
+        min_steps=min_steps,
         bucket_caps=bucket_caps_mb(),
-        options={"find_unused_parameters": True},
+        options=options,
         drawn_options=drawn,
         buffers=buffers,
         layouts=layouts,
@@ -120,7 +151,7 @@ def wrapper_scenarios(
         dropout=dropout,
         uneven=uneven,
         reload=reload,
-        uniform_skip=skip_unused,
+        uniform_skip=skip_unused or static,
         lr=lr,
     )
 
@@ -190,7 +221,132 @@ def test_this_projects_ddp_with_mixed_precision_reduces_exactly(s: TrainingScena
     _note(s)
     config = s.options["mixed_precision"]
     event(f"reduce_dtype={None if config is None else config.reduce_dtype}")
+    if config is not None:
+        event(f"reduce_dtype={config.reduce_dtype} at world size {s.world_size}")
     check_our_ddp(s)
+
+
+_CAST_TO = st.sampled_from((torch.float16, torch.bfloat16, torch.float64, None))
+
+
+@st.composite
+def mixed_precision_configs(draw: st.DrawFn) -> _MixedPrecision:
+    """torch's ``_MixedPrecision`` with each of its three dtypes drawn (float16, bfloat16,
+    float64 or None), so that they differ most of the time."""
+    return _MixedPrecision(
+        param_dtype=draw(_CAST_TO), reduce_dtype=draw(_CAST_TO), buffer_dtype=draw(_CAST_TO)
+    )
+
+
+def check_mixed_precision_dtypes(config: _MixedPrecision) -> None:
+    """The property: after construction every buffer is in ``buffer_dtype`` (unchanged
+    where None) and every parameter full precision; in forward every parameter is in
+    ``param_dtype``; after backward every gradient is full precision."""
+    seen: list[torch.dtype] = []
+
+    def fn(pg: reducer.ProcessGroup) -> None:
+        model = WithBuffers(nn.Linear(3, 2, dtype=torch.float32))
+        model.inner.register_forward_pre_hook(
+            lambda m, args: seen.extend(p.dtype for p in m.parameters())
+        )
+        before = {name: b.dtype for name, b in model.named_buffers()}
+        ddp = reducer.DistributedDataParallel(model, pg, mixed_precision=config)
+        for name, buffer in model.named_buffers():
+            want = before[name] if config.buffer_dtype is None else config.buffer_dtype
+            assert buffer.dtype == want, f"buffer {name!r}: {buffer.dtype}, expected {want}"
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        out = ddp(torch.ones(2, 3))
+        torch.stack([o.float().sum() for o in out]).sum().backward()
+        want_param = config.param_dtype or torch.float32
+        assert set(seen) == {want_param}, f"forward saw {set(seen)}, expected {want_param}"
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32, f"{name}: {p.dtype} after backward"
+            assert p.grad is not None and p.grad.dtype == torch.float32, f"{name}: gradient"
+
+    fakepg.run(fn, 1, timeout=20.0)
+
+
+@given(mixed_precision_configs())
+def test_mixed_precision_casts_buffers_and_parameters_to_their_own_dtypes(
+    config: _MixedPrecision,
+) -> None:
+    event(f"param_dtype={config.param_dtype}, buffer_dtype={config.buffer_dtype}")
+    check_mixed_precision_dtypes(config)
+
+
+# static_graph, with or without the search for unused parameters, the same branches left
+# out at every step (some model's branch can go unused), two steps at least, and the wrapper
+# pickled and reloaded between two of them (drawn): the reloaded wrapper records its graph
+# anew in its first step, a parameter that gets no gradient included.
+@st.composite
+def static_reloaded(draw: st.DrawFn) -> TrainingScenario:
+    """Static-graph scenarios of two steps or more, reloaded after a drawn step two times
+    in three (the drawn reload of the training scenarios is None more often than not)."""
+    s = draw(
+        wrapper_scenarios(
+            static=True, reload=True, min_steps=2, require_optional=True, buffers=False
+        )
+    )
+    if s.reload_after is None and draw(st.sampled_from([True, True, False])):
+        s = replace(s, reload_after=draw(st.integers(0, s.steps - 2)))
+    return s
+
+
+_STATIC = static_reloaded()
+
+
+# The corner, reloaded then a parameter without a gradient, is about one example in four.
+@given(_STATIC)
+def test_this_projects_ddp_with_a_static_graph_reloaded_averages_exactly(
+    s: TrainingScenario,
+) -> None:
+    _note(s)
+    unused = _left_out(s)
+    event(f"reloaded after step {s.reload_after}; a branch left out: {unused}")
+    if s.reload_after is not None and unused:
+        event("static graph: reloaded, then a step with a parameter that gets no gradient")
+    check_our_ddp(s)
+
+
+def _left_out(s: TrainingScenario) -> bool:
+    """Does rank 0 leave some branch out (the same at every step: a static graph)?"""
+    args = s.inputs[0][0]
+    assert args is not None
+    inner = next(m for m in s.make_model().modules() if isinstance(m, GeneratedModel))
+    return len(args[1]) < len(inner.spec.branches)
+
+
+def _broadcast_from_rank_0(ddp: Any, named: dict[str, Tensor]) -> None:
+    """A buffer comm hook that does what forward does without one: broadcast every synced
+    buffer from rank 0 (torch's own example hook)."""
+    ddp._default_broadcast_coalesced(list(named.values()))
+
+
+def reducer_ddp_with_buffer_hook(
+    module: nn.Module, pg: reducer.ProcessGroup, **options: Any
+) -> nn.Module:
+    """This project's DDP syncing buffers through a buffer comm hook, before forward."""
+    ddp = reducer.DistributedDataParallel(module, pg, **options)
+    ddp._register_buffer_comm_hook(ddp, _broadcast_from_rank_0, _BufferCommHookLocation.PRE_FORWARD)
+    return ddp
+
+
+def check_buffer_hook(s: TrainingScenario) -> None:
+    """The property for buffer comm hooks: a hook that broadcasts from rank 0 before forward
+    gives what the broadcast without a hook gives, a buffer that forward reassigns included
+    (the hook must get the tensor the module holds now, by name)."""
+    check_data_parallel(reducer_ddp_with_buffer_hook, s, scaling="reciprocal")
+
+
+# Models with buffers (one that forward reassigns), ignored ones drawn.
+_BUFFER_HOOKED = wrapper_scenarios(buffers=True)
+
+
+@given(_BUFFER_HOOKED)
+def test_this_projects_ddp_with_a_buffer_comm_hook_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"buffer comm hook over {s.world_size} rank(s), {s.steps} step(s)")
+    check_buffer_hook(s)
 
 
 # The same branches unused on every rank at every step, and buckets holding only unused
@@ -288,6 +444,91 @@ def test_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
     check_our_join(s)
 
 
+# Uneven inputs under join() with static_graph (find_unused_parameters drawn), the same
+# branches left out at every step and on every rank (a static graph): a rank that ran out
+# shadows iterations whose used map was recorded once, in the first.
+_UNEVEN_STATIC = wrapper_scenarios(
+    buffers=False, ignore=False, uneven=True, static=True, require_optional=True
+)
+
+
+@settings(max_examples=2 * settings().max_examples)
+@given(_UNEVEN_STATIC)
+def test_join_with_a_static_graph_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    event(f"uneven: {s.uneven}; a branch left out: {_left_out(s)}")
+    check_our_join(s)
+
+
+def reducer_ddp_dividing_by_training_ranks(
+    module: nn.Module, pg: reducer.ProcessGroup, **options: Any
+) -> nn.Module:
+    """This project's DDP whose ``join()`` divides by the ranks still training
+    (``divide_by_initial_world_size=False``)."""
+    ddp = reducer.DistributedDataParallel(module, pg, **options)
+    join = ddp.join
+    ddp.join = lambda **kwargs: join(divide_by_initial_world_size=False, **kwargs)  # type: ignore[method-assign]
+    return ddp
+
+
+def average_over_training_ranks(column: Sequence[Tensor | None], world_size: int) -> Tensor | None:
+    """Every branch used, so a None is a rank that ran out: the others' ``g * (1.0 / n)``
+    (n: how many still train) and zeros, summed in rank order."""
+    present = [g for g in column if g is not None]
+    if not present:
+        return None
+    factor = 1.0 / len(present)
+    terms = [torch.zeros_like(present[0]) if g is None else g * factor for g in column]
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def check_join_dividing_by_training_ranks(s: TrainingScenario) -> None:
+    """The property of ``join(divide_by_initial_world_size=False)``: each step's gradient is
+    the average over the ranks still training, with torch's rounding."""
+    check_data_parallel(
+        reducer_ddp_dividing_by_training_ranks, s, average=average_over_training_ranks
+    )
+
+
+@st.composite
+def one_of_four_out(draw: st.DrawFn) -> TrainingScenario:
+    """Four ranks, every branch used, two or three steps; one rank (drawn) runs out before
+    the last step, so three still train there."""
+    s = draw(
+        wrapper_scenarios(
+            buffers=False, ignore=False, unused=False, min_steps=2, world_sizes=st.just(4)
+        )
+    )
+    out = draw(st.integers(0, 3))
+    first_out = draw(st.integers(1, s.steps - 1))
+    inputs = tuple(
+        tuple(None if (r == out and k >= first_out) else args for r, args in enumerate(step))
+        for k, step in enumerate(s.inputs)
+    )
+    return replace(s, inputs=inputs)
+
+
+# Every branch used (a None in a step's column is then a rank that ran out): any uneven
+# inputs, or four ranks with one out (the divisor is three).
+_UNEVEN_DIVIDING = st.one_of(
+    wrapper_scenarios(buffers=False, ignore=False, uneven=True, unused=False),
+    one_of_four_out(),
+)
+
+
+@given(_UNEVEN_DIVIDING)
+def test_join_dividing_by_the_ranks_still_training_averages_exactly(s: TrainingScenario) -> None:
+    _note(s)
+    counts = {sum(s.trains(k, r) for r in range(s.world_size)) for k in range(s.steps)}
+    event(f"ranks still training in some step: {sorted(counts)}")
+    if any(c == 3 and c < s.world_size for c in counts):
+        event("join: three ranks still training, one out")
+    check_join_dividing_by_training_ranks(s)
+
+
 # torch's join: every branch used (see the pinned difference below).
 @given(wrapper_scenarios(buffers=False, ignore=False, uneven=True, unused=False))
 def test_torch_join_with_uneven_inputs_averages_exactly(s: TrainingScenario) -> None:
@@ -367,3 +608,79 @@ def test_torch_ddp_silently_diverges_on_a_layer_in_two_reentrant_checkpoints(w: 
 def test_this_projects_ddp_refuses_a_layer_in_two_reentrant_checkpoints() -> None:
     scenario = _two_checkpoints(2, refusal="Expected to mark a variable ready only once")
     check_data_parallel(reducer_ddp(), scenario, scaling="reciprocal")
+
+
+# -------------------------------------------------------------------------------------------
+# device_mesh: DDP over one dimension of a 2 x 2 mesh.
+
+
+@dataclass(frozen=True)
+class MeshScenario:
+    """Four ranks as a 2 x 2 device mesh whose data-parallel dimension is ``dp_dim`` (0: the
+    first, 1: the second), a dense model, ``steps`` steps of gradients (no optimizer step)."""
+
+    spec: ModelSpec
+    dp_dim: int
+    steps: int
+    bucket_cap_mb: float
+
+
+def mesh_scenarios() -> st.SearchStrategy[MeshScenario]:
+    """Either dimension data-parallel, half the time each (shrinks toward the first)."""
+    return st.builds(
+        MeshScenario,
+        model_specs(max_branches=2, max_params=3, allow_sparse=False, allow_unused=False),
+        st.sampled_from([0, 1]),
+        st.integers(1, 2),
+        bucket_caps_mb(),
+    )
+
+
+def check_device_mesh(s: MeshScenario) -> None:
+    """The property: DDP over ``mesh["dp"]`` averages each rank's gradient over its
+    data-parallel group only (the two ranks that share its other coordinate), in the
+    group's rank order, with torch's rounding (``g * (1.0 / 2)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("dp", "tp") if s.dp_dim == 0 else ("tp", "dp")
+    active = active_branches(s.spec, frozenset(s.spec.optional_branches))
+
+    def fn(pg: reducer.ProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]], list[int]]:
+        rank = pg.rank()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        model, local = build_model(s.spec), build_model(s.spec)
+        ddp = reducer.DistributedDataParallel(
+            model, device_mesh=mesh["dp"], bucket_cap_mb=s.bucket_cap_mb
+        )
+        got: list[list[Tensor]] = []
+        own: list[list[Tensor]] = []
+        for step in range(s.steps):
+            inputs = branch_inputs(s.spec, (s.spec.seed * 7919 + rank * 1009 + step) % 2**31)
+            for m in (model, local):
+                m.zero_grad(set_to_none=True)
+            loss_of(ddp(inputs, active)).backward()
+            loss_of(local(inputs, active)).backward()
+            got.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            own.append([p.grad.clone() for p in local.parameters() if p.grad is not None])
+        group = [int(r) for r in mesh["dp"].mesh.tolist()]
+        return got, own, group
+
+    results = fakepg.run_torch(fn, 4, timeout=60.0)
+    for rank, (got, _, group) in enumerate(results):
+        assert rank in group and len(group) == 2, f"rank {rank}: data-parallel group {group}"
+        for step, grads in enumerate(got):
+            for i, grad in enumerate(grads):
+                column = [results[r][1][step][i] for r in group]
+                want = rank_order_average(column, 2, scaling="reciprocal")
+                assert want is not None and torch.equal(grad, want), (
+                    f"rank {rank}, step {step}, parameter {i}: not the average over its "
+                    f"data-parallel group {group} (mesh dimensions {names})"
+                )
+
+
+@settings(max_examples=max(5, settings().max_examples // 2))
+@given(mesh_scenarios())
+def test_ddp_over_one_dimension_of_a_device_mesh_averages_within_it(s: MeshScenario) -> None:
+    note_size(s.spec.parameter_count, 4)
+    event(f"data-parallel dimension {s.dp_dim} of a 2 x 2 mesh")
+    check_device_mesh(s)

@@ -10,6 +10,7 @@ operation, so every gradient, parameter and buffer must be bit-identical.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,73 @@ def test_mixed_precision_reduces_as_torchs_mixed_precision(
             assert torch.equal(param, initial[i % len(initial)]), f"rank {rank}, param {i}"
 
 
+_MIXED_CONFIGS = [
+    _MixedPrecision(torch.float16, torch.float16, torch.float16),
+    _MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16),
+    _MixedPrecision(torch.float16, torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("config", _MIXED_CONFIGS, ids=["fp16", "bf16-reduce-fp32", "fp16-bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"static_graph": True},
+        {"find_unused_parameters": True},
+        {"gradient_as_bucket_view": True},
+        {"find_unused_parameters": True, "skip_all_reduce_unused_params": True},
+    ],
+    ids=["plain", "static", "find-unused", "as-view", "skip-unused"],
+)
+def test_a_mixed_precision_checkpoint_loads_and_trains_on(
+    config: _MixedPrecision, options: dict[str, Any]
+) -> None:
+    """torch.save(ddp) and torch.save(model) after two steps: both load (full-precision
+    parameters, no low-precision twin saved with its storage freed), and the reloaded
+    wrapper's next step is bit for bit the original's."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
+        model = build()
+        ddp = reducer.DistributedDataParallel(
+            model, bucket_cap_mb=1e-4, mixed_precision=config, **options
+        )
+        _train(ddp, model, pg.rank(), steps=2)
+        saved_ddp, saved_model = io.BytesIO(), io.BytesIO()
+        torch.save(ddp, saved_ddp)
+        torch.save(model, saved_model)
+        saved_ddp.seek(0)
+        saved_model.seek(0)
+        loaded = torch.load(saved_ddp, weights_only=False)
+        loaded_model = torch.load(saved_model, weights_only=False)
+        for copy in (loaded.module, loaded_model):
+            for (name, mine), theirs in zip(
+                copy.named_parameters(), model.parameters(), strict=True
+            ):
+                assert mine.dtype == torch.float32 and torch.equal(mine, theirs), name
+                assert not hasattr(mine, "_mp_param"), name
+        # One more step on each, the same data: the same gradients and parameters.
+        after_load = _train(loaded, loaded.module, pg.rank(), steps=1)
+        kept_on = _train(ddp, model, pg.rank(), steps=1)
+        return after_load, kept_on
+
+    _assert_identical(fakepg.run_torch(fn, W, timeout=60.0))
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "buffer_dtype"])
+def test_a_mixed_precision_dtype_that_is_not_floating_point_is_refused(field: str) -> None:
+    config = _MixedPrecision(**{field: torch.int32})  # type: ignore[arg-type]
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        with pytest.raises(
+            ValueError, match=rf"mixed_precision\.{field} is torch\.int32.*floating"
+        ):
+            reducer.DistributedDataParallel(build(), pg, mixed_precision=config)
+        return "refused"
+
+    assert run_ranks(fn, W) == ["refused"] * W
+
+
 # -------------------------------------------------------------------------------------------
 # device_mesh.
 
@@ -251,6 +319,103 @@ def test_skipping_the_buckets_of_unused_parameters_matches_torch() -> None:
         assert ours == theirs == 1, counts  # of 2 buckets: the dead layer's is skipped
 
 
+class TwoBranches(nn.Module):
+    """Two same-shaped branches; forward runs the one ``which`` names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: Tensor, which: str) -> Tensor:
+        out: Tensor = getattr(self, which)(x)
+        return out
+
+
+def test_skipping_buckets_unused_on_some_ranks_only_is_an_error_naming_them() -> None:
+    """Rank 0 leaves branch b unused, rank 1 branch a: each bucket (one per branch) would be
+    skipped on one rank and reduced on the other, and the two reductions, of the same shape,
+    would be summed together (torch's DDP does, silently). Every rank raises, naming the
+    parameters and the ranks, before any bucket is reduced."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = seeded(TwoBranches, seed=1)
+        ddp = reducer.DistributedDataParallel(
+            model, pg, bucket_cap_mb=1e-5, find_unused_parameters=True,
+            skip_all_reduce_unused_params=True,
+        )  # fmt: skip
+        x = rank_input(pg.rank(), (2, 4))
+        with pytest.raises(RuntimeError) as info:
+            ddp(x, "a" if pg.rank() == 0 else "b")
+        return str(info.value)
+
+    messages = run_ranks(fn, W)
+    assert messages[0] == messages[1]
+    assert "skip_all_reduce_unused_params" in messages[0]
+    assert re.search(
+        r"parameters 0 'a\.weight'\) is unused on rank\(s\) \[1\] and used on "
+        r"rank\(s\) \[0\]",
+        messages[0],
+    ) or re.search(
+        r"'b\.weight'\) is unused on rank\(s\) \[0\] and used on rank\(s\) \[1\]",
+        messages[0],
+    ), messages[0]
+
+
+def test_a_bucket_one_rank_accumulated_under_no_sync_is_reduced_by_every_rank() -> None:
+    """Rank 0 runs branch b under no_sync, then the synced pass leaves b unused on every
+    rank: b's bucket holds rank 0's accumulated gradient, so every rank reduces it (rank 1
+    contributing zeros) instead of skipping it: the gradients without skipping, no error."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        traces = []
+        for skip in (True, False):
+            model = seeded(TwoBranches, seed=1)
+            ddp = reducer.DistributedDataParallel(
+                model, pg, bucket_cap_mb=1e-5, find_unused_parameters=True,
+                skip_all_reduce_unused_params=skip,
+            )  # fmt: skip
+            with ddp.no_sync():
+                branch = "b" if pg.rank() == 0 else "a"
+                ddp(rank_input(pg.rank(), (2, 4), 0), branch).pow(2).sum().backward()
+            ddp(rank_input(pg.rank(), (2, 4), 1), "a").pow(2).sum().backward()
+            traces.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        return traces
+
+    for rank, (skipped, reduced) in enumerate(run_ranks(fn, W)):
+        assert len(skipped) == len(reduced) == 2, rank  # b: rank 0's accumulated, averaged
+        for a, b in zip(skipped, reduced, strict=True):
+            assert torch.equal(a, b), rank
+
+
+def test_skipping_the_same_unused_bucket_under_join_matches_no_skipping() -> None:
+    """Uneven inputs under join(): the rank that ran out takes the others' skip decisions,
+    so its shadow reductions match theirs; the gradients are those without skipping."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
+        traces = []
+        for skip in (True, False):
+            model = seeded(TwoBranches, seed=1)
+            ddp = reducer.DistributedDataParallel(
+                model, pg, bucket_cap_mb=1e-5, find_unused_parameters=True,
+                skip_all_reduce_unused_params=skip,
+            )  # fmt: skip
+            trace = []
+            with ddp.join():
+                for step in range(1 + 2 * pg.rank()):
+                    model.zero_grad(set_to_none=True)
+                    ddp(rank_input(pg.rank(), (2, 4), step), "a").pow(2).sum().backward()
+                    trace += [torch.empty(0) if p.grad is None else p.grad.clone()
+                              for p in model.parameters()]  # fmt: skip
+            traces.append(trace)
+        return traces
+
+    for skipped, reduced in run_ranks(fn, W):
+        assert len(skipped) == len(reduced)
+        for a, b in zip(skipped, reduced, strict=True):
+            assert torch.equal(a, b)
+
+
 # -------------------------------------------------------------------------------------------
 # Buffer comm hooks.
 
@@ -306,6 +471,25 @@ def test_buffer_broadcast_through_a_hook_matches_torch() -> None:
         return ddp
 
     _assert_identical(_both(make))
+
+
+def test_a_buffer_comm_hook_returning_one_future_is_told_a_list_was_expected() -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = build()
+        ddp = reducer.DistributedDataParallel(model, bucket_cap_mb=1e-4)
+
+        def hook(d: Any, named: dict[str, Tensor]) -> Any:
+            work = dist.all_reduce(named["count"], group=d.process_group, async_op=True)
+            return work.get_future()  # type: ignore[union-attr]
+
+        ddp._register_buffer_comm_hook(ddp, hook)
+        with pytest.raises(
+            TypeError, match=r"list of torch\.futures\.Future.*got Future.*\[future\]"
+        ):
+            ddp(rank_input(pg.rank(), (4, 6)))
+        return "told"
+
+    assert fakepg.run_torch(fn, W, timeout=30.0) == ["told"] * W
 
 
 # -------------------------------------------------------------------------------------------
@@ -381,15 +565,24 @@ def test_a_compiled_wrapper_trains_as_torchs_ddp(monkeypatch: pytest.MonkeyPatch
     marks its DDP active in a class attribute that every thread sees, and dynamo, compiling
     in the same threads, takes it for its own. For the same reason dynamo's optimizer for
     torch's DDP (which splits torch's DDP graphs at its buckets) is off, and dynamo starts
-    afresh."""
+    afresh.
+
+    The option is switched off with dynamo's own ``config.patch``: its entries are context
+    variables behind the config module's ``__getattr__``/``__delattr__``, and undoing pytest's
+    ``monkeypatch`` of one can delete (hide) it, after which every later torch DDP in the
+    process raises AttributeError reading it."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", False)
     # A torch DDP of an earlier test, stopped mid-forward by a failing rank, can leave itself
     # marked active.
     monkeypatch.setattr(nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
-    torch._dynamo.reset()
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        torch._dynamo.reset()
+        _compiled_and_eager_agree()
+    torch._dynamo.reset()  # nothing compiled under the patch outlives it
 
+
+def _compiled_and_eager_agree() -> None:
     def ours(pg: fakepg.FakeProcessGroup) -> list[list[Tensor]]:
         model = build()
         ddp = torch.compile(reducer.DistributedDataParallel(model, static_graph=True))

@@ -7,11 +7,12 @@ and backward the parameters are full precision (checkpoints, the optimizer).
 
 How, step for step as torch's DDP does it, so that the bits agree:
 
-- construction: every parameter not ignored gets ``_mp_param`` (a ``param_dtype`` tensor
-  with no storage yet) and ``_fp_param`` (its full-precision data); buffers are cast;
-- each forward: each parameter's ``_mp_param`` gets storage and a copy of the full-precision
+- construction: every parameter not ignored gets a :class:`Twin`: a ``param_dtype`` tensor
+  with no storage yet (torch's ``_mp_param``) and its full-precision data (``_fp_param``);
+  buffers are cast;
+- each forward: each parameter's low twin gets storage and a copy of the full-precision
   values (a cast), an accumulated ``.grad`` is cast down too, and ``param.data`` becomes
-  ``_mp_param``; floating-point inputs are cast to ``param_dtype``;
+  the low twin; floating-point inputs are cast to ``param_dtype``;
 - backward: gradients arrive in ``param_dtype``. The reducer copies them into its buckets
   (full precision: a widening copy, exact) and calls :func:`allreduce_and_upcast`, a comm
   hook, which casts the bucket to ``reduce_dtype``, sums it over the ranks, divides by the
@@ -24,12 +25,19 @@ The bucket stays in full precision here where torch's is in ``param_dtype``: the
 copy is exact and the cast to ``reduce_dtype`` rounds the same values, so the reduced bits
 are torch's. Gradients are not bucket views under mixed precision (``.grad`` changes dtype
 every iteration); the values are the same either way.
+
+The twins live in the wrapper (a :data:`Twins` table), not as attributes of the parameters
+as torch keeps them: ``torch.save`` pickles a parameter's attributes, and a low twin saved
+with its storage freed cannot be loaded ("Trying to resize storage that is not resizable").
+So ``torch.save(model)`` and ``torch.save(ddp)`` save full-precision parameters only, and
+load anywhere; a reloaded wrapper makes its twins anew.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -52,7 +60,9 @@ class MixedPrecisionConfig(Protocol):
 
 
 def check_config(config: object) -> MixedPrecisionConfig:
-    """``config`` if it names dtypes where it names any; else a clear error."""
+    """``config`` if it names floating-point dtypes where it names any; else a clear error
+    that names the field (an integer ``reduce_dtype`` would otherwise fail only in the first
+    backward, inside a comm hook the user never registered)."""
     for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
         value = getattr(config, field, None)
         if not hasattr(config, field) or not (value is None or isinstance(value, torch.dtype)):
@@ -62,36 +72,56 @@ def check_config(config: object) -> MixedPrecisionConfig:
                 f"buffer_dtype: each a torch.dtype or None); {field} is "
                 f"{'missing' if not hasattr(config, field) else repr(value)}"
             )
+        if value is not None and not value.is_floating_point:
+            raise InvalidArgument(
+                f"DistributedDataParallel: mixed_precision.{field} is {value}, which is not a "
+                "real floating-point dtype; gradients, parameters and buffers are cast to it. "
+                f"Pass {field}=torch.float16, torch.bfloat16 or torch.float32 (or None)"
+            )
     return config  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class Twin:
+    """A parameter's two data tensors: ``low`` in ``param_dtype`` (storage only during
+    forward and backward) and ``full``, its full-precision data."""
+
+    low: Tensor
+    full: Tensor
+
+
+# Per parameter (by id: the wrapper holds the module, so the parameters outlive the table).
+Twins = dict[int, Twin]
 
 
 def _ignored(tensor: Tensor) -> bool:
     return bool(getattr(tensor, "_ddp_ignored", False))
 
 
-def setup(config: MixedPrecisionConfig, module: nn.Module) -> None:
+def setup(config: MixedPrecisionConfig, module: nn.Module) -> Twins:
     """Give each parameter its low-precision twin and cast the buffers (construction)."""
+    twins: Twins = {}
     for param in module.parameters():
-        if _ignored(param) or hasattr(param, "_mp_param"):
+        if _ignored(param):
             continue
         low = torch.zeros_like(param, dtype=config.param_dtype, requires_grad=param.requires_grad)
         low.untyped_storage().resize_(0)  # storage comes at each forward
-        param._mp_param = low  # type: ignore[attr-defined]
-        param._fp_param = param.data  # type: ignore[attr-defined]
+        twins[id(param)] = Twin(low, param.data)
     if config.buffer_dtype is not None:
         for buffer in module.buffers():
             if not _ignored(buffer):
                 buffer.data = buffer.to(dtype=config.buffer_dtype)
+    return twins
 
 
-def to_low_precision(config: MixedPrecisionConfig, module: nn.Module) -> None:
+def to_low_precision(config: MixedPrecisionConfig, module: nn.Module, twins: Twins) -> None:
     """Before forward: every parameter computes in ``param_dtype`` (torch's root copy)."""
     with torch.no_grad():
         for param in module.parameters():
-            if _ignored(param):
+            twin = twins.get(id(param))
+            if twin is None:  # ignored
                 continue
-            low: Tensor = param._mp_param  # type: ignore[attr-defined]
-            full: Tensor = param._fp_param  # type: ignore[attr-defined]
+            low, full = twin.low, twin.full
             storage = low.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(low.numel() * low.element_size())
@@ -111,17 +141,16 @@ def cast_inputs(dtype: torch.dtype | None, inputs: Any, kwargs: dict[str, Any]) 
     return _cast_forward_inputs(dtype, *inputs, **kwargs)
 
 
-def to_full_precision(params: Iterable[Tensor]) -> None:
+def to_full_precision(twins: Twins, params: Iterable[Tensor]) -> None:
     """Back on full-precision data, the gradient widened (after the bucket's reduction)."""
     for param in params:
-        full = getattr(param, "_fp_param", None)
-        if full is None:
+        twin = twins.get(id(param))
+        if twin is None:
             continue
-        param.data = full
-        low: Tensor = param._mp_param  # type: ignore[attr-defined]
-        low.untyped_storage().resize_(0)
+        param.data = twin.full
+        twin.low.untyped_storage().resize_(0)
         if param.grad is not None:
-            param.grad.data = param.grad.to(full.dtype)
+            param.grad.data = param.grad.to(twin.full.dtype)
 
 
 class _Owner(Protocol):
@@ -130,6 +159,8 @@ class _Owner(Protocol):
 
     @property
     def module(self) -> nn.Module: ...
+
+    _mp_twins: Twins
 
 
 class UpcastState:
@@ -157,7 +188,7 @@ def allreduce_and_upcast(state: UpcastState, bucket: GradBucket) -> torch.future
     # Waited for here: the parameters go back to full precision only once it is done.
     state.group.allreduce([low], ReduceOp.SUM).wait()
     low.div_(state.group.size())
-    to_full_precision(bucket.parameters())
+    to_full_precision(owner._mp_twins, bucket.parameters())
     if not state.end_queued:
         state.end_queued = True
         at_backward_end(lambda: _restore_frozen(state))
@@ -173,6 +204,6 @@ def _restore_frozen(state: UpcastState) -> None:
     owner = state.owner()
     if owner is None:
         return
-    for param in owner.module.parameters():
-        if not param.requires_grad and not _ignored(param):
-            to_full_precision([param])
+    to_full_precision(
+        owner._mp_twins, (p for p in owner.module.parameters() if not p.requires_grad)
+    )

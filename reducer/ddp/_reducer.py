@@ -24,6 +24,14 @@ from reducer.reducer import Reducer
 __all__: list[str] = []
 
 
+# A rank's view of a bucket, for skip_all_reduce_unused_params. See Note [Skipping buckets
+# of unused parameters].
+_NO_VIEW = -1  # a joined rank: it trains no more
+_USED = 0  # some parameter of it is used in this synced pass
+_ACCUMULATED = 1  # unused in this pass, but holds gradients accumulated under no_sync
+_SKIP = 2  # unused, and nothing accumulated: this rank alone would skip it
+
+
 class DDPReducer(Reducer):
     """A :class:`reducer.Reducer` with the calls torch's DDP reducer offers its callers."""
 
@@ -38,6 +46,7 @@ class DDPReducer(Reducer):
         self.skip_all_reduce_unused_params = False
         self.buckets_reduced = 0
         self._reducing = 0
+        self._skipping: list[bool] = []  # per bucket, agreed by every rank this iteration
 
     def _check_prior_reduction_finished(self) -> None:
         """Raise torch's error, with this reducer's detail, where the previous iteration's
@@ -69,6 +78,8 @@ class DDPReducer(Reducer):
                 super().prepare_for_backward(outputs)
         else:
             super().prepare_for_backward(outputs)
+        if self.skip_all_reduce_unused_params:
+            self._skipping = self._agree_on_skips(self._local_skips())
         # torch's ddp_graph_static: false once the set of unused parameters has changed.
         unused = list(self._unused)
         if self._previous_unused is not None and unused != self._previous_unused:
@@ -79,19 +90,85 @@ class DDPReducer(Reducer):
     # With skip_all_reduce_unused_params, a bucket whose every parameter is unused in this
     # iteration (found by the search, or recorded by the static graph) and got no gradient
     # locally since the last synced step is not reduced: its contents (zeros) are its result,
-    # what the allreduce of zeros would give. Like torch's, this needs the same parameters
-    # unused on every rank at every iteration; where they differ, the ranks issue different
-    # collectives, and the wait for the first mismatched one times out.
+    # what the allreduce of zeros would give. Like torch's, this needs the same buckets
+    # skipped on every rank: where they differ, the ranks issue different collectives, and
+    # torch's DDP sums one bucket of a rank with another bucket of another rank where their
+    # shapes agree (two same-shaped branches, each unused on a different rank), silently.
+    # So each synced iteration starts with one small allgather of every rank's view of each
+    # bucket (one int per bucket: _USED, _ACCUMULATED or _SKIP), before any bucket is
+    # reduced. A bucket is skipped only where every rank would skip it. Where some rank uses
+    # it in this pass and another leaves it unused, every rank raises an error naming the
+    # bucket's parameters and the ranks: the unused parameters differ, which the option
+    # does not allow. Where it is unused everywhere in this pass but some ranks hold
+    # gradients accumulated under no_sync, every rank reduces it (the others contribute
+    # zeros): nothing a rank computed is lost. A rank that ran out of inputs under join has
+    # no view of its own (_NO_VIEW): it takes the others' (see _shadow_iteration), so its
+    # shadow reductions match theirs.
+
+    def _local_skips(self) -> list[int]:
+        """Per bucket, this rank's view (see the Note): _SKIP where every parameter is
+        unused in this pass and got no gradient locally since the last synced pass,
+        _ACCUMULATED where every one is unused but some got one under no_sync, else _USED."""
+        views = []
+        for bucket in self._buckets:
+            indices = bucket.variable_indices
+            if not all((0, i) in self._unused_set for i in indices):
+                views.append(_USED)
+            elif any(self._used[0][i] for i in indices):
+                views.append(_ACCUMULATED)
+            else:
+                views.append(_SKIP)
+        return views
+
+    def _agree_on_skips(self, local: list[int] | None) -> list[bool]:
+        """Every rank's view of each bucket (``local``; None: no view, a joined rank),
+        gathered; per bucket, whether every rank skips it, or an error on every rank where
+        some rank uses a bucket that another would skip."""
+        count = len(self._buckets)
+        device = self._replicas[0][0].device
+        mine = torch.tensor([_NO_VIEW] * count if local is None else local, dtype=torch.int32)
+        mine = mine.to(device)
+        world = self._process_group.size()
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        self._process_group.allgather([gathered], [mine]).wait(self._timeout)
+        table = [t.tolist() for t in gathered]
+        agreed: list[bool] = []
+        for index, bucket in enumerate(self._buckets):
+            column = [row[index] for row in table]
+            skipping = [r for r, v in enumerate(column) if v == _SKIP]
+            reducing = [r for r, v in enumerate(column) if v == _USED]
+            if skipping and reducing:
+                names = ", ".join(
+                    str(i) if self._names is None else f"{i} {self._names[i]!r}"
+                    for i in bucket.variable_indices
+                )
+                raise self._fail(
+                    errors.ReductionError(
+                        "DistributedDataParallel(skip_all_reduce_unused_params=True) needs the "
+                        "same parameters unused on every rank, but bucket "
+                        f"{index} (parameters {names}) is unused on rank(s) {skipping} and "
+                        f"used on rank(s) {reducing} in this pass: skipping it on some ranks "
+                        "only would reduce different buckets together. Leave the same "
+                        "parameters unused on every rank, or pass "
+                        "skip_all_reduce_unused_params=False"
+                    )
+                )
+            agreed.append(all(v in (_SKIP, _NO_VIEW) for v in column) and bool(skipping))
+        return agreed
+
+    def _shadow_iteration(self, *, used_map: bool) -> None:
+        # A joined rank skips what the ranks still training skip. See the Note above.
+        if self.skip_all_reduce_unused_params:
+            self._skipping = self._agree_on_skips(None)
+        super()._shadow_iteration(used_map=used_map)
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.index == 0:
             self._reducing = 0
         if (
             self.skip_all_reduce_unused_params
-            and self._expect_autograd_hooks  # not a joined rank's shadow iteration
-            and all(
-                (0, i) in self._unused_set and not self._used[0][i] for i in bucket.variable_indices
-            )
+            and bucket.index < len(self._skipping)
+            and self._skipping[bucket.index]
         ):
             bucket.work = _Kept([r.contents for r in bucket.replicas])
         else:
@@ -137,13 +214,19 @@ class DDPReducer(Reducer):
 
     def _install_post_backward_futures(self, futures: Sequence[object]) -> None:
         """Futures (of a buffer comm hook) to await when this iteration's backward ends."""
+        if is_future(futures) or not isinstance(futures, list | tuple):
+            raise TypeError(
+                "a buffer comm hook returns None or a list of torch.futures.Future (one per "
+                f"collective it started), got {type(futures).__name__}; return [future] for "
+                "a single one"
+            )
         for future in futures:
             if not is_future(future):
                 raise TypeError(
                     "a buffer comm hook returns None or a list of torch.futures.Future, got "
                     f"an element of type {type(future).__name__}"
                 )
-        self._post_backward_futures.extend(futures)  # type: ignore[arg-type]
+        self._post_backward_futures.extend(futures)
 
     def _remove_autograd_hooks(self) -> None:
         """Take this reducer's hooks off the parameters (torch's name): after an error in

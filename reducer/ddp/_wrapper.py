@@ -297,8 +297,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer._wording = DDP_WORDING
         self.reducer.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
         self._divisor = self._world_size  # the reducer's; see join
+        self._mp_twins: _mp.Twins = {}
         if self.mixed_precision is not None:
-            _mp.setup(self.mixed_precision, self.module)
+            self._mp_twins = _mp.setup(self.mixed_precision, self.module)
             state = _mp.UpcastState(self, self._group)
             self.reducer.register_comm_hook(state, _mp.allreduce_and_upcast)  # type: ignore[arg-type]
 
@@ -344,7 +345,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = move_inputs(inputs, kwargs, device)
         if self.mixed_precision is not None:
             inputs, kwargs = _mp.cast_inputs(self.mixed_precision.param_dtype, inputs, kwargs)
-            _mp.to_low_precision(self.mixed_precision, self.module)
+            _mp.to_low_precision(self.mixed_precision, self.module, self._mp_twins)
             self.reducer._refresh_accumulators()  # new ones, for the low-precision data
         start = time.perf_counter_ns()
         output = self.module(*inputs, **kwargs)
@@ -748,7 +749,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "training state, save ddp.module.state_dict() instead"
             )
         state = dict(self.__dict__)
-        for key in ("process_group", "_group", "_torch_group", "reducer"):
+        # The mixed-precision twins too: see reducer.ddp._mixed_precision (made anew on load).
+        for key in ("process_group", "_group", "_torch_group", "reducer", "_mp_twins"):
             state.pop(key, None)
         return state
 

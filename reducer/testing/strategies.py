@@ -78,6 +78,7 @@ __all__ = [
     "bucketing_inputs",
     "generated_training_scenarios",
     "model_specs",
+    "odd_heavy_world_sizes",
     "output_layouts",
     "scenarios",
     "size_limits",
@@ -618,7 +619,8 @@ def training_scenarios(
     model's optional parts (``0 .. optional_parts - 1``) that this rank leaves out in this
     step, each part with probability 1/2, for the model's forward to act on (an
     unused-parameter pattern: none, some ranks, every rank). ``world_sizes`` (default 1 to 4
-    ranks) and ``steps`` (default 1 to 3) are drawn; ``bucket_caps``, if given, draws the
+    ranks, three half the time: :func:`odd_heavy_world_sizes`) and ``steps`` (default 1 to
+    3) are drawn; ``bucket_caps``, if given, draws the
     wrapper's ``bucket_cap_mb``; ``options`` are the wrapper's other keyword arguments, and
     ``drawn_options`` draws more of them (e.g. ``{"gradient_as_bucket_view": st.booleans()}``).
     With ``ignore``, some of the model's parameters and buffers (by name) are drawn for the
@@ -631,7 +633,7 @@ def training_scenarios(
     every step (what ``skip_all_reduce_unused_params`` requires).
     Shrinks toward one rank, one step, nothing skipped, nothing ignored, no reload.
     """
-    world_size = draw(world_sizes if world_sizes is not None else st.integers(1, 4))
+    world_size = draw(world_sizes if world_sizes is not None else _ranks(4))
     count = draw(steps if steps is not None else st.integers(1, 3))
     parts = tuple(range(optional_parts))
     lengths = [draw(st.integers(1, count)) if uneven else count for _ in range(world_size)]
@@ -683,6 +685,22 @@ def training_scenarios(
         rank_seeds=seeds,
         reload_after=reload_after,
     )
+
+
+def odd_heavy_world_sizes(max_size: int = 4) -> st.SearchStrategy[int]:
+    """1 to ``max_size`` ranks (at least 3), three ranks half the time: ``g / 3`` and
+    ``g * (1 / 3)`` round differently, as do a division before and after a cast, where any
+    power of two divides exactly (most of the time). Shrinks toward 1, then 2, then 3
+    ranks. The training scenarios' default: with 1 to 4 ranks drawn evenly, the ci profile's
+    25 examples (which start from the simplest) could miss three ranks altogether."""
+    if max_size < 3:
+        raise ValueError(f"odd_heavy_world_sizes: max_size must be at least 3, got {max_size}")
+    return st.sampled_from([1, 2, *[3] * 4, *range(4, max_size + 1)])
+
+
+def _ranks(max_size: int) -> st.SearchStrategy[int]:
+    """The training scenarios' world sizes: three ranks often, where there can be three."""
+    return odd_heavy_world_sizes(max_size) if max_size >= 3 else st.integers(1, max_size)
 
 
 def bucket_caps_mb() -> st.SearchStrategy[float]:
@@ -769,6 +787,7 @@ def generated_training_scenarios(
     *,
     model: st.SearchStrategy[ModelSpec] | None = None,
     max_world_size: int = 4,
+    world_sizes: st.SearchStrategy[int] | None = None,
     min_steps: int = 1,
     max_steps: int = 3,
     bucket_caps: st.SearchStrategy[float] | None = None,
@@ -789,7 +808,8 @@ def generated_training_scenarios(
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
     :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
     rank seeding its own stream; ``uneven``, ``reload``, ``uniform_skip``: see
-    :func:`training_scenarios`."""
+    :func:`training_scenarios`. ``world_sizes`` draws the number of ranks (default: 1 to
+    ``max_world_size``, three half the time: :func:`odd_heavy_world_sizes`)."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,
@@ -801,7 +821,7 @@ def generated_training_scenarios(
         training_scenarios(
             generated.make_model,
             generated.make_inputs,
-            world_sizes=st.integers(1, max_world_size),
+            world_sizes=world_sizes if world_sizes is not None else _ranks(max_world_size),
             steps=st.integers(min_steps, max_steps),
             optional_parts=len(spec.optional_branches),
             bucket_caps=bucket_caps,
