@@ -30,15 +30,18 @@ for GPU tensors. :data:`CLUSTER_PRESETS` names real machines; every number says 
 # the chunk-size effects inside one protocol.
 
 # Note [Communication slowing compute]
-# An NCCL collective is a CUDA kernel of one block per channel ("NCCL_MAX_NCHANNELS: the
-# number of channels (CUDA blocks) NCCL can use", NCCL's environment-variable docs), and each
-# block holds one SM for the whole call, spinning while it waits on its peers. While one runs
-# beside backward, backward's kernels have the other SMs: compute advances at 1 - f of its
-# rate, f = channels / SMs. Over B seconds of collectives in flight during backward, backward
-# does f x B less work and ends f x B later (to first order: the collectives launched later
-# are not moved). The presets' f: 8 channels (an assumption: NCCL's usual count on these
-# machines, not measured here) of the V100's 80 SMs (NVIDIA V100 whitepaper) = 0.1, of the
-# H100 SXM's 132 SMs (H100 whitepaper) = 0.06. Memory-bandwidth contention is not modelled.
+# An NCCL collective is a CUDA kernel of one block per channel (NCCL's environment-variable
+# docs describe NCCL_MIN/MAX_NCHANNELS as the number of channels, i.e. CUDA blocks, it uses),
+# and each block holds one SM for the whole call, spinning while it waits on its peers.
+# While one runs beside backward, backward's kernels have the other SMs: compute advances at
+# 1 - f of its rate, f = channels / SMs. Over B seconds of collectives in flight during
+# backward, backward does f x B less work and ends f x B later; the last bucket launches that
+# much later too, so the exposed tail after backward shrinks by up to f x B (what was queued
+# has had longer to drain), never below the last bucket's own time (first order: the other
+# collectives are not moved). The presets' f: 8 channels (an assumption: NCCL's usual count
+# on these machines, not measured here) of the V100's 80 SMs (NVIDIA V100 whitepaper) = 0.1,
+# of the H100 SXM's 132 SMs (H100 whitepaper) = 0.06. Memory-bandwidth contention is not
+# modelled.
 """
 
 from __future__ import annotations
@@ -306,8 +309,9 @@ H100_NCCL_SLOWDOWN = 8 / 132
 
 CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
     "nccl-dgx1-v100": NcclModel(DGX1_V100, "auto", 0.0, "nccl-dgx1-v100", V100_NCCL_SLOWDOWN),
-    # The DDP paper's cluster (Li et al., VLDB 2020, section 5): 4 servers of 8 V100 on NVLink,
-    # each with one Mellanox ConnectX-4 100 Gb/s NIC.
+    # The DDP paper's cluster as its section 5 describes it (Li et al., VLDB 2020; not
+    # re-checked against the paper's text here): 4 servers of 8 V100 on NVLink, each with one
+    # Mellanox ConnectX-4 100 Gb/s NIC.
     "nccl-v100-1nic": NcclModel(V100_1NIC, "auto", 0.0, "nccl-v100-1nic", V100_NCCL_SLOWDOWN),
     "nccl-dgx-h100": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h100", H100_NCCL_SLOWDOWN),
     # The same fabric and SMs as the H100.
