@@ -209,6 +209,16 @@ def test_collectives_in_flight_slow_backward_by_the_sm_fraction(
     assert slowed.backward_s == pytest.approx(plain.backward_s + lost, rel=1e-9)
 
 
+def test_a_slower_backward_delays_the_step_less_what_the_queue_drains() -> None:
+    # Nothing queued behind the last bucket: the whole loss shows.
+    assert cluster.step_delay_s(2.0, exposed_s=1.0, last_s=1.0) == 2.0
+    # 1.5 s queued before the last bucket: it drains during the 2 s lost, 0.5 s shows.
+    assert cluster.step_delay_s(2.0, exposed_s=2.5, last_s=1.0) == 0.5
+    # More queued than lost: the step does not move.
+    assert cluster.step_delay_s(2.0, exposed_s=4.0, last_s=1.0) == 0.0
+    assert cluster.step_delay_s(0.0, exposed_s=0.0, last_s=0.0) == 0.0
+
+
 def test_no_sync_reduces_once_per_step() -> None:
     every = predict(ClusterConfig("resnet50", 16, NCCL, gpu=V100))
     second = predict(ClusterConfig("resnet50", 16, NCCL, gpu=V100, no_sync_every=2))

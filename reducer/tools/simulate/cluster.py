@@ -399,6 +399,15 @@ class ClusterConfig:
 _STEPS = 3  # DDP rebuilds its buckets after the first step; the third is steady
 
 
+def step_delay_s(lost_s: float, exposed_s: float, last_s: float) -> float:
+    """How much later the step ends when backward ends ``lost_s`` later (compute taken by
+    collectives, Note [Communication slowing compute] in fakepg.clusternet): the last bucket
+    launches that much later too, but what was queued before it (the exposed tail
+    ``exposed_s`` beyond the last bucket's own ``last_s``) has had that long to drain."""
+    backlog = max(0.0, exposed_s - last_s)
+    return lost_s - min(lost_s, backlog)
+
+
 def predict(config: ClusterConfig) -> ClusterPrediction:
     """The predicted step of ``config``; see the module's docstring."""
     config.check()
@@ -465,12 +474,8 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
     comm_end = max((r.done_s for r in timed), default=backward_end)
     if slowdown and not config.shared_cores and timed:
         lost = slowdown * group.busy_s(marks.backward_start_s, backward_end)
-        # The last bucket launches ``lost`` later too; what was queued before it has had that
-        # much longer to drain, so the exposed tail shrinks by up to ``lost``, never below
-        # the last bucket's own time.
         last = max(timed, key=lambda r: r.launch_s)
-        backlog = max(0.0, comm_end - backward_end - (last.done_s - last.start_s))
-        slowed = lost - min(lost, backlog)
+        slowed = step_delay_s(lost, comm_end - backward_end, last.done_s - last.start_s)
     return ClusterPrediction(
         model=config.model,
         world_size=config.world_size,
