@@ -28,6 +28,20 @@ for GPU tensors. :data:`CLUSTER_PRESETS` names real machines; every number says 
 # with a latency logarithmic in the nodes. Small messages go LL (half the bandwidth, a
 # fraction of the latency). Not modelled: NVLS/CollNet (switch reductions), per-channel caps,
 # the chunk-size effects inside one protocol.
+
+# Note [Communication slowing compute]
+# An NCCL collective is a CUDA kernel of one block per channel (NCCL's environment-variable
+# docs describe NCCL_MIN/MAX_NCHANNELS as the number of channels, i.e. CUDA blocks, it uses),
+# and each block holds one SM for the whole call, spinning while it waits on its peers.
+# While one runs beside backward, backward's kernels have the other SMs: compute advances at
+# 1 - f of its rate, f = channels / SMs. Over B seconds of collectives in flight during
+# backward, backward does f x B less work and ends f x B later; the last bucket launches that
+# much later too, so the exposed tail after backward shrinks by up to f x B (what was queued
+# has had longer to drain), never below the last bucket's own time (first order: the other
+# collectives are not moved). The presets' f: 8 channels (an assumption: NCCL's usual count
+# on these machines, not measured here) of the V100's 80 SMs (NVIDIA V100 whitepaper) = 0.1,
+# of the H100 SXM's 132 SMs (H100 whitepaper) = 0.06. Memory-bandwidth contention is not
+# modelled.
 """
 
 from __future__ import annotations
@@ -109,12 +123,15 @@ class NcclModel:
     """NCCL on a :class:`Topology`: see Note [NCCL's cost model]. ``algorithm`` "auto" takes
     the fastest of ring and tree per call, as NCCL does; "ring" or "tree" forces one (as
     NCCL_ALGO does). ``launch_s`` is the host's cost to launch one collective kernel, paid
-    before NCCL's base latency."""
+    before NCCL's base latency. ``compute_slowdown`` is the fraction of the GPU's compute
+    an NCCL kernel in flight takes from the kernels beside it (see Note [Communication
+    slowing compute]); 0 leaves compute alone."""
 
     topology: Topology
     algorithm: NcclAlgorithm = "auto"
     launch_s: float = 0.0
     name: str = ""
+    compute_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("ring", "tree", "auto"):
@@ -123,6 +140,11 @@ class NcclModel:
             )
         if not (self.launch_s >= 0 and math.isfinite(self.launch_s)):
             raise ValueError(f"NcclModel: launch_s must be >= 0, got {self.launch_s!r}")
+        if not 0 <= self.compute_slowdown < 1:
+            raise ValueError(
+                f"NcclModel: compute_slowdown must be in [0, 1) (the fraction of the GPU's "
+                f"compute a collective in flight takes), got {self.compute_slowdown!r}"
+            )
 
     def choice(self, kind: str, nbytes: int, world_size: int) -> tuple[str, str, float]:
         """(algorithm, protocol, seconds) NCCL's tuner would pick for this call."""
@@ -191,7 +213,9 @@ class NcclModel:
         return (
             f"{label}NCCL {self.algorithm}, {t.gpus_per_node} GPUs/node at "
             f"{t.intra_Bps / 1e9:g} GB/s, {t.nics_per_node} x {t.nic_Bps * 8 / 1e9:g} Gb/s NICs"
-        )
+            + (f", compute slowed {self.compute_slowdown:.3g} in flight" if
+               self.compute_slowdown else "")
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,11 +303,19 @@ V100_1NIC = Topology(8, 100 * _GB, 1, 100 * _GBIT, "8xv100-1x100g")
 # one per GPU (NVIDIA DGX H100 user guide).
 DGX_H100 = Topology(8, 450 * _GB, 8, 400 * _GBIT, "dgx-h100")
 
+# See Note [Communication slowing compute]: 8 NCCL channels (assumed) of the GPU's SMs.
+V100_NCCL_SLOWDOWN = 8 / 80
+H100_NCCL_SLOWDOWN = 8 / 132
+
 CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
-    "nccl-dgx1-v100": NcclModel(DGX1_V100, "auto", 0.0, "nccl-dgx1-v100"),
-    "nccl-v100-1nic": NcclModel(V100_1NIC, "auto", 0.0, "nccl-v100-1nic"),
-    "nccl-dgx-h100": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h100"),
-    "nccl-dgx-h200": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h200"),  # same fabric as H100
+    "nccl-dgx1-v100": NcclModel(DGX1_V100, "auto", 0.0, "nccl-dgx1-v100", V100_NCCL_SLOWDOWN),
+    # The DDP paper's cluster as its section 5 describes it (Li et al., VLDB 2020; not
+    # re-checked against the paper's text here): 4 servers of 8 V100 on NVLink, each with one
+    # Mellanox ConnectX-4 100 Gb/s NIC.
+    "nccl-v100-1nic": NcclModel(V100_1NIC, "auto", 0.0, "nccl-v100-1nic", V100_NCCL_SLOWDOWN),
+    "nccl-dgx-h100": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h100", H100_NCCL_SLOWDOWN),
+    # The same fabric and SMs as the H100.
+    "nccl-dgx-h200": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h200", H100_NCCL_SLOWDOWN),
     # gloo between DGX-1 nodes: TCP over the 100 Gb/s NICs. One TCP connection moves about
     # 2.5 GB/s (20 Gb/s) and a step costs about 25 us, typical of kernel TCP on 100 GbE (an
     # assumption, not a measurement of that cluster); call_s 100 us: gloo's per-call setup

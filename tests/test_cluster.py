@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -15,6 +17,7 @@ from reducer.tools.simulate.cluster import ClusterConfig, Profile, VirtualGroup,
 
 V100 = gpu.GPUS["v100"]
 NCCL = fakepg.CLUSTER_PRESETS["nccl-dgx1-v100"]
+UNSLOWED = dataclasses.replace(NCCL, compute_slowdown=0.0)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +121,19 @@ def test_shared_cores_run_each_collective_on_the_compute_clock() -> None:
     assert (clock.now_s, group.stolen_s) == (3.0, 2.0)
 
 
+def test_busy_time_is_the_union_of_the_collectives_in_flight() -> None:
+    clock = _Clock()
+    group = VirtualGroup(8, _Fixed(1.0), clock)
+    works = [_launch(group, 0.0), _launch(group, 0.5), _launch(group, 5.0)]
+    works[2].wait()  # (0, 1), (1, 2), (5, 6)
+    assert group.busy_s(0.5, 5.5) == 0.5 + 1.0 + 0.5
+    assert group.busy_s(2.0, 5.0) == 0.0
+    shared = VirtualGroup(8, _Fixed(1.0), _Clock(), groups=2)
+    _launch(shared, 0.0)
+    _launch(shared, 0.0).wait()  # both (0, 2): counted once
+    assert shared.busy_s(0.0, 3.0) == 2.0
+
+
 def test_bad_groups_are_refused() -> None:
     with pytest.raises(ValueError, match="process_groups must be >= 1"):
         VirtualGroup(8, None, _Clock(), groups=0)
@@ -131,6 +147,7 @@ def resnet_steps() -> dict[str, cluster.ClusterPrediction]:
         "25": predict(base),
         "0": predict(ClusterConfig("resnet50", 16, NCCL, bucket_cap_mb=0, gpu=V100)),
         "off": predict(ClusterConfig("resnet50", 16, NCCL, overlap=False, gpu=V100)),
+        "unslowed": predict(ClusterConfig("resnet50", 16, UNSLOWED, gpu=V100)),
         "alone": predict(ClusterConfig("resnet50", 1, None, gpu=V100, ddp=False)),
     }
 
@@ -159,6 +176,47 @@ def test_overlap_hides_communication_behind_backward(
     assert on.exposed_s < off.exposed_s
     assert off.exposed_s == pytest.approx(off.comm_s)  # none of it overlaps
     assert on.compute == "estimate (V100-SXM2)"
+
+
+def _busy(prediction: cluster.ClusterPrediction, start: float, end: float) -> float:
+    """Seconds of [start, end] covered by the prediction's collectives: the elementary
+    segments between all their ends, each counted once if any collective covers it."""
+    spans = [(r.start_s, r.done_s) for r in prediction.collectives if not math.isnan(r.done_s)]
+    cuts = sorted({start, end, *(min(max(t, start), end) for span in spans for t in span)})
+    covered = [
+        (a, b) for a, b in itertools.pairwise(cuts) if any(x <= (a + b) / 2 < y for x, y in spans)
+    ]
+    return sum(b - a for a, b in covered)
+
+
+def test_collectives_in_flight_slow_backward_by_the_sm_fraction(
+    resnet_steps: dict[str, cluster.ClusterPrediction],
+) -> None:
+    slowed, plain, off = resnet_steps["25"], resnet_steps["unslowed"], resnet_steps["off"]
+    assert NCCL.compute_slowdown == 8 / 80  # 8 NCCL channels of the V100's 80 SMs
+    assert plain.slowed_s == 0.0 and off.slowed_s == 0.0  # off: nothing runs beside backward
+    # Note [Communication slowing compute]: backward loses f x (time collectives were in
+    # flight during it); the exposed tail after it shrinks by that much, not below the last
+    # bucket's own time.
+    end = plain.backward_start_s + plain.backward_s
+    lost = 0.1 * _busy(plain, plain.backward_start_s, end)
+    grads = [r for r in plain.collectives if r.kind == "allreduce"]
+    last = max(grads, key=lambda r: r.launch_s)
+    backlog = max(0.0, max(r.done_s for r in grads) - end - (last.done_s - last.start_s))
+    expected = lost - min(lost, backlog)
+    assert lost > 0 and slowed.slowed_s == pytest.approx(expected, rel=1e-9)
+    assert slowed.step_s == pytest.approx(plain.step_s + slowed.slowed_s, rel=1e-12)
+    assert slowed.backward_s == pytest.approx(plain.backward_s + lost, rel=1e-9)
+
+
+def test_a_slower_backward_delays_the_step_less_what_the_queue_drains() -> None:
+    # Nothing queued behind the last bucket: the whole loss shows.
+    assert cluster.step_delay_s(2.0, exposed_s=1.0, last_s=1.0) == 2.0
+    # 1.5 s queued before the last bucket: it drains during the 2 s lost, 0.5 s shows.
+    assert cluster.step_delay_s(2.0, exposed_s=2.5, last_s=1.0) == 0.5
+    # More queued than lost: the step does not move.
+    assert cluster.step_delay_s(2.0, exposed_s=4.0, last_s=1.0) == 0.0
+    assert cluster.step_delay_s(0.0, exposed_s=0.0, last_s=0.0) == 0.0
 
 
 def test_no_sync_reduces_once_per_step() -> None:

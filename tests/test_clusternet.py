@@ -86,6 +86,9 @@ def test_gloo_copies_gpu_tensors_through_the_host() -> None:
         (lambda: Topology(8, 100e9, 0, 12.5e9), "nics_per_node"),
         (lambda: GlooModel(NODE, 25e-6, 0.0, 1e-4), "tcp_Bps"),
         (lambda: NcclModel(NODE, "butterfly"), "algorithm"),  # type: ignore[arg-type]
+        (lambda: NcclModel(NODE, compute_slowdown=-0.1), "compute_slowdown must be in"),
+        (lambda: NcclModel(NODE, compute_slowdown=1.0), "compute_slowdown must be in"),
+        (lambda: NcclModel(NODE, compute_slowdown=float("nan")), "compute_slowdown"),
     ],
 )
 def test_bad_fields_are_named(build: object, message: str) -> None:
@@ -97,6 +100,18 @@ def test_a_world_that_does_not_fill_whole_nodes_is_refused() -> None:
     with pytest.raises(ValueError, match="world_size 12 is not a multiple of gpus_per_node 8"):
         NcclModel(NODE).collective_time_s("allreduce", MIB, 12)
     assert NODE.nodes(6) == 1  # within one node, any count
+
+
+def test_nccl_presets_slow_compute_by_their_channels_share_of_the_sms() -> None:
+    # Note [Communication slowing compute]: 8 channels (one CUDA block, one SM each) of the
+    # V100's 80 SMs, of the H100's 132.
+    presets = fakepg.CLUSTER_PRESETS
+    for name in ("nccl-dgx1-v100", "nccl-v100-1nic"):
+        assert presets[name].compute_slowdown == 8 / 80  # type: ignore[union-attr]
+    for name in ("nccl-dgx-h100", "nccl-dgx-h200"):
+        assert presets[name].compute_slowdown == 8 / 132  # type: ignore[union-attr]
+    assert "compute slowed 0.1 in flight" in str(presets["nccl-dgx1-v100"])
+    assert "slowed" not in str(NcclModel(NODE))
 
 
 def test_presets_parse_and_name_their_machines() -> None:

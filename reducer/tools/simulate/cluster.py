@@ -168,6 +168,18 @@ class VirtualGroup:
             self._schedule()
         self.clock.advance_to(record.done_s)
 
+    def busy_s(self, start_s: float, end_s: float) -> float:
+        """Seconds of [start_s, end_s] during which at least one collective was in flight
+        (the union of their [start, done] intervals, clipped to the window)."""
+        spans = sorted((r.start_s, r.done_s) for r in self.records if not math.isnan(r.done_s))
+        total, covered = 0.0, start_s  # covered: the window is counted up to here
+        for start, done in spans:
+            lo, hi = max(start, covered), min(done, end_s)
+            if hi > lo:
+                total += hi - lo
+            covered = max(covered, min(done, end_s))
+        return total
+
     def _cost_s(self, record: CollectiveRecord) -> float:
         if self.network is None:
             return 0.0
@@ -335,6 +347,7 @@ class ClusterPrediction:
     optimizer_s: float
     comm_s: float  # first collective start to last end
     exposed_s: float  # communication after backward ended
+    slowed_s: float = 0.0  # what the step lost to collectives slowing backward (in step_s)
     backward_start_s: float = 0.0  # of the synced micro-batch, from the step's start
     bucket_nbytes: list[int] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
@@ -384,6 +397,15 @@ class ClusterConfig:
 
 
 _STEPS = 3  # DDP rebuilds its buckets after the first step; the third is steady
+
+
+def step_delay_s(lost_s: float, exposed_s: float, last_s: float) -> float:
+    """How much later the step ends when backward ends ``lost_s`` later (compute taken by
+    collectives, Note [Communication slowing compute] in fakepg.clusternet): the last bucket
+    launches that much later too, but what was queued before it (the exposed tail
+    ``exposed_s`` beyond the last bucket's own ``last_s``) has had that long to drain."""
+    backlog = max(0.0, exposed_s - last_s)
+    return lost_s - min(lost_s, backlog)
 
 
 def predict(config: ClusterConfig) -> ClusterPrediction:
@@ -445,7 +467,15 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
     # The gradients' collectives (buckets, the used map), not the forward's buffer broadcast.
     timed = [r for r in records if r.kind.endswith("allreduce") and not math.isnan(r.done_s)]
     backward_end = marks.backward_end_s
+    # See Note [Communication slowing compute] in fakepg.clusternet: backward's kernels lose
+    # the SMs of the collectives in flight beside them, so backward (and the step) ends later.
+    slowdown = float(getattr(config.network, "compute_slowdown", 0.0))
+    slowed = lost = 0.0
     comm_end = max((r.done_s for r in timed), default=backward_end)
+    if slowdown and not config.shared_cores and timed:
+        lost = slowdown * group.busy_s(marks.backward_start_s, backward_end)
+        last = max(timed, key=lambda r: r.launch_s)
+        slowed = step_delay_s(lost, comm_end - backward_end, last.done_s - last.start_s)
     return ClusterPrediction(
         model=config.model,
         world_size=config.world_size,
@@ -454,12 +484,13 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
         compute=(
             f"profile ({profile.device})" if profile else f"estimate ({config.gpu.name})"  # type: ignore[union-attr]
         ),
-        step_s=clock.now_s,
+        step_s=clock.now_s + slowed,
         forward_s=marks.forward_s,
-        backward_s=backward_end - marks.backward_start_s,
+        backward_s=backward_end - marks.backward_start_s + lost,
         optimizer_s=optimizer_s,
         comm_s=comm_end - min((r.start_s for r in timed), default=comm_end),
-        exposed_s=max(0.0, comm_end - backward_end),
+        exposed_s=max(0.0, comm_end - backward_end - (lost - slowed)),
+        slowed_s=slowed,
         backward_start_s=marks.backward_start_s,
         bucket_nbytes=[r.nbytes for r in records if r.kind.endswith("allreduce")],
         collectives=list(records),
