@@ -39,14 +39,15 @@ import sys
 import sysconfig
 import threading
 import traceback
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import CodeType, FrameType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from . import imports, singletons
+from . import imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -202,6 +203,16 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other are refused, not silently resolved."""
+    if not getattr(args, "check", True) and getattr(args, "check_keep_going", False):
+        raise ValueError(
+            "--no-check and --check-keep-going contradict each other: --check-keep-going "
+            "runs the replica check and reports every divergence; --no-check turns the check "
+            "off. Pass one of them"
+        )
+
+
 def _check_nnodes(text: str) -> None:
     if text.strip() not in ("1", "1:1"):
         raise ValueError(
@@ -217,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         nproc = _nproc_count(args.nproc)
         _check_nnodes(str(args.nnodes))
+        _check_flags(args)
         network = None if args.network is None else fakepg.parse_network(args.network)
         ranks = _parse_filter(args.ranks_filter, nproc)
         target = _Target.load(args.script, module=args.module)
@@ -280,10 +292,11 @@ class _Target:
     syntax tree (None where its source is not found), for the imports before the ranks."""
 
     name: str
-    path: Path | None
+    path: Path | None  # the file that runs as __main__ (a directory's or zip's __main__.py)
     code: CodeType | None
     tree: ast.Module | None = None
     is_package: bool = False  # -m of a package: its __main__ runs
+    path0: str | None = None  # sys.path[0], as python sets it for the target
 
     @classmethod
     def load(cls, name: str, *, module: bool) -> _Target:
@@ -291,11 +304,35 @@ class _Target:
             tree, is_package = _module_tree(name)
             return cls(name, None, None, tree, is_package)
         path = Path(name)
+        if path.is_dir() or (path.is_file() and zipfile.is_zipfile(path)):
+            return cls._load_main(name, path)
         if not path.is_file():
             raise ValueError(f"no such script: {name}")
         # Named as given, as `python path` names it in tracebacks.
         tree = ast.parse(path.read_bytes(), str(path))
-        return cls(name, path, compile(tree, str(path), "exec"), tree)
+        path0 = str(path.resolve().parent)
+        return cls(name, path, compile(tree, str(path), "exec"), tree, path0=path0)
+
+    @classmethod
+    def _load_main(cls, name: str, path: Path) -> _Target:
+        """A directory or zip file with a ``__main__.py``, run as ``python path`` runs it:
+        that file as ``__main__``, with the directory or zip first on sys.path."""
+        main = path / "__main__.py"
+        if path.is_dir():
+            if not main.is_file():
+                raise ValueError(f"{name} is a directory without a __main__.py: nothing to run")
+            source = main.read_bytes()
+        else:
+            with zipfile.ZipFile(path) as archive:
+                try:
+                    source = archive.read("__main__.py")
+                except KeyError:
+                    raise ValueError(
+                        f"{name} is a zip file without a __main__.py: nothing to run"
+                    ) from None
+        tree = ast.parse(source, str(main))
+        code = compile(tree, str(main), "exec")
+        return cls(name, main, code, tree, path0=str(path.resolve()))
 
     def preimport(self) -> None:
         """See Note [Imports before the ranks start] in .imports."""
@@ -306,23 +343,26 @@ class _Target:
             package = self.name if self.is_package else self.name.rpartition(".")[0]
         imports.preimport(self.tree, self.argv0, package)
 
-    def execute(self) -> None:
+    def execute(self, main: ModuleType) -> None:
+        """Run the target as ``__main__`` in ``main``, this rank's module (see
+        process.MainModules)."""
         if self.code is None:
             # alter_sys=False: runpy must not swap sys.modules["__main__"] or sys.argv[0]
             # under the other ranks' feet.
             runpy.run_module(self.name, run_name="__main__", alter_sys=False)
             return
-        namespace = {
-            "__name__": "__main__",
-            "__file__": str(self.path),
-            "__builtins__": builtins,
-            "__package__": None,
-            "__spec__": None,
-            "__loader__": None,
-            "__cached__": None,
-            "__doc__": None,
-        }
-        exec(self.code, namespace)  # what runpy.run_path does, without touching sys.modules
+        main.__dict__.update(
+            {
+                "__file__": str(self.path),
+                "__builtins__": builtins,
+                "__package__": None,
+                "__spec__": None,
+                "__loader__": None,
+                "__cached__": None,
+                "__doc__": None,
+            }
+        )
+        exec(self.code, main.__dict__)  # what runpy.run_path does, in this rank's module
 
     @property
     def argv0(self) -> str:
@@ -394,6 +434,7 @@ class _Launch:
         self.running = False  # the rank threads run (set by run_ranks)
         self.interrupted = False  # Ctrl-C stopped the ranks
         self._interrupt: threading.Thread | None = None  # aborts the world after a Ctrl-C
+        self.main: process.MainModules | None = None  # sys.modules["__main__"] (installed())
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -416,10 +457,11 @@ class _Launch:
         os.environ = self.environ  # type: ignore[assignment]  # noqa: B003 (a stand-in)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         sys.argv = [self.target.argv0, *self.argv]
-        if self.target.path is not None:
-            sys.path.insert(0, str(self.target.path.resolve().parent))
+        if self.target.path0 is not None:
+            sys.path.insert(0, self.target.path0)
         dist.init_process_group = c10d.init_process_group = init
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
+        self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -429,6 +471,7 @@ class _Launch:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
                 self._interrupt.join()
+            restore_process()
             restore_singletons()
             dist.init_process_group = c10d.init_process_group = torch_init
             sys.argv, sys.path[:] = argv, path
@@ -517,8 +560,15 @@ class _Launch:
         self.stderr.bind(rank)
         if "OMP_NUM_THREADS" not in self.environ.real:
             torch.set_num_threads(1)  # torchrun's default for several workers per node
+        assert self.main is not None
+        module = ModuleType("__main__")  # this rank's run of the script: see process.py
+        self.main.bind(module)
         try:
-            self.target.execute()
+            self.target.execute(module)
+        except process.RankExit as exc:  # os._exit: this rank ends, as its process would
+            self._record(rank, exc.code, None if exc.code == 0 else exc)
+            if exc.code != 0:
+                raise
         except SystemExit as exc:
             code = _exit_code(exc, self.stderr)
             if code == 0:
@@ -550,6 +600,7 @@ class _Launch:
                 self.stdout.finish()
                 self.stderr.finish()
                 self.environ.unbind()
+                self.main.bind(None)
                 self._thread_rank.rank = None
                 if self.check is not None:
                     self.check.unbind()
@@ -735,7 +786,7 @@ def _is_world_stop(exc: BaseException) -> bool:
 def _one_line(error: BaseException | None) -> str:
     if error is None:
         return "(no exception)"
-    if _is_world_stop(error):
+    if _is_world_stop(error) or isinstance(error, process.RankExit):
         return str(error)
     if isinstance(error, SystemExit):
         return f"SystemExit({error.code!r})"
