@@ -14,6 +14,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -212,6 +213,7 @@ def test_script_classes_and_functions_pickle_per_rank(
         import os
         import pickle
         import __main__
+        import fresh_module_for_launch
         import torch
 
         RANK = int(os.environ["RANK"])
@@ -235,7 +237,14 @@ def test_script_classes_and_functions_pickle_per_rank(
         print(type(net).__name__, net.scale.tolist(), again(RANK), __main__.RANK)
         """,
     )
-    assert launch("--no-check", str(script)) == 0
+    (tmp_path / "fresh_module_for_launch.py").write_text("VALUE = 1\n")
+    try:
+        assert launch("--no-check", str(script)) == 0
+        # A module first imported on a rank is a plain module (importlib makes new modules
+        # as type(sys)(name), and the launch changes sys's class).
+        assert type(sys.modules["fresh_module_for_launch"]) is ModuleType
+    finally:
+        sys.modules.pop("fresh_module_for_launch", None)
     out = capsys.readouterr().out
     assert lines(out, 0) == ["Net [0.0, 0.0] 0 0"]
     assert lines(out, 1) == ["Net [1.0, 1.0] 2 1"]  # each rank's own module

@@ -60,11 +60,14 @@ __all__ = ["add_arguments", "run"]
 # torch.distributed.init_process_group (joins the fake world on the calling rank's thread).
 # sys.argv and sys.path[0] are the script's, as for `python script.py`, and the same on every
 # rank. The script's leading imports run once before the ranks start (see Note [Imports before
-# the ranks start] in .imports), and known one-per-process state is refused on rank threads
-# (.singletons). What stays shared: torch's intra-op threads (set to one per rank unless
-# OMP_NUM_THREADS is set, as torchrun does), the working directory, sys.modules (a module the
-# script imports is imported once, and its globals are shared), and Python's and NumPy's
-# global random generators (torch's generator is per rank: see fakepg.rng).
+# the ranks start] in .imports), every other import is serialised (Note [One import at a
+# time] in .imports), process-wide calls are made per rank (.process: os._exit, sys.stdout
+# assignment, stdin, signal.signal, a __main__ module per rank), and known one-per-process
+# state is refused on rank threads (.singletons). What stays shared: torch's intra-op threads
+# (set to one per rank unless OMP_NUM_THREADS is set, as torchrun does), the working
+# directory, sys.modules (a module the script imports is imported once, and its globals are
+# shared), and Python's and NumPy's global random generators (torch's generator is per rank:
+# see fakepg.rng).
 
 # Frames above the script (left out of stacks), and frames of the plumbing every torch call
 # or import of a rank passes through (left out too).
@@ -462,6 +465,7 @@ class _Launch:
         dist.init_process_group = c10d.init_process_group = init
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
         self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
+        restore_imports = imports.serialise(timeout=min(30.0, self.world.timeout / 2))
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -471,6 +475,7 @@ class _Launch:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
                 self._interrupt.join()
+            restore_imports()
             restore_process()
             restore_singletons()
             dist.init_process_group = c10d.init_process_group = torch_init

@@ -191,6 +191,10 @@ def install(
         docstring). print() and C code read sys's dict, which keeps the rank streams; the
         rank streams write to the rank's own target, when it assigned one."""
 
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            # importlib makes every new module as type(sys)(name): a plain module, not this.
+            return types.ModuleType(*args, **kwargs)
+
         def __getattribute__(self, name: str) -> Any:
             stream = streams.get(name)
             if stream is not None and rank_of_thread() is not None:
