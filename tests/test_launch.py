@@ -26,6 +26,8 @@ from reducer.tools import cli
 
 SCRIPTS = Path(__file__).parent / "scripts"
 NANOGPT = SCRIPTS / "nanogpt_train.py"
+NANOGPT_CUDA = SCRIPTS / "nanogpt_cuda.py"
+NO_CUDA = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 ROOT = Path(__file__).parent.parent
 
 
@@ -104,7 +106,7 @@ def test_a_nanogpt_style_script_trains_exactly_under_launch(tmp_path: Path) -> N
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo,cuda:nccl"])
+@pytest.mark.parametrize("backend", ["gloo", "cuda:nccl", "cpu:gloo,cuda:nccl"])
 def test_this_projects_ddp_trains_the_script_to_the_same_bits(
     backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -602,3 +604,79 @@ def test_the_launch_examples_name_scripts_that_exist() -> None:
         scripts += [module.replace(".", "/") + ".py" for module in modules]
         for script in scripts:
             assert (ROOT / script).is_file(), f"{script} (in: {line.strip()})"
+
+
+# -------------------------------------------------------------------------------------------
+# CUDA scripts: --cuda-as-cpu here; on a GPU, the ranks on it (benchmarks/gpu_check.py runs
+# the gpu_launch tests).
+
+
+@pytest.mark.parametrize("ddp", ["torch", "reducer"])
+def test_a_cuda_script_runs_unmodified_on_the_cpu_with_cuda_as_cpu(
+    ddp: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nanogpt_cuda.py: set_device(cuda:LOCAL_RANK), .to(device), pinned non-blocking
+    batches, device_ids=[local_rank], a GradScaler (disabled), torch.cuda.synchronize: the
+    same bits as the CPU script's reference, and torch.cuda is put back afterwards."""
+    out = tmp_path / "params.pt"
+    args = ["--nproc", "2", "--cuda-as-cpu", str(NANOGPT_CUDA), "--ddp", ddp, "--out", str(out)]
+    cuda_before = (torch.cuda.is_available, torch.Tensor.cuda, torch.Tensor.pin_memory)
+    code = cli.main(["launch", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err.count("[launch] --cuda-as-cpu: every CUDA device is the CPU here") == 1
+    assert "[check] verdict: the ranks stayed in sync" in captured.err
+    assert captured.out.count("on CPU (--cuda-as-cpu)") == 2
+    want = reference_params(world_size=2, steps=3, grad_accum=4, batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(out), want, strict=True))
+    assert (torch.cuda.is_available, torch.Tensor.cuda, torch.Tensor.pin_memory) == cuda_before
+    assert "cuda" not in vars(torch.Tensor) and "pin_memory" not in vars(torch.Tensor)
+
+
+def test_autocast_and_a_grad_scaler_for_cuda_run_on_the_cpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bf16 autocast and an enabled GradScaler: the ranks stay in sync, and the check notes
+    that the scaler changed the gradients (it does not mistake that for a wrong average)."""
+    args = ["--nproc", "2", "--cuda-as-cpu", str(NANOGPT_CUDA), "--amp", "--steps", "2"]
+    code = cli.main(["launch", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "NOTE: gradients were unscaled by a GradScaler on rank 0" in captured.err
+    sums = [line.split()[2] for line in captured.out.splitlines() if " params " in line]
+    assert len(sums) == 2 and sums[0] == sums[1]
+
+
+def test_device_maps() -> None:
+    from reducer.tools.launch import devices
+
+    shared = devices.round_robin(2)
+    assert shared(torch.device("cuda", 3)) == torch.device("cuda", 1)
+    assert shared(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert shared(torch.device("cuda")) == torch.device("cuda")
+    assert devices.as_cpu(torch.device("cuda", 1)) == torch.device("cpu")
+    with devices.DeviceMap(devices.as_cpu):
+        made = torch.zeros(2, device="cuda:1")
+        moved = torch.ones(2).to("cuda", non_blocking=True)
+        again = torch.ones(2).to(1)
+    assert made.device.type == moved.device.type == again.device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gpu_launch_of_a_cuda_script_bitwise_against_torchs_ddp(
+    world_size: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the GPUs there are (round-robin when fewer than the ranks), with the check on:
+    this project's DDP ends with torch's DDP's parameters, bit for bit."""
+    params = {}
+    for ddp in ("torch", "reducer"):
+        out = tmp_path / f"{ddp}.pt"
+        args = ["--nproc", str(world_size), str(NANOGPT_CUDA), "--ddp", ddp, "--out", str(out)]
+        code = cli.main(["launch", *args, "--grad-accum", str(2 * world_size)])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert "[check] verdict: the ranks stayed in sync" in captured.err
+        assert "CPU" not in captured.out
+        params[ddp] = torch.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(params["torch"], params["reducer"], strict=True))

@@ -547,6 +547,13 @@ def _average_case(
         return None
     for a in arrivals:
         grad = a.params[i].grad
+        if a.record.unscaled:
+            # GradScaler.unscale_ divides in place with a kernel that does not bump versions.
+            text = (
+                f"gradients were unscaled by a GradScaler on rank {a.rank} before the step: "
+                "the exact average is not checked where they were"
+            )
+            return Finding("note", step, "changed after backward", text, "unscaled")
         if grad is None or a.record.settled.get(id(a.params[i])) != (id(grad), grad._version):
             # Changed after the backward (clipping, unscaling, a division by hand): the
             # reducer's result is gone, and the ranks agree, so nothing more to judge.

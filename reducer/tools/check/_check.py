@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TextIO
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ._audit import Arrival, Audit, Finding, after_step, before_step
-from ._record import RankRecord, patched_no_sync, wrapper_types
+from ._record import RankRecord, patched_no_sync, patched_unscale, wrapper_types
 from ._rendezvous import Rendezvous, RendezvousBroken
 
 __all__ = ["DIVERGED_EXIT_CODE", "RanksDiverged", "ReplicaCheck"]
@@ -154,13 +155,9 @@ class ReplicaCheck:
         self._undo.append(_module.register_module_forward_pre_hook(on_forward).remove)
         self._undo.append(_optimizer.register_optimizer_step_pre_hook(self._before).remove)
         self._undo.append(_optimizer.register_optimizer_step_post_hook(self._after).remove)
-        patch = patched_no_sync(wrappers, current)
-        patch.__enter__()
-
-        def unpatch() -> None:
-            patch.__exit__(None, None, None)
-
-        self._undo.append(unpatch)
+        for patch in (patched_no_sync(wrappers, current), patched_unscale(current)):
+            patch.__enter__()
+            self._undo.append(_closer(patch))
         if self.world is not None:
             records = self.records
 
@@ -422,6 +419,13 @@ class ReplicaCheck:
 
     def print_summary(self) -> None:
         self._print(self.summary())
+
+
+def _closer(patch: AbstractContextManager[None]) -> Callable[[], None]:
+    def close() -> None:
+        patch.__exit__(None, None, None)
+
+    return close
 
 
 def _caller_line() -> str:

@@ -82,6 +82,7 @@ class RankRecord:
     # finalize included: a gradient changed since (clipping, unscaling) is not a reducer's.
     settled: dict[int, tuple[int, int]] = field(default_factory=dict)
     end_queued: bool = False  # a callback waits for the end of the current backward
+    unscaled: bool = False  # a GradScaler unscaled gradients since the last step
     # Since the check began (not reset at steps):
     seen: dict[int, nn.Module] = field(default_factory=dict)  # every module run, first-seen order
     wrappers: dict[int, nn.Module] = field(default_factory=dict)  # every wrapper run on this rank
@@ -110,6 +111,7 @@ class RankRecord:
         self.local.clear()
         self.accumulated.clear()
         self.settled.clear()
+        self.unscaled = False
 
     # ---------------------------------------------------------------------------------------
 
@@ -251,6 +253,28 @@ def _storage(t: Tensor) -> int:
 
 def storage(t: Tensor | None) -> int:
     return 0 if t is None else _storage(t)
+
+
+@contextmanager
+def patched_unscale(record: Callable[[], RankRecord | None]) -> Iterator[None]:
+    """While the check runs, ``GradScaler.unscale_`` tells the calling rank's record: it
+    divides the gradients in place without bumping their versions, so no other trace shows
+    that they are not the reducer's any more. The original is put back at the end."""
+    cls = torch.amp.GradScaler
+    original = cls.unscale_
+
+    @functools.wraps(original)
+    def unscale_(self: Any, optimizer: Any) -> None:
+        rec = record()
+        if rec is not None:
+            rec.unscaled = True
+        original(self, optimizer)
+
+    cls.unscale_ = unscale_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.unscale_ = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -47,7 +47,7 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from . import imports, process, singletons
+from . import devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -154,6 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report every divergence and go on, instead of stopping at the first",
     )
     parser.add_argument(
+        "--cuda-as-cpu",
+        action="store_true",
+        help="run a CUDA script on the CPU: torch.cuda answers for the CPU (one device per "
+        "rank), .cuda() and device='cuda' keep tensors on the CPU, autocast and GradScaler "
+        "for 'cuda' run on the CPU, and device_ids are dropped",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -247,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
     check = _replica_check(args, world, nproc)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     launch.check = check
+    launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     with world, check or contextlib.nullcontext(), launch.installed():
         if not launch.preimport():
             return _INTERRUPTED
@@ -261,6 +269,40 @@ def run(args: argparse.Namespace) -> int:
     code = 0 if check.stopped else launch.report(sys.stderr)
     check.print_summary()
     return int(check.exit_code(code))
+
+
+@dataclass(frozen=True, slots=True)
+class _DevicePlan:
+    """How CUDA devices map on the rank threads (see .devices), and what is said at start."""
+
+    mapper: devices.Mapper
+    cuda_as_cpu: bool
+    said: str
+
+
+def _device_plan(nproc: int, *, cuda_as_cpu: bool) -> _DevicePlan | None:
+    """--cuda-as-cpu; or, with fewer GPUs than ranks, GPUs shared round-robin; else None
+    (each rank's set_device(local_rank) works as it is)."""
+    import torch
+
+    if cuda_as_cpu:
+        said = (
+            f"[launch] --cuda-as-cpu: every CUDA device is the CPU here: torch.cuda answers for "
+            f"it (available, {nproc} device(s), one per rank), .cuda() and device='cuda' keep "
+            "tensors on the CPU, autocast and GradScaler for 'cuda' run on the CPU, and "
+            "device_ids are dropped"
+        )
+        return _DevicePlan(devices.as_cpu, True, said)
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if nproc <= count:
+        return None
+    said = (
+        f"[launch] {nproc} ranks share {count} GPU(s) round-robin: rank r (LOCAL_RANK r) uses "
+        f"cuda:{{r % {count}}} wherever it names cuda:r"
+    )
+    return _DevicePlan(devices.round_robin(count), False, said)
 
 
 def _replica_check(args: argparse.Namespace, world: Any, nproc: int) -> Any:
@@ -438,6 +480,7 @@ class _Launch:
         self.interrupted = False  # Ctrl-C stopped the ranks
         self._interrupt: threading.Thread | None = None  # aborts the world after a Ctrl-C
         self.main: process.MainModules | None = None  # sys.modules["__main__"] (installed())
+        self.devices: _DevicePlan | None = None  # CUDA on the rank threads (see .devices)
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -466,6 +509,12 @@ class _Launch:
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
         self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
         restore_imports = imports.serialise(timeout=min(30.0, self.world.timeout / 2))
+        restore_devices: Any = lambda: None  # noqa: E731
+        if self.devices is not None:
+            print(self.devices.said, file=real_err, flush=True)
+            restore_devices = devices.install(
+                self.devices.mapper, cuda_as_cpu=self.devices.cuda_as_cpu, nproc=self.nproc
+            )
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -475,6 +524,7 @@ class _Launch:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
                 self._interrupt.join()
+            restore_devices()
             restore_imports()
             restore_process()
             restore_singletons()
@@ -568,8 +618,14 @@ class _Launch:
         assert self.main is not None
         module = ModuleType("__main__")  # this rank's run of the script: see process.py
         self.main.bind(module)
+        mapping = (
+            contextlib.nullcontext()
+            if self.devices is None
+            else devices.DeviceMap(self.devices.mapper)
+        )
         try:
-            self.target.execute(module)
+            with mapping:
+                self.target.execute(module)
         except process.RankExit as exc:  # os._exit: this rank ends, as its process would
             self._record(rank, exc.code, None if exc.code == 0 else exc)
             if exc.code != 0:
