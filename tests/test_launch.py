@@ -18,6 +18,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -423,7 +424,7 @@ def test_per_rank_state_and_refusals_end_with_the_launch() -> None:
     from reducer.tools.launch import singletons
 
     class PartialState:
-        _shared_state: dict[str, int] = {}
+        _shared_state: ClassVar[dict[str, int]] = {}
 
         def __init__(self) -> None:
             self.__dict__ = self._shared_state

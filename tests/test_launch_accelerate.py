@@ -25,9 +25,9 @@ def test_an_accelerate_script_is_bitwise_with_torchrun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = tmp_path / "state"
+    out = tmp_path / "launch.pt"
     code = cli.main(
-        ["launch", "--nproc", "2", str(SCRIPT), "--out", str(tmp_path / "launch.pt")]
-        + ["--state-dir", str(state)]
+        ["launch", "--nproc", "2", str(SCRIPT), "--out", str(out), "--state-dir", str(state)]
     )
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -36,9 +36,9 @@ def test_an_accelerate_script_is_bitwise_with_torchrun(
     assert "[rank1]: rank 1 of 2: params" in captured.out
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in state.iterdir()}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(SCRIPT), "--out", str(tmp_path / "torchrun.pt")],
+        [*torchrun, "--nproc-per-node", "2", str(SCRIPT), "--out", str(tmp_path / "torchrun.pt")],
         capture_output=True,
         text=True,
         timeout=300,
