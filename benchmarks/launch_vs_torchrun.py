@@ -64,20 +64,27 @@ def run(command: list[str]) -> Run:
     clocks: dict[int, dict[int, tuple[float, float, float]]] = {}
     for line in done.stdout.splitlines():
         fields = line.split("timing ", 1)[-1].split() if "timing " in line else []
-        if len(fields) == 5:
+        if len(fields) == 5 and fields[0].isdigit() and fields[1].isdigit():
             rank, step = int(fields[0]), int(fields[1])
             clocks.setdefault(rank, {})[step] = (
                 float(fields[2]),
                 float(fields[3]),
                 float(fields[4]),
             )
-    if not clocks or len(clocks[0]) <= WARMUP + 1:
+    # torchrun's workers share one stdout: a line two of them wrote at once is dropped above,
+    # so each rank's steady state is over the steps it has, and a step's time is taken only
+    # between consecutive steps.
+    steps = sorted(s for s in clocks.get(0, {}) if s >= WARMUP)
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b == a + 1]
+    if not pairs:
         raise SystemExit(f"{command}: no per-step clocks in its output")
-    steps = sorted(clocks[0])[WARMUP:]
-    per_step = median(clocks[0][b][0] - clocks[0][a][0] for a, b in zip(steps, steps[1:]))
+    per_step = median(clocks[0][b][0] - clocks[0][a][0] for a, b in pairs)
     shares = []
     for per_rank in clocks.values():
-        first, last = per_rank[steps[0]], per_rank[steps[-1]]
+        own = sorted(s for s in per_rank if s >= WARMUP)
+        if len(own) < 2:
+            continue
+        first, last = per_rank[own[0]], per_rank[own[-1]]
         span = last[0] - first[0]
         cpu, queued = (last[1] - first[1]) / span, (last[2] - first[2]) / span
         shares.append((cpu, queued, max(0.0, 1.0 - cpu - queued)))

@@ -19,6 +19,7 @@ wrapper class for the duration of a check.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -210,7 +211,8 @@ def _on_gradient(
     forwards = record.forwards
     local = None
     if not forwards or forwards[-1].synced:
-        with torch.no_grad():
+        # Backward runs with gradients off (unless create_graph): no context to enter then.
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             previous = param.grad
             if previous is None or previous.layout != grad.layout or previous.shape != grad.shape:
                 local = grad.detach().clone()
