@@ -18,6 +18,7 @@ waiting for the GIL or for its peers in a collective (a torchrun process, for it
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 import time
@@ -75,7 +76,7 @@ def run(command: list[str]) -> Run:
     # so each rank's steady state is over the steps it has, and a step's time is taken only
     # between consecutive steps.
     steps = sorted(s for s in clocks.get(0, {}) if s >= WARMUP)
-    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b == a + 1]
+    pairs = [(a, b) for a, b in itertools.pairwise(steps) if b == a + 1]
     if not pairs:
         raise SystemExit(f"{command}: no per-step clocks in its output")
     per_step = median(clocks[0][b][0] - clocks[0][a][0] for a, b in pairs)
