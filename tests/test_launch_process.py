@@ -269,11 +269,12 @@ def test_multiprocessing_spawn_of_a_script_function(
         if __name__ == "__main__":
             rank = int(os.environ["RANK"])
             context = multiprocessing.get_context("spawn")
-            queue = context.SimpleQueue()
+            queue = context.Queue()
             child = context.Process(target=worker, args=(rank, queue))
             child.start()
+            said = queue.get(timeout=60)  # every wait has a timeout: a failed child fails
             child.join(60)
-            print("child said", queue.get(), "exit code", child.exitcode)
+            print("child said", said, "exit code", child.exitcode)
         """,
     )
     assert launch("--no-check", str(script)) == 0
@@ -330,3 +331,38 @@ def test_contradictory_flags_are_refused(
     captured = capsys.readouterr()
     assert "--no-check and --check-keep-going contradict each other" in captured.err
     assert "ran" not in captured.out
+
+
+def test_a_module_run_with_m_pickles_its_classes_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tmp_path / "pkg_pickles_for_launch"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        textwrap.dedent(
+            """\
+            import os
+            import pickle
+
+
+            class Box:
+                def __init__(self, value):
+                    self.value = value
+
+
+            if __name__ == "__main__":
+                box = pickle.loads(pickle.dumps(Box(int(os.environ["RANK"]))))
+                print(type(box).__module__, box.value, __spec__.name)
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert launch("--no-check", "-m", "pkg_pickles_for_launch.train") == 0
+    finally:
+        for name in [m for m in sys.modules if m.startswith("pkg_pickles_for_launch")]:
+            del sys.modules[name]
+    out = capsys.readouterr().out
+    assert lines(out, 0) == ["__main__ 0 pkg_pickles_for_launch.train"]
+    assert lines(out, 1) == ["__main__ 1 pkg_pickles_for_launch.train"]

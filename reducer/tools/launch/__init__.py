@@ -392,9 +392,25 @@ class _Target:
         """Run the target as ``__main__`` in ``main``, this rank's module (see
         process.MainModules)."""
         if self.code is None:
-            # alter_sys=False: runpy must not swap sys.modules["__main__"] or sys.argv[0]
-            # under the other ranks' feet.
-            runpy.run_module(self.name, run_name="__main__", alter_sys=False)
+            spec, code = _module_code(self.name)
+            if spec is None or code is None:
+                # runpy raises what python -m would (no such module, no code). alter_sys=False:
+                # runpy must not swap sys.modules["__main__"] or sys.argv[0] under the other
+                # ranks' feet.
+                runpy.run_module(self.name, run_name="__main__", alter_sys=False)
+                return
+            main.__dict__.update(
+                {
+                    "__file__": spec.origin if spec.has_location else None,
+                    "__builtins__": builtins,
+                    "__package__": spec.parent,
+                    "__spec__": spec,
+                    "__loader__": spec.loader,
+                    "__cached__": spec.cached,
+                    "__doc__": None,
+                }
+            )
+            exec(code, main.__dict__)  # what runpy.run_module does, in this rank's module
             return
         main.__dict__.update(
             {
@@ -412,6 +428,22 @@ class _Target:
     @property
     def argv0(self) -> str:
         return self.name if self.path is None else str(self.path)
+
+
+def _module_code(name: str) -> tuple[Any, CodeType | None]:
+    """The spec and code of what ``python -m name`` runs (a package's ``__main__``), or
+    (None, None) where they are not found (then runpy says why, as python -m would)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+        get_code = getattr(getattr(spec, "loader", None), "get_code", None)
+        code = get_code(spec.name) if spec is not None and get_code is not None else None
+    except (ImportError, ValueError, SyntaxError, OSError):
+        return None, None
+    return (spec, code) if isinstance(code, CodeType) else (None, None)
 
 
 def _module_tree(name: str) -> tuple[ast.Module | None, bool]:
