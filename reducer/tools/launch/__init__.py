@@ -22,7 +22,10 @@ parameters and gradients bit for bit and, at the first divergence, stops the ran
 and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
-takes a number, auto, cpu or gpu, as torchrun's (default 1).
+takes a number, auto, cpu or gpu, as torchrun's (default 1). LOCAL_RANK picks a rank's GPU as
+under torchrun (ranks share fewer GPUs round-robin), and ``--cuda-as-cpu`` runs a CUDA script
+on the CPU (see .devices). What a process does once (os._exit, sys.stdout assignment, stdin,
+signal handlers, its ``__main__``) is made per rank (see .process).
 """
 
 from __future__ import annotations
