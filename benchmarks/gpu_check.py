@@ -68,7 +68,7 @@ class Outcome:
 
 
 def steps(python: str = sys.executable, *, pytest_workers: int | None = 4) -> list[Step]:
-    """The steps, in order. Their timeouts add up to 465 s, under the default budget."""
+    """The steps, in order. Their timeouts add up to 480 s, the default budget."""
     validate = (python, "-m", "reducer", "validate")
     pytest = (python, "-m", "pytest", "-q", "-rs", "-o", "addopts=")
     pytest = (*pytest, "-p", "no:cacheprovider", "-p", "no:randomly")
@@ -122,7 +122,7 @@ def steps(python: str = sys.executable, *, pytest_workers: int | None = 4) -> li
                 "property_tests/test_unused_parameters.py",
                 "property_tests/test_accumulation.py",
             ),
-            100,
+            85,
             env=(("PROPERTY_TESTS_DEVICE", "cuda"), ("HYPOTHESIS_PROFILE", "ci")),
             modules=("pytest", "hypothesis", "numpy"),
             summary=_PYTEST_SUMMARY,
@@ -132,7 +132,7 @@ def steps(python: str = sys.executable, *, pytest_workers: int | None = 4) -> li
             "simulate-cuda",
             "simulate --model transformer-block, four rank threads on one GPU, bit for bit",
             (*simulate, "--device", "cuda", "--world-size", "4", "--steps", "10", "--no-progress"),
-            45,
+            40,
             modules=("numpy", "rich"),
             summary=r"^verification: ",
         ),
@@ -140,8 +140,18 @@ def steps(python: str = sys.executable, *, pytest_workers: int | None = 4) -> li
             "ddp-differential-cuda",
             "torch's DDP against this one, bitwise: NCCL at W = 1, the fake world at W = 2, 3, 4",
             (*pytest, "tests/test_gpu.py", "-k", "cuda"),
-            75,
+            70,
             modules=("pytest", "hypothesis", "numpy"),
+            summary=_PYTEST_SUMMARY,
+            skipped=r"^(?!.*\bpassed\b).*\bskipped\b.* in [\d.]+s",
+        ),
+        Step(
+            "launch-cuda",
+            "launch of a CUDA nanoGPT-style script at W = 2, 3 on the GPU, check on, bitwise "
+            "against torch's DDP",
+            (*pytest, "tests/test_launch.py", "-k", "gpu_launch"),
+            40,
+            modules=("pytest",),
             summary=_PYTEST_SUMMARY,
             skipped=r"^(?!.*\bpassed\b).*\bskipped\b.* in [\d.]+s",
         ),

@@ -179,7 +179,7 @@ def register_torch_backend() -> None:
         _install_forward_pass_work_handle()
         if not hasattr(dist.Backend, _BACKEND.upper()):
             dist.Backend.register_backend(
-                _BACKEND, _create_backend, extended_api=True, devices=["cpu"]
+                _BACKEND, _create_backend, extended_api=True, devices=["cpu", "cuda"]
             )
 
 

@@ -30,6 +30,7 @@ NAMES = [
     "properties-cuda",
     "simulate-cuda",
     "ddp-differential-cuda",
+    "launch-cuda",
     "overhead",
 ]
 

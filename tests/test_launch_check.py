@@ -143,6 +143,26 @@ BUGGY = [
         "accumulate-plain",
         ["The wrapper's reduction ran before this gradient's last accumulation, on every rank"],
     ),
+    (
+        "frozen_backbone.py",
+        "buggy",
+        [
+            "parameter '0.weight' differs before optimizer step 0",
+            "{line}",
+            "It is frozen (requires_grad=False)",
+            "weights loaded on rank 0 only, after wrapping?",
+        ],
+    ),
+    (
+        "summed_bucket.py",
+        "buggy",
+        [
+            "gradient of 'left.weight' differs before optimizer step 0",
+            "The reduction summed different parameters across ranks: rank 0's 'left.weight' is "
+            "bit for bit the average of rank 0's 'left.weight', rank 1's 'right.weight'",
+            "skip_all_reduce_unused_params=True",
+        ],
+    ),
 ]
 
 
@@ -175,6 +195,11 @@ FIXED = [
     ("checkpointing.py", "fixed"),
     ("checkpointing.py", "twice-reentrant-static"),
     ("checkpointing.py", "unused-reentrant-static"),
+    ("frozen_backbone.py", "fixed"),
+    ("summed_bucket.py", "fixed"),
+    ("zero_optimizer.py", "clean"),
+    ("ignored_parameters.py", "clean"),
+    ("siamese.py", "clean"),
 ]
 
 
@@ -215,6 +240,54 @@ def test_buffers_that_differ_are_a_note_and_dropout_per_rank_is_clean(
     # Clipped after the reduction: identical on every rank, not the reducer's average any more.
     assert "NOTE: gradients were changed after the backward on rank 0 (gradient clipping" in err
     assert "verdict: the ranks stayed in sync" in err
+
+
+@pytest.mark.parametrize("ddp", BOTH)
+def test_a_sharded_optimizer_is_compared_by_what_it_replicates(
+    ddp: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ZeroRedundancyOptimizer's inner optimizers hold different blocks of the same shapes:
+    the whole model is compared at its step, not the shards by position."""
+    code, _, err = launch(capsys, "zero_optimizer.py", "--ddp", ddp, "--steps", "3")
+    assert code == 0, err
+    assert "replica check: 3 optimizer step(s) on 2 ranks, 4 parameter(s) compared" in err
+
+
+@pytest.mark.parametrize("ddp", BOTH)
+def test_ignored_parameters_are_left_alone_and_counted(
+    ddp: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = launch(capsys, "ignored_parameters.py", "--ddp", ddp)
+    assert code == 0, err
+    assert (
+        "2 parameter(s) compared bitwise per step (1 ignored by the wrapper, not compared)" in err
+    )
+
+
+def test_a_gradient_it_cannot_explain_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Scaled on one rank after the reduction: no combination of local gradients gives it."""
+    script = tmp_path / "scaled_on_one_rank.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(CORPUS)!r})\n"
+        "import torch\n"
+        "from _common import batch, model, setup, wrap\n"
+        "rank, _ = setup()\n"
+        "net = model()\n"
+        "ddp = wrap(net, 'torch')\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "ddp(batch(rank, 0)).square().mean().backward()\n"
+        "if rank == 1:\n"
+        "    net[0].weight.grad.mul_(3.0)\n"
+        "opt.step()\n"
+    )
+    assert cli.main(["launch", "--nproc", "2", str(script)]) == DIVERGED_EXIT_CODE
+    err = " ".join(capsys.readouterr().err.split())
+    assert "gradient of '0.weight' differs before optimizer step 0" in err
+    assert "the check cannot tell why" in err
+    assert "summed different parameters" not in err
 
 
 def test_fsdp2_shards_are_not_compared_and_the_run_is_clean(

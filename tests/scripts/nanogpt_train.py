@@ -16,6 +16,8 @@ import argparse
 import hashlib
 import math
 import os
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,6 +80,18 @@ def checksum(model: nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def clocks() -> str:
+    """This thread's wall clock, CPU time and time spent runnable but waiting for a CPU (the
+    second field of Linux's schedstat; 0 elsewhere), in seconds: benchmarks/
+    launch_vs_torchrun.py reads them per step."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as stats:
+            runqueue = int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        runqueue = 0.0
+    return f"{time.perf_counter():.6f} {time.thread_time():.6f} {runqueue:.6f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="gloo")
@@ -86,6 +100,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--timing", action="store_true", help="print each step's clocks")
     args = parser.parse_args()
 
     ddp = int(os.environ.get("RANK", -1)) != -1
@@ -121,6 +136,8 @@ def main() -> None:
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if args.timing:
+            print(f"timing {rank} {step} {clocks()}")
         if master:
             print(f"step {step}: loss {loss.item() * grad_accum:.4f}")
     print(f"params {checksum(raw)}")

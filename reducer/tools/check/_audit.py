@@ -14,6 +14,7 @@ After the step: the parameters are bit-identical; buffers that differ are a note
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class Arrival:
     line: str  # the script line that called optimizer.step()
     params: list[Tensor]
     record: RankRecord
+    ignored: frozenset[int] = frozenset()  # ids of what a wrapper ignores (see RankRecord)
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class Audit:
     findings: list[Finding]
     compared: int  # parameters compared on every rank
     sharded: int  # parameters sharded across ranks (not replicas: not compared)
+    ignored: int = 0  # parameters a wrapper ignores (not compared)
 
 
 # -------------------------------------------------------------------------------------------
@@ -60,6 +63,16 @@ class Audit:
 
 
 def before_step(arrivals: Sequence[Arrival]) -> Audit:
+    audit = _before_step(arrivals)
+    first = arrivals[0]
+    if first.ignored:
+        wrappers = first.record.wrappers.values()
+        params = {id(p) for w in wrappers for p in w.parameters()}
+        audit.ignored = len(params & first.ignored)
+    return audit
+
+
+def _before_step(arrivals: Sequence[Arrival]) -> Audit:
     first = arrivals[0]
     step, line = first.step, first.line
     shapes = [[tuple(p.shape) for p in a.params] for a in arrivals]
@@ -155,7 +168,7 @@ def _first_difference(arrivals: Sequence[Arrival]) -> Audit:
         if differ:
             text = (
                 f"parameter {name!r} differs {where}: {_ranks_text(differ, values)}.\n"
-                f"  {_why_params_differ(step)}"
+                f"  {_why_params_differ(step, param)}"
             )
             findings.append(Finding("error", step, "parameters differ", text, name))
             return Audit(findings, compared, sharded)
@@ -189,7 +202,14 @@ def _first_difference(arrivals: Sequence[Arrival]) -> Audit:
     return Audit(findings, compared, sharded)
 
 
-def _why_params_differ(step: int) -> str:
+def _why_params_differ(step: int, param: Tensor) -> str:
+    if not param.requires_grad:
+        return (
+            "It is frozen (requires_grad=False): no reduction and no optimizer step changes it, "
+            "so something changed it on some ranks only, after the wrapper broadcast rank 0's "
+            "parameters when it was built (weights loaded on rank 0 only, after wrapping?). "
+            "Load them on every rank, or before wrapping the model."
+        )
     if step == 0:
         return (
             "The ranks' models started different: DistributedDataParallel broadcasts rank 0's "
@@ -335,10 +355,91 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
             "with activation checkpointing that runs a layer's backward outside the reducer's "
             "hooks)."
         )
+    mixed = _mixed_reduction(arrivals, i)
+    if mixed is not None:
+        return mixed
     return (
-        "Every rank reduced it, yet the ranks' gradients differ: something changed them after "
-        "the reduction, differently per rank (a gradient hook, per-rank clipping or scaling), "
-        "or a comm hook returned rank-dependent values."
+        "Every rank reduced it, yet the ranks' gradients differ, and the check cannot tell "
+        "why: its gradient is not an average of the ranks' local gradients of any parameters "
+        "it knows. Something may have changed it after the reduction, differently per rank "
+        "(a gradient hook, per-rank clipping or scaling), or a comm hook returned "
+        "rank-dependent values."
+    )
+
+
+_MAX_PAIRINGS = 4096  # parameter combinations tried to explain a gradient (see below)
+
+
+def _mixed_reduction(arrivals: Sequence[Arrival], i: int) -> str | None:
+    """Proof that a reduction summed different parameters across ranks: on some rank, the
+    gradient of parameter ``i`` is bit for bit the rank-order average of the ranks' local
+    gradients of parameters that are not all ``i`` (each rank's collective was over another
+    bucket of the same size). None when no such combination is found."""
+    world = len(arrivals)
+    for a in arrivals:
+        got = a.params[i].grad
+        if got is None or got.is_sparse:
+            continue
+        got = _host(got)
+        candidates: list[list[tuple[Tensor, Tensor]]] = []
+        for b in arrivals:
+            found = [
+                (param, _host(local[0]))
+                for key, param in b.record.accumulated.items()
+                if (local := b.record.local.get(key)) is not None
+                and local[0] is not None
+                and not local[0].is_sparse
+                and local[0].shape == got.shape
+                and local[0].dtype == got.dtype
+            ]
+            candidates.append(found)
+        total = 1
+        for found in candidates:
+            total *= len(found)
+        if total == 0 or total > _MAX_PAIRINGS:
+            continue
+        for combo in itertools.product(*candidates):
+            if all(param is b.params[i] for (param, _), b in zip(combo, arrivals, strict=True)):
+                continue
+            grads = [g for _, g in combo]
+            averages = (
+                _rank_order_sum([g * (1.0 / world) for g in grads]),
+                _rank_order_sum([g / world for g in grads]),
+                _rank_order_sum(grads) / world,
+            )
+            if any(_bits_equal(average, got) for average in averages):
+                return _mixed_text(arrivals, a, i, [param for param, _ in combo])
+    return None
+
+
+def _mixed_text(arrivals: Sequence[Arrival], a: Arrival, i: int, params: list[Tensor]) -> str:
+    names = [_names(b.record) for b in arrivals]
+    parts = ", ".join(
+        f"rank {b.rank}'s {names[k].get(id(param), f'parameter of shape {list(param.shape)}')!r}"
+        for k, (b, param) in enumerate(zip(arrivals, params, strict=True))
+    )
+    name = names[a.rank].get(id(a.params[i]), f"parameter {i}")
+    skipping = any(
+        getattr(w, "skip_all_reduce_unused_params", False)
+        for b in arrivals
+        for w in b.record.wrappers.values()
+    )
+    if skipping:
+        why = (
+            "The wrapper runs with skip_all_reduce_unused_params=True: each rank skips the "
+            "buckets of the parameters it did not use, and the ranks used different ones, so "
+            "their collectives paired different buckets of the same size. Use the same "
+            "parameters on every rank, or leave skip_all_reduce_unused_params off."
+        )
+    else:
+        why = (
+            "The ranks' collectives paired different buckets of the same size: they reduced "
+            "their gradients in different orders, or skipped different buckets. Every rank "
+            "must reduce the same buckets in the same order."
+        )
+    return (
+        f"The reduction summed different parameters across ranks: rank {a.rank}'s {name!r} is "
+        f"bit for bit the average of {parts}. {why}"
     )
 
 
@@ -446,6 +547,13 @@ def _average_case(
         return None
     for a in arrivals:
         grad = a.params[i].grad
+        if a.record.unscaled:
+            # GradScaler.unscale_ divides in place with a kernel that does not bump versions.
+            text = (
+                f"gradients were unscaled by a GradScaler on rank {a.rank} before the step: "
+                "the exact average is not checked where they were"
+            )
+            return Finding("note", step, "changed after backward", text, "unscaled")
         if grad is None or a.record.settled.get(id(a.params[i])) != (id(grad), grad._version):
             # Changed after the backward (clipping, unscaling, a division by hand): the
             # reducer's result is gone, and the ranks agree, so nothing more to judge.
@@ -459,7 +567,7 @@ def _average_case(
     grads = [loc[0] for loc in locals_ if loc is not None and loc[0] is not None]
     if any(g.is_sparse or g.shape != got.shape or g.dtype != got.dtype for g in grads):
         return None
-    return (i, grads, got)
+    return (i, [_host(g) for g in grads], _host(got))
 
 
 def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -> Finding | None:
@@ -514,7 +622,8 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
 
 
 def _waste(arrivals: Sequence[Arrival]) -> list[Finding]:
-    """More than one synced forward of a wrapper between two steps: each reduces everything."""
+    """Synced forwards of a wrapper before more than one backward between two steps: each
+    backward reduces everything."""
     out = []
     a = arrivals[0]
     by_wrapper: dict[int, list[Forward]] = {}
@@ -522,7 +631,8 @@ def _waste(arrivals: Sequence[Arrival]) -> list[Finding]:
         if f.synced:
             by_wrapper.setdefault(id(f.wrapper), []).append(f)
     for synced in by_wrapper.values():
-        if len(synced) < 2:
+        # Forwards before the same backward (a siamese step) arm one reduction between them.
+        if len({f.backward for f in synced}) < 2:
             continue
         kind = type(synced[0].wrapper).__qualname__
         count = sum(1 for c in a.record.collectives if c.kind in REDUCTIONS)
@@ -577,7 +687,7 @@ def after_step(arrivals: Sequence[Arrival]) -> Audit:
             )
             findings.append(Finding("error", step, "parameters differ", text, name))
             return Audit(findings, 0, 0)
-    buffers = [_buffers(a.record) for a in arrivals]
+    buffers = [_buffers(a.record, a.ignored) for a in arrivals]
     common = [
         name
         for name, buf in buffers[0].items()
@@ -628,9 +738,15 @@ def _replica_grad(t: Tensor) -> Tensor | None:
     return None if grad is None else _replica(grad)
 
 
+def _host(t: Tensor) -> Tensor:
+    """``t`` on the CPU: ranks' tensors may live on different GPUs, and the check compares
+    them, and computes their averages (elementwise: the same bits anywhere), in one place."""
+    return t if t.device.type == "cpu" else t.detach().cpu()
+
+
 def _bits(t: Tensor) -> Tensor:
     t = t.to_dense() if t.is_sparse else t
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return _host(t).detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _bits_equal(a: Tensor, b: Tensor) -> bool:
@@ -645,8 +761,8 @@ def _differ(values: Sequence[Tensor]) -> list[int]:
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
-    a = a.to_dense() if a.is_sparse else a
-    b = b.to_dense() if b.is_sparse else b
+    a = _host(a.to_dense() if a.is_sparse else a)
+    b = _host(b.to_dense() if b.is_sparse else b)
     if a.shape != b.shape:
         return float("nan")
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
@@ -689,10 +805,11 @@ def _names(record: RankRecord) -> dict[int, str]:
     return out
 
 
-def _buffers(record: RankRecord) -> dict[str, Tensor]:
+def _buffers(record: RankRecord, ignored: frozenset[int] = frozenset()) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for root in _roots(record):
         for name, b in root.named_buffers():
-            if type(b) is Tensor:  # a DTensor buffer is a shard: not compared
+            # A DTensor buffer is a shard, an ignored one the rank's own: not compared.
+            if type(b) is Tensor and id(b) not in ignored:
                 out.setdefault(_prefix_free(root, name), b)
     return out

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TextIO
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from ._audit import Arrival, Audit, Finding, after_step, before_step
-from ._record import RankRecord, patched_no_sync, wrapper_types
+from ._record import RankRecord, patched_no_sync, patched_unscale, wrapper_types
 from ._rendezvous import Rendezvous, RendezvousBroken
 
 __all__ = ["DIVERGED_EXIT_CODE", "RanksDiverged", "ReplicaCheck"]
@@ -101,6 +102,7 @@ class ReplicaCheck:
         self.steps = 0
         self.compared = 0
         self.sharded = 0
+        self.ignored = 0  # parameters a wrapper was told to ignore (not compared)
         self.stopped = False  # the check ended the run (every rank got RanksDiverged)
         self._broken = False  # the ranks can no longer meet: nothing more is checked
         self._stall_since: float | None = None
@@ -153,13 +155,9 @@ class ReplicaCheck:
         self._undo.append(_module.register_module_forward_pre_hook(on_forward).remove)
         self._undo.append(_optimizer.register_optimizer_step_pre_hook(self._before).remove)
         self._undo.append(_optimizer.register_optimizer_step_post_hook(self._after).remove)
-        patch = patched_no_sync(wrappers, current)
-        patch.__enter__()
-
-        def unpatch() -> None:
-            patch.__exit__(None, None, None)
-
-        self._undo.append(unpatch)
+        for patch in (patched_no_sync(wrappers, current), patched_unscale(current)):
+            patch.__enter__()
+            self._undo.append(_closer(patch))
         if self.world is not None:
             records = self.records
 
@@ -195,21 +193,36 @@ class ReplicaCheck:
         record = self._current()
         if record is None or self._broken:
             return
+        if record.stepping is not None and record.stepping != id(optimizer):
+            return  # See Note [Optimizers inside optimizers].
+        record.stepping = id(optimizer)
         step = record.steps
         record.steps += 1
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        arrival = Arrival(record.rank, step, _caller_line(), params, record)
+        arrival = self._arrival(record, optimizer, step)
         self._meet(("before", step), arrival, self._judge_before)
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         record = self._current()
-        if record is None or self._broken:
+        if record is None or self._broken or record.stepping != id(optimizer):
             return
+        record.stepping = None
         step = record.steps - 1
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        arrival = Arrival(record.rank, step, _caller_line(), params, record)
+        arrival = self._arrival(record, optimizer, step)
         self._meet(("after", step), arrival, self._judge_after)
         record.reset()
+
+    # Note [Optimizers inside optimizers]
+    # A sharded optimizer (ZeroRedundancyOptimizer) steps an inner optimizer over this rank's
+    # shard inside its own step, then broadcasts each shard from its owner: the inner
+    # optimizers hold different parameters per rank (of the same shapes, for equal blocks), so
+    # comparing them by position would report a divergence that is not one. The step that
+    # counts is the outermost: an optimizer's step inside another's on the same rank is not
+    # checked. The same optimizer stepping again is a new step (its last one raised).
+
+    def _arrival(self, record: RankRecord, optimizer: torch.optim.Optimizer, step: int) -> Arrival:
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        params, ignored = record.compared(stepped)
+        return Arrival(record.rank, step, _caller_line(), params, record, ignored)
 
     def _meet(
         self, key: tuple[str, int], arrival: Arrival, judge: Callable[[list[Arrival]], Audit]
@@ -280,6 +293,7 @@ class ReplicaCheck:
             self.steps += 1
             self.compared = max(self.compared, audit.compared)
             self.sharded = max(self.sharded, audit.sharded)
+            self.ignored = max(self.ignored, audit.ignored)
         self._add(audit.findings)
         return audit
 
@@ -372,6 +386,7 @@ class ReplicaCheck:
             f"replica check: {self.steps} optimizer step(s) on {ranks}, "
             f"{self.compared} parameter(s) compared bitwise per step"
             + (f" ({self.sharded} sharded, not replicas)" if self.sharded else "")
+            + (f" ({self.ignored} ignored by the wrapper, not compared)" if self.ignored else "")
         ]
         per_step = self.records[0].reductions
         if self.world is not None and per_step:
@@ -404,6 +419,13 @@ class ReplicaCheck:
 
     def print_summary(self) -> None:
         self._print(self.summary())
+
+
+def _closer(patch: AbstractContextManager[None]) -> Callable[[], None]:
+    def close() -> None:
+        patch.__exit__(None, None, None)
+
+    return close
 
 
 def _caller_line() -> str:

@@ -19,6 +19,7 @@ wrapper class for the duration of a check.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -50,6 +51,7 @@ class Forward:
     clock: int
     synced: bool
     why_not: str | None  # "no_sync", "require_backward_grad_sync" or "no_grad"
+    backward: int = 0  # how many backwards of this rank had ended before it ran
     no_sync_after: bool = False  # a no_sync() block was entered after it, before any forward
 
 
@@ -81,8 +83,13 @@ class RankRecord:
     # finalize included: a gradient changed since (clipping, unscaling) is not a reducer's.
     settled: dict[int, tuple[int, int]] = field(default_factory=dict)
     end_queued: bool = False  # a callback waits for the end of the current backward
+    unscaled: bool = False  # a GradScaler unscaled gradients since the last step
     # Since the check began (not reset at steps):
     seen: dict[int, nn.Module] = field(default_factory=dict)  # every module run, first-seen order
+    wrappers: dict[int, nn.Module] = field(default_factory=dict)  # every wrapper run on this rank
+    backwards: int = 0  # backwards that accumulated a gradient and ended
+    stepping: int | None = None  # id of the optimizer whose step is under way (see _check)
+    _ignored: dict[int, frozenset[int]] = field(default_factory=dict)  # id(wrapper) -> ignored
     hooked: set[int] = field(default_factory=set)  # id(param) with a gradient hook
     handles: list[Any] = field(default_factory=list)
     no_sync_depth: dict[int, int] = field(default_factory=dict)  # id(wrapper) -> open blocks
@@ -105,6 +112,7 @@ class RankRecord:
         self.local.clear()
         self.accumulated.clear()
         self.settled.clear()
+        self.unscaled = False
 
     # ---------------------------------------------------------------------------------------
 
@@ -118,6 +126,7 @@ class RankRecord:
                     # torch leaves register_hook unannotated.
                     self.handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
         if isinstance(module, wrappers):
+            self.wrappers.setdefault(id(module), module)
             grad = torch.is_grad_enabled()
             synced = grad and bool(getattr(module, "require_backward_grad_sync", True))
             why = None
@@ -129,7 +138,7 @@ class RankRecord:
                     if self.no_sync_depth.get(id(module))
                     else "require_backward_grad_sync"
                 )
-            self.forwards.append(Forward(module, self.tick(), synced, why))
+            self.forwards.append(Forward(module, self.tick(), synced, why, self.backwards))
 
     def on_collective(
         self, kind: str, members: tuple[int, ...], tensors: list[Tensor], nbytes: int
@@ -141,9 +150,46 @@ class RankRecord:
 
     def backward_ended(self) -> None:
         self.end_queued = False
+        self.backwards += 1
         for key, param in self.accumulated.items():
             grad = param.grad
             self.settled[key] = (0, -1) if grad is None else (id(grad), grad._version)
+
+    def ignored_by(self, wrapper: nn.Module) -> frozenset[int]:
+        """The ids of the parameters and buffers ``wrapper`` was told to leave alone
+        (``_set_params_and_buffers_to_ignore_for_model``: neither broadcast nor reduced, so
+        they may differ per rank by design). Both wrappers keep their names in
+        ``parameters_to_ignore``."""
+        found = self._ignored.get(id(wrapper))
+        if found is None:
+            names = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
+            module = getattr(wrapper, "module", wrapper)
+            tensors = [
+                *module.named_parameters(remove_duplicate=False),
+                *module.named_buffers(remove_duplicate=False),
+            ]
+            found = frozenset(id(t) for name, t in tensors if name in names)
+            self._ignored[id(wrapper)] = found
+        return found
+
+    def compared(self, stepped: list[Tensor]) -> tuple[list[Tensor], frozenset[int]]:
+        """What the check compares at a step of an optimizer over ``stepped``: those, then
+        every parameter of every wrapper run on this rank (frozen ones too: nothing reduces
+        or steps them, so only the check sees one changed on some ranks), less what a wrapper
+        ignores; and the ids of everything ignored."""
+        ignored: frozenset[int] = frozenset()
+        extra: list[Tensor] = []
+        for wrapper in self.wrappers.values():
+            ignored |= self.ignored_by(wrapper)
+            extra.extend(wrapper.parameters())
+        out: list[Tensor] = []
+        taken: set[int] = set()
+        for param in (*stepped, *extra):
+            key = id(param)
+            if key not in taken and key not in ignored:
+                taken.add(key)
+                out.append(param)
+        return out, ignored
 
     def remove_hooks(self) -> None:
         for handle in self.handles:
@@ -165,7 +211,8 @@ def _on_gradient(
     forwards = record.forwards
     local = None
     if not forwards or forwards[-1].synced:
-        with torch.no_grad():
+        # Backward runs with gradients off (unless create_graph): no context to enter then.
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             previous = param.grad
             if previous is None or previous.layout != grad.layout or previous.shape != grad.shape:
                 local = grad.detach().clone()
@@ -208,6 +255,28 @@ def _storage(t: Tensor) -> int:
 
 def storage(t: Tensor | None) -> int:
     return 0 if t is None else _storage(t)
+
+
+@contextmanager
+def patched_unscale(record: Callable[[], RankRecord | None]) -> Iterator[None]:
+    """While the check runs, ``GradScaler.unscale_`` tells the calling rank's record: it
+    divides the gradients in place without bumping their versions, so no other trace shows
+    that they are not the reducer's any more. The original is put back at the end."""
+    cls = torch.amp.GradScaler
+    original = cls.unscale_
+
+    @functools.wraps(original)
+    def unscale_(self: Any, optimizer: Any) -> None:
+        rec = record()
+        if rec is not None:
+            rec.unscaled = True
+        original(self, optimizer)
+
+    cls.unscale_ = unscale_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.unscale_ = original  # type: ignore[method-assign]
 
 
 @contextmanager

@@ -22,7 +22,10 @@ parameters and gradients bit for bit and, at the first divergence, stops the ran
 and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
-takes a number, auto, cpu or gpu, as torchrun's (default 1).
+takes a number, auto, cpu or gpu, as torchrun's (default 1). LOCAL_RANK picks a rank's GPU as
+under torchrun (ranks share fewer GPUs round-robin), and ``--cuda-as-cpu`` runs a CUDA script
+on the CPU (see .devices). What a process does once (os._exit, sys.stdout assignment, stdin,
+signal handlers, its ``__main__``) is made per rank (see .process).
 """
 
 from __future__ import annotations
@@ -39,14 +42,15 @@ import sys
 import sysconfig
 import threading
 import traceback
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import CodeType, FrameType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from . import imports, singletons
+from . import devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -59,11 +63,14 @@ __all__ = ["add_arguments", "run"]
 # torch.distributed.init_process_group (joins the fake world on the calling rank's thread).
 # sys.argv and sys.path[0] are the script's, as for `python script.py`, and the same on every
 # rank. The script's leading imports run once before the ranks start (see Note [Imports before
-# the ranks start] in .imports), and known one-per-process state is refused on rank threads
-# (.singletons). What stays shared: torch's intra-op threads (set to one per rank unless
-# OMP_NUM_THREADS is set, as torchrun does), the working directory, sys.modules (a module the
-# script imports is imported once, and its globals are shared), and Python's and NumPy's
-# global random generators (torch's generator is per rank: see fakepg.rng).
+# the ranks start] in .imports), every other import is serialised (Note [One import at a
+# time] in .imports), process-wide calls are made per rank (.process: os._exit, sys.stdout
+# assignment, stdin, signal.signal, a __main__ module per rank), and known one-per-process
+# state is refused on rank threads (.singletons). What stays shared: torch's intra-op threads
+# (set to one per rank unless OMP_NUM_THREADS is set, as torchrun does), the working
+# directory, sys.modules (a module the script imports is imported once, and its globals are
+# shared), and Python's and NumPy's global random generators (torch's generator is per rank:
+# see fakepg.rng).
 
 # Frames above the script (left out of stacks), and frames of the plumbing every torch call
 # or import of a rank passes through (left out too).
@@ -150,6 +157,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report every divergence and go on, instead of stopping at the first",
     )
     parser.add_argument(
+        "--cuda-as-cpu",
+        action="store_true",
+        help="run a CUDA script on the CPU: torch.cuda answers for the CPU (one device per "
+        "rank), .cuda() and device='cuda' keep tensors on the CPU, autocast and GradScaler "
+        "for 'cuda' run on the CPU, and device_ids are dropped",
+    )
+    parser.add_argument(
         "-m",
         "--module",
         action="store_true",
@@ -202,6 +216,16 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other are refused, not silently resolved."""
+    if not getattr(args, "check", True) and getattr(args, "check_keep_going", False):
+        raise ValueError(
+            "--no-check and --check-keep-going contradict each other: --check-keep-going "
+            "runs the replica check and reports every divergence; --no-check turns the check "
+            "off. Pass one of them"
+        )
+
+
 def _check_nnodes(text: str) -> None:
     if text.strip() not in ("1", "1:1"):
         raise ValueError(
@@ -217,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         nproc = _nproc_count(args.nproc)
         _check_nnodes(str(args.nnodes))
+        _check_flags(args)
         network = None if args.network is None else fakepg.parse_network(args.network)
         ranks = _parse_filter(args.ranks_filter, nproc)
         target = _Target.load(args.script, module=args.module)
@@ -232,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     check = _replica_check(args, world, nproc)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     launch.check = check
+    launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     with world, check or contextlib.nullcontext(), launch.installed():
         if not launch.preimport():
             return _INTERRUPTED
@@ -246,6 +272,40 @@ def run(args: argparse.Namespace) -> int:
     code = 0 if check.stopped else launch.report(sys.stderr)
     check.print_summary()
     return int(check.exit_code(code))
+
+
+@dataclass(frozen=True, slots=True)
+class _DevicePlan:
+    """How CUDA devices map on the rank threads (see .devices), and what is said at start."""
+
+    mapper: devices.Mapper
+    cuda_as_cpu: bool
+    said: str
+
+
+def _device_plan(nproc: int, *, cuda_as_cpu: bool) -> _DevicePlan | None:
+    """--cuda-as-cpu; or, with fewer GPUs than ranks, GPUs shared round-robin; else None
+    (each rank's set_device(local_rank) works as it is)."""
+    import torch
+
+    if cuda_as_cpu:
+        said = (
+            f"[launch] --cuda-as-cpu: every CUDA device is the CPU here: torch.cuda answers for "
+            f"it (available, {nproc} device(s), one per rank), .cuda() and device='cuda' keep "
+            "tensors on the CPU, autocast and GradScaler for 'cuda' run on the CPU, and "
+            "device_ids are dropped"
+        )
+        return _DevicePlan(devices.as_cpu, True, said)
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if nproc <= count:
+        return None
+    said = (
+        f"[launch] {nproc} ranks share {count} GPU(s) round-robin: rank r (LOCAL_RANK r) uses "
+        f"cuda:{{r % {count}}} wherever it names cuda:r"
+    )
+    return _DevicePlan(devices.round_robin(count), False, said)
 
 
 def _replica_check(args: argparse.Namespace, world: Any, nproc: int) -> Any:
@@ -280,10 +340,11 @@ class _Target:
     syntax tree (None where its source is not found), for the imports before the ranks."""
 
     name: str
-    path: Path | None
+    path: Path | None  # the file that runs as __main__ (a directory's or zip's __main__.py)
     code: CodeType | None
     tree: ast.Module | None = None
     is_package: bool = False  # -m of a package: its __main__ runs
+    path0: str | None = None  # sys.path[0], as python sets it for the target
 
     @classmethod
     def load(cls, name: str, *, module: bool) -> _Target:
@@ -291,11 +352,35 @@ class _Target:
             tree, is_package = _module_tree(name)
             return cls(name, None, None, tree, is_package)
         path = Path(name)
+        if path.is_dir() or (path.is_file() and zipfile.is_zipfile(path)):
+            return cls._load_main(name, path)
         if not path.is_file():
             raise ValueError(f"no such script: {name}")
         # Named as given, as `python path` names it in tracebacks.
         tree = ast.parse(path.read_bytes(), str(path))
-        return cls(name, path, compile(tree, str(path), "exec"), tree)
+        path0 = str(path.resolve().parent)
+        return cls(name, path, compile(tree, str(path), "exec"), tree, path0=path0)
+
+    @classmethod
+    def _load_main(cls, name: str, path: Path) -> _Target:
+        """A directory or zip file with a ``__main__.py``, run as ``python path`` runs it:
+        that file as ``__main__``, with the directory or zip first on sys.path."""
+        main = path / "__main__.py"
+        if path.is_dir():
+            if not main.is_file():
+                raise ValueError(f"{name} is a directory without a __main__.py: nothing to run")
+            source = main.read_bytes()
+        else:
+            with zipfile.ZipFile(path) as archive:
+                try:
+                    source = archive.read("__main__.py")
+                except KeyError:
+                    raise ValueError(
+                        f"{name} is a zip file without a __main__.py: nothing to run"
+                    ) from None
+        tree = ast.parse(source, str(main))
+        code = compile(tree, str(main), "exec")
+        return cls(name, main, code, tree, path0=str(path.resolve()))
 
     def preimport(self) -> None:
         """See Note [Imports before the ranks start] in .imports."""
@@ -306,27 +391,62 @@ class _Target:
             package = self.name if self.is_package else self.name.rpartition(".")[0]
         imports.preimport(self.tree, self.argv0, package)
 
-    def execute(self) -> None:
+    def execute(self, main: ModuleType) -> None:
+        """Run the target as ``__main__`` in ``main``, this rank's module (see
+        process.MainModules)."""
         if self.code is None:
-            # alter_sys=False: runpy must not swap sys.modules["__main__"] or sys.argv[0]
-            # under the other ranks' feet.
-            runpy.run_module(self.name, run_name="__main__", alter_sys=False)
+            spec, code = _module_code(self.name)
+            if spec is None or code is None:
+                # runpy raises what python -m would (no such module, no code). alter_sys=False:
+                # runpy must not swap sys.modules["__main__"] or sys.argv[0] under the other
+                # ranks' feet.
+                runpy.run_module(self.name, run_name="__main__", alter_sys=False)
+                return
+            main.__dict__.update(
+                {
+                    "__file__": spec.origin if spec.has_location else None,
+                    "__builtins__": builtins,
+                    "__package__": spec.parent,
+                    "__spec__": spec,
+                    "__loader__": spec.loader,
+                    "__cached__": spec.cached,
+                    "__doc__": None,
+                }
+            )
+            exec(code, main.__dict__)  # what runpy.run_module does, in this rank's module
             return
-        namespace = {
-            "__name__": "__main__",
-            "__file__": str(self.path),
-            "__builtins__": builtins,
-            "__package__": None,
-            "__spec__": None,
-            "__loader__": None,
-            "__cached__": None,
-            "__doc__": None,
-        }
-        exec(self.code, namespace)  # what runpy.run_path does, without touching sys.modules
+        main.__dict__.update(
+            {
+                "__file__": str(self.path),
+                "__builtins__": builtins,
+                "__package__": None,
+                "__spec__": None,
+                "__loader__": None,
+                "__cached__": None,
+                "__doc__": None,
+            }
+        )
+        exec(self.code, main.__dict__)  # what runpy.run_path does, in this rank's module
 
     @property
     def argv0(self) -> str:
         return self.name if self.path is None else str(self.path)
+
+
+def _module_code(name: str) -> tuple[Any, CodeType | None]:
+    """The spec and code of what ``python -m name`` runs (a package's ``__main__``), or
+    (None, None) where they are not found (then runpy says why, as python -m would)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")
+        get_code = getattr(getattr(spec, "loader", None), "get_code", None)
+        code = get_code(spec.name) if spec is not None and get_code is not None else None
+    except (ImportError, ValueError, SyntaxError, OSError):
+        return None, None
+    return (spec, code) if isinstance(code, CodeType) else (None, None)
 
 
 def _module_tree(name: str) -> tuple[ast.Module | None, bool]:
@@ -394,6 +514,8 @@ class _Launch:
         self.running = False  # the rank threads run (set by run_ranks)
         self.interrupted = False  # Ctrl-C stopped the ranks
         self._interrupt: threading.Thread | None = None  # aborts the world after a Ctrl-C
+        self.main: process.MainModules | None = None  # sys.modules["__main__"] (installed())
+        self.devices: _DevicePlan | None = None  # CUDA on the rank threads (see .devices)
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -416,10 +538,18 @@ class _Launch:
         os.environ = self.environ  # type: ignore[assignment]  # noqa: B003 (a stand-in)
         sys.stdout, sys.stderr = self.stdout, self.stderr
         sys.argv = [self.target.argv0, *self.argv]
-        if self.target.path is not None:
-            sys.path.insert(0, str(self.target.path.resolve().parent))
+        if self.target.path0 is not None:
+            sys.path.insert(0, self.target.path0)
         dist.init_process_group = c10d.init_process_group = init
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
+        self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
+        restore_imports = imports.serialise(timeout=min(30.0, self.world.timeout / 2))
+        restore_devices: Any = lambda: None  # noqa: E731
+        if self.devices is not None:
+            print(self.devices.said, file=real_err, flush=True)
+            restore_devices = devices.install(
+                self.devices.mapper, cuda_as_cpu=self.devices.cuda_as_cpu, nproc=self.nproc
+            )
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
         try:
@@ -429,6 +559,9 @@ class _Launch:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
                 self._interrupt.join()
+            restore_devices()
+            restore_imports()
+            restore_process()
             restore_singletons()
             dist.init_process_group = c10d.init_process_group = torch_init
             sys.argv, sys.path[:] = argv, path
@@ -517,8 +650,21 @@ class _Launch:
         self.stderr.bind(rank)
         if "OMP_NUM_THREADS" not in self.environ.real:
             torch.set_num_threads(1)  # torchrun's default for several workers per node
+        assert self.main is not None
+        module = ModuleType("__main__")  # this rank's run of the script: see process.py
+        self.main.bind(module)
+        mapping = (
+            contextlib.nullcontext()
+            if self.devices is None
+            else devices.DeviceMap(self.devices.mapper)
+        )
         try:
-            self.target.execute()
+            with mapping:
+                self.target.execute(module)
+        except process.RankExit as exc:  # os._exit: this rank ends, as its process would
+            self._record(rank, exc.code, None if exc.code == 0 else exc)
+            if exc.code != 0:
+                raise
         except SystemExit as exc:
             code = _exit_code(exc, self.stderr)
             if code == 0:
@@ -550,6 +696,7 @@ class _Launch:
                 self.stdout.finish()
                 self.stderr.finish()
                 self.environ.unbind()
+                self.main.bind(None)
                 self._thread_rank.rank = None
                 if self.check is not None:
                     self.check.unbind()
@@ -735,7 +882,7 @@ def _is_world_stop(exc: BaseException) -> bool:
 def _one_line(error: BaseException | None) -> str:
     if error is None:
         return "(no exception)"
-    if _is_world_stop(error):
+    if _is_world_stop(error) or isinstance(error, process.RankExit):
         return str(error)
     if isinstance(error, SystemExit):
         return f"SystemExit({error.code!r})"

@@ -1,4 +1,5 @@
-"""The script's leading imports, run once on the launching thread before the rank threads start.
+"""Imports on rank threads: the script's leading imports, run once on the launching thread
+before the rank threads start, and every other import serialised while they run.
 
 Rank threads share ``sys.modules``. Python's import of one module is thread-safe, but a
 library's lazy attributes often are not: transformers' ``_LazyModule`` imports a submodule the
@@ -10,16 +11,28 @@ every rank runs first anyway) once, on the launching thread, and reads once each
 that the script takes from a module bound there (``transformers.AutoModel``), so that the ranks
 find everything already imported. See Note [Imports before the ranks start].
 
-# Guarantees: called on the launching thread, before any rank thread exists.
+An import in a function (a model-building helper's ``from transformers import BertConfig``)
+runs on the rank threads, all at once. :func:`serialise` makes that safe: while the ranks run,
+one thread at a time loads a module, and one at a time resolves a lazy module's attribute
+(a module ``__getattr__``, or a module class's, as transformers' ``_LazyModule``). See Note
+[One import at a time].
+
+# Guarantees: preimport() and serialise() (and the restore it returns) are called on the
+# launching thread, before any rank thread exists and after they ended; the hooks serialise()
+# installs are safe from any thread (one re-entrant lock).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import sys
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import CodeType, ModuleType
+from typing import Any
 
 __all__: list[str] = []
 
@@ -106,3 +119,107 @@ def _touch(module: ModuleType, chain: list[str]) -> None:
             value = getattr(value, attr)
         except Exception:
             return
+
+
+# Note [One import at a time]
+# Python imports one module at a time per module (a lock per module), not one at a time: two
+# threads that import modules which import each other, in opposite orders, meet its deadlock
+# detection, and one of them gets a partially initialized module ("cannot import name ...");
+# a lazy module's own bookkeeping (which submodule is being loaded) has no lock at all. Under
+# torchrun each process imports alone. So while the ranks run, one re-entrant lock is held by
+# (1) importlib's _find_and_load, through which every import that loads a module passes (the
+# import statement, importlib.import_module; an import of a module already loaded does not
+# take it), and (2) each lazy module's __getattr__ (a module-level one, PEP 562, or one of its
+# module class), wrapped when its module is loaded or, for those loaded before, when the
+# launch starts: the thread that gets the lock second finds the name resolved. _find_and_load
+# is private importlib API (stable since Python 3.3), the one point every load passes.
+# A thread that waits longer than the launch allows (an import at whose top the ranks meet in
+# a collective would otherwise deadlock) goes on without the lock, as Python alone would.
+
+_LOCK = threading.RLock()
+
+
+@contextmanager
+def _one_at_a_time(timeout: float) -> Iterator[None]:
+    got = _LOCK.acquire(timeout=timeout)
+    try:
+        yield
+    finally:
+        if got:
+            _LOCK.release()
+
+
+def serialise(timeout: float) -> Callable[[], None]:
+    """One import and one lazy attribute at a time (see Note [One import at a time]) until
+    the returned function is called; a wait for the lock gives up after ``timeout`` s."""
+    bootstrap: Any = sys.modules["_frozen_importlib"]  # importlib._bootstrap itself
+    real_find = bootstrap._find_and_load
+    undo: list[Callable[[], None]] = []
+    looked: set[int] = set()  # ids of the module classes already wrapped
+
+    def wrap_class(cls: type) -> None:
+        owner = next((c for c in cls.__mro__ if "__getattr__" in vars(c)), None)
+        if owner is None or owner is ModuleType or id(owner) in looked:
+            return
+        looked.add(id(owner))
+        original = vars(owner)["__getattr__"]
+
+        def __getattr__(self: ModuleType, name: str) -> Any:
+            with _one_at_a_time(timeout):
+                try:  # resolved by the thread that held the lock before
+                    return object.__getattribute__(self, name)
+                except AttributeError:
+                    return original(self, name)
+
+        __getattr__.__wrapped__ = original  # type: ignore[attr-defined]
+        owner.__getattr__ = __getattr__  # type: ignore[attr-defined]
+        undo.append(lambda: setattr(owner, "__getattr__", original))
+
+    def wrap_module(module: ModuleType) -> None:
+        namespace = vars(module)
+        original = namespace.get("__getattr__")
+        if not callable(original) or getattr(original, "_launch_serialised", False):
+            return
+
+        def __getattr__(name: str) -> Any:
+            with _one_at_a_time(timeout):
+                if name in namespace:
+                    return namespace[name]
+                return original(name)
+
+        __getattr__._launch_serialised = True  # type: ignore[attr-defined]
+        namespace["__getattr__"] = __getattr__
+
+        def put_back() -> None:
+            if namespace.get("__getattr__") is __getattr__:
+                namespace["__getattr__"] = original
+
+        undo.append(put_back)
+
+    def guard(module: object) -> None:
+        if not isinstance(module, ModuleType):
+            return
+        try:
+            if type(module) is not ModuleType:
+                wrap_class(type(module))
+            else:
+                wrap_module(module)
+        except (TypeError, AttributeError):  # an odd module object: left as it is
+            pass
+
+    def find_and_load(name: str, import_: Any) -> Any:
+        with _one_at_a_time(timeout):
+            module = real_find(name, import_)
+            guard(module)
+        return module
+
+    for module in list(sys.modules.values()):
+        guard(module)
+    bootstrap._find_and_load = find_and_load
+
+    def restore() -> None:
+        bootstrap._find_and_load = real_find
+        while undo:
+            undo.pop()()
+
+    return restore

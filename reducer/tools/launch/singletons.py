@@ -1,15 +1,19 @@
-"""Process-wide state that rank threads would share: refused on them, with what to do instead.
+"""Process-wide state that rank threads would share: made per rank, or refused with what to do.
 
-Some libraries keep one state per process by design. Accelerate's ``PartialState`` and
-``AcceleratorState`` (behind ``Accelerator``) share their fields across every instance (a
-class-level dict): on rank threads, every rank would see the first rank's process index,
-device and group, and the script fails far from the cause (an AttributeError), or trains
-wrong. While a launch runs, the constructors of the classes listed in ``KNOWN`` raise
-:class:`SharedStateError` on rank threads, saying so; they are wrapped as soon as their module
-is imported (by the script, or by a library on its behalf), and put back when the launch ends.
+Some libraries keep one state per process by design. Accelerate's ``PartialState``,
+``AcceleratorState`` and ``GradientState`` (behind ``Accelerator``) share their fields across
+every instance (a class-level dict, ``_shared_state``): on rank threads, every rank would see
+the first rank's process index, device and group. While a launch runs, the classes listed in
+``PER_RANK`` get a dict per thread in that attribute instead (a descriptor, as Accelerate's
+own ``ThreadLocalSharedDict`` for XLA's threads), so each rank has its own state. What cannot
+work on threads (``KNOWN``: engines that own a process each) is refused by name: their
+constructors raise :class:`SharedStateError` on rank threads, saying why and what to do.
+Classes are changed as soon as their module is imported (by the script, or by a library on
+its behalf), and put back when the launch ends.
 
 # Guarantees: install() and the restore it returns run on the launching thread. The import
-# hook and the wrapped constructors are safe from any thread; _lock guards the wrapping.
+# hook, the wrapped constructors and the per-thread dicts are safe from any thread; _lock
+# guards the changes.
 """
 
 from __future__ import annotations
@@ -41,14 +45,41 @@ class Singleton:
 
 KNOWN = (
     Singleton(
-        "accelerate.state",
-        ("PartialState", "AcceleratorState"),
-        "Accelerate (Accelerator, and the AcceleratorState / PartialState behind it)",
-        "Run this script with `accelerate launch` or torchrun (a process per rank). On rank "
-        "threads, use torch.distributed directly (torch's DistributedDataParallel, FSDP2, "
-        "reducer.DistributedDataParallel) or Lightning's Trainer, which work unmodified.",
+        "accelerate.utils.dataclasses",
+        ("DeepSpeedPlugin", "MegatronLMPlugin"),
+        "Accelerate's DeepSpeed and Megatron-LM plugins (their engines)",
+        "Run this script with `accelerate launch` or torchrun (a process per rank), or drop "
+        "the plugin for the launch: Accelerate's own data parallelism (DDP) and FSDP2 work on "
+        "rank threads.",
     ),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """Classes of ``module`` whose class-level dict ``attribute`` is every instance's state:
+    one per rank thread while a launch runs."""
+
+    module: str
+    classes: tuple[str, ...]
+    attribute: str = "_shared_state"
+
+
+PER_RANK = (PerRank("accelerate.state", ("PartialState", "AcceleratorState", "GradientState")),)
+
+
+class PerThreadState(threading.local):
+    """A class attribute that is a dict of each thread's own (a data descriptor: the class's
+    and its instances' reads give this thread's dict; an instance's assignment replaces it)."""
+
+    def __init__(self) -> None:
+        self.storage: dict[str, Any] = {}
+
+    def __get__(self, obj: object, objtype: type | None = None) -> dict[str, Any]:
+        return self.storage
+
+    def __set__(self, obj: object, value: dict[str, Any]) -> None:
+        self.storage = value
 
 
 def message(singleton: Singleton, name: str, rank: int, nproc: int) -> str:
@@ -61,15 +92,22 @@ def message(singleton: Singleton, name: str, rank: int, nproc: int) -> str:
 
 
 def install(
-    rank_of_thread: Callable[[], int | None], nproc: int, known: tuple[Singleton, ...] = KNOWN
+    rank_of_thread: Callable[[], int | None],
+    nproc: int,
+    known: tuple[Singleton, ...] = KNOWN,
+    per_rank: tuple[PerRank, ...] = PER_RANK,
 ) -> Callable[[], None]:
-    """Refuse ``known`` on rank threads (``rank_of_thread()`` is not None) until the returned
-    function is called."""
-    lock = threading.Lock()  # guards wrapped and pending: each class is wrapped once
+    """Refuse ``known`` on rank threads (``rank_of_thread()`` is not None), and give the
+    classes of ``per_rank`` a state per thread, until the returned function is called."""
+    lock = threading.Lock()  # guards wrapped and pending: each class is changed once
     wrapped: list[tuple[type, Any]] = []  # (class, its own __init__ or None) to put back
-    # The classes not wrapped yet. A module being imported is in sys.modules before its
-    # classes exist (an import inside it runs the check too): each class is wrapped when seen.
-    pending = {(singleton, name) for singleton in known for name in singleton.classes}
+    states: list[tuple[type, str, Any]] = []  # (class, attribute, its dict) to put back
+    # The classes not changed yet. A module being imported is in sys.modules before its
+    # classes exist (an import inside it runs the check too): each class is changed when seen.
+    pending: set[tuple[Singleton | PerRank, str]] = set()
+    kinds: list[Singleton | PerRank] = [*known, *per_rank]
+    for kind in kinds:
+        pending.update((kind, name) for name in kind.classes)
 
     def wrap(singleton: Singleton, name: str, cls: type) -> None:
         original = cls.__dict__.get("__init__", object.__init__)
@@ -84,6 +122,13 @@ def install(
         wrapped.append((cls, cls.__dict__.get("__init__")))
         cls.__init__ = refusing  # type: ignore[misc]
 
+    def per_thread(kind: PerRank, cls: type) -> None:
+        original = cls.__dict__.get(kind.attribute)
+        if not isinstance(original, dict):
+            return  # not the pattern (or already per thread, as on XLA): left as it is
+        states.append((cls, kind.attribute, original))
+        setattr(cls, kind.attribute, PerThreadState())
+
     def check() -> None:
         with lock:
             for singleton, name in list(pending):
@@ -91,7 +136,10 @@ def install(
                 cls = getattr(module, name, None) if module is not None else None
                 if isinstance(cls, type):
                     pending.discard((singleton, name))
-                    wrap(singleton, name, cls)
+                    if isinstance(singleton, PerRank):
+                        per_thread(singleton, cls)
+                    else:
+                        wrap(singleton, name, cls)
 
     real_import = builtins.__import__
 
@@ -115,5 +163,8 @@ def install(
                 else:
                     cls.__init__ = init
             wrapped.clear()
+            for cls, attribute, original in reversed(states):
+                setattr(cls, attribute, original)
+            states.clear()
 
     return restore

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 import threading
 from collections.abc import Iterator, MutableMapping
 from typing import Any, TextIO
@@ -87,6 +88,7 @@ class RankOutput(io.TextIOBase):
     def bind(self, rank: int) -> None:
         self._local.rank = rank
         self._local.pending = ""
+        self._local.assigned = None
 
     def finish(self) -> None:
         """Write this rank's partial last line, if any, and stop prefixing on this thread."""
@@ -95,8 +97,24 @@ class RankOutput(io.TextIOBase):
             self._emit([pending])
         self._local.rank = None
         self._local.pending = ""
+        self._local.assigned = None
+
+    def assign(self, stream: Any) -> None:
+        """``sys.stdout = stream`` on this rank thread: this rank's output goes there from
+        now on (the other ranks' does not). This stream, the real one or Python's original
+        (``sys.__stdout__``) put the rank's prefixed output back."""
+        back = any(stream is s for s in (self, self.target, sys.__stdout__, sys.__stderr__))
+        self._local.assigned = None if back else stream
+
+    def assigned(self) -> Any:
+        """What ``sys.stdout`` is on this rank thread: the stream it assigned, or this one."""
+        stream = getattr(self._local, "assigned", None)
+        return self if stream is None else stream
 
     def write(self, text: str) -> int:
+        assigned = getattr(self._local, "assigned", None)
+        if assigned is not None:
+            return int(assigned.write(text))
         rank = getattr(self._local, "rank", None)
         if rank is None:
             with self._lock:
@@ -117,6 +135,10 @@ class RankOutput(io.TextIOBase):
             self.target.flush()
 
     def flush(self) -> None:
+        assigned = getattr(self._local, "assigned", None)
+        if assigned is not None:
+            assigned.flush()
+            return
         with self._lock:
             self.target.flush()
 

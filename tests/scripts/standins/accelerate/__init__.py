@@ -1,5 +1,6 @@
 """A stand-in for Hugging Face Accelerate, as far as its process-wide state goes: the launch
-must recognise ``accelerate.state`` by name (the real package is not a test dependency)."""
+recognises ``accelerate.state`` by name and makes its state per rank (the real package is not
+a test dependency)."""
 
 from .accelerator import Accelerator
 

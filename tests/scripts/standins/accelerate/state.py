@@ -1,6 +1,7 @@
 """Accelerate's state pattern: every instance shares one class-level dict (its ``__dict__``),
-so all instances in a process are one state, set up by the first. On rank threads, the second
-rank finds the first rank's half-built state: a missing attribute, or the first rank's index."""
+so all instances in a process are one state, set up by the first. On rank threads, unless the
+launch makes that dict per thread, the second rank finds the first rank's half-built state: a
+missing attribute, or the first rank's index."""
 
 from __future__ import annotations
 
