@@ -22,7 +22,17 @@ Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest
 
 from __future__ import annotations
 
+from .algorithms import (
+    Reference,
+    StepGradients,
+    ddp_average,
+    hierarchical_averaging,
+    periodic_averaging,
+    zero_redundancy,
+)
 from .checks import (
+    Batch,
+    CheckReport,
     TrainingScenario,
     check_comm_hook,
     check_data_parallel,
@@ -37,12 +47,20 @@ from .strategies import bucket_caps_mb, generated_training_scenarios, training_s
 
 __all__ = [
     "TrainingScenario",
+    "Batch",
+    "CheckReport",
     "check_data_parallel",
     "check_comm_hook",
     "torch_ddp",
     "reducer_ddp",
     "fsdp2",
     "sum_of_squares",
+    "Reference",
+    "StepGradients",
+    "ddp_average",
+    "zero_redundancy",
+    "periodic_averaging",
+    "hierarchical_averaging",
     "training_scenarios",
     "generated_training_scenarios",
     "bucket_caps_mb",
