@@ -88,6 +88,8 @@ def wrapper_scenarios(
     skip_unused: bool = False,
     mixed: bool = False,
     lr: float = 0.1,
+    micro_batches: int = 1,
+    sync_last_only: bool = False,
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -101,7 +103,10 @@ def wrapper_scenarios(
     branches left out are the same on every rank at every step (torch's condition) and
     ``skip_all_reduce_unused_params`` is drawn; with ``mixed``, ``mixed_precision`` is drawn
     (None, or a reduction in float16 or bfloat16: see :func:`check_our_ddp`); ``lr``: the SGD
-    step after each step (0: gradients only)."""
+    step after each step (0: gradients only); ``micro_batches`` > 1: gradient accumulation
+    over up to that many micro-batches per step, each synced or not (``no_sync()`` or
+    ``require_backward_grad_sync = False``; with ``sync_last_only`` only the last one synced),
+    and ``zero_grad(set_to_none=...)`` drawn."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
@@ -122,6 +127,9 @@ def wrapper_scenarios(
         reload=reload,
         uniform_skip=skip_unused,
         lr=lr,
+        micro_batches=micro_batches,
+        sync_last_only=sync_last_only,
+        set_to_none=None if micro_batches > 1 else True,
     )
 
 

@@ -63,7 +63,12 @@ class SGD:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
-                p.grad.detach_().zero_()
+                # As torch.optim.Optimizer.zero_grad: a bucket view cannot be detached in place.
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def step(self) -> None:
         if not self.lr:

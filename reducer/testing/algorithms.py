@@ -150,27 +150,49 @@ class _GroupAverage(Reference):
         world = s.world_size
         groups = self.groups_at(s.step, world)
         out: list[list[Candidates]] = [[{} for _ in s.names] for _ in range(world)]
-        for name in self.roundings:
-            acc = [list(s.before[r]) for r in range(world)]
-            for m, sync in enumerate(s.syncs):
+        for i in range(len(s.names)):
+            if i in s.ignored:  # each rank keeps its own
                 for r in range(world):
-                    if m < len(s.micro[r]):
-                        acc[r] = _add(acc[r], s.micro[r][m])
-                if sync != "sync":
+                    out[r][i]["local"] = s.accumulated(r)[i]
+                continue
+            # One chain of values per way of rounding each sync (a wrapper may round its
+            # syncs differently: torch's DDP multiplies a gradient into its bucket, then
+            # divides the bucket view autograd accumulated into): name -> value per rank.
+            chains: dict[str, list[Tensor | None]] = {"": [s.before[r][i] for r in range(world)]}
+            syncs = s.syncs.count("sync")
+            for m, mode in enumerate(s.syncs):
+                for values in chains.values():
+                    for r in range(world):
+                        if m < len(s.micro[r]):
+                            g = s.micro[r][m][i]
+                            v = values[r]
+                            values[r] = v if g is None else (g.clone() if v is None else v + g)
+                if mode == "sync":
+                    chains = self._synced(chains, groups, syncs)
+            for name, values in chains.items():
+                for r in range(world):
+                    out[r][i][name or "local"] = values[r]
+        return out
+
+    def _synced(
+        self, chains: dict[str, list[Tensor | None]], groups: list[list[int]], syncs: int
+    ) -> dict[str, list[Tensor | None]]:
+        """Each chain averaged within each group, in each rounding (only the same rounding as
+        before where a step syncs more than 3 times: 3^k chains otherwise)."""
+        out: dict[str, list[Tensor | None]] = {}
+        for name, values in chains.items():
+            for rounding in self.roundings:
+                if syncs > 3 and name and not name.endswith(rounding):
                     continue
-                for i in range(len(s.names)):
-                    if i in s.ignored:
-                        continue  # each rank keeps its own
-                    for group in groups:
-                        column = [acc[r][i] for r in group]
-                        if all(g is None for g in column):
-                            continue  # unused on every rank: .grad is left as it was
-                        avg = self._avg(name, column, len(group))
-                        for r in group:
-                            acc[r][i] = None if avg is None else avg.clone()
-            for r in range(world):
-                for i, g in enumerate(acc[r]):
-                    out[r][i][name if i not in s.ignored else "local"] = g
+                new = list(values)
+                for group in groups:
+                    column = [values[r] for r in group]
+                    if all(g is None for g in column):
+                        continue  # unused on every rank: .grad is left as it was
+                    avg = self._avg(rounding, column, len(group))
+                    for r in group:
+                        new[r] = None if avg is None else avg.clone()
+                out[f"{name} then {rounding}" if name else rounding] = new
         return out
 
 
