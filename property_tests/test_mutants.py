@@ -42,8 +42,19 @@ from .test_errors import (
     used_outside_forward,
 )
 from .test_multi_iteration import TrainingMachine
-from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
+from .test_torch_comm_hooks import (
+    MAGNITUDES,
+    SCENARIOS,
+    check_allreduce_hook,
+    check_fp16_hook,
+)
 from .test_torch_equivalence import check_bucket_assignment
+from .test_training_steps import (
+    OUR_MICRO,
+    check_micro_batches_ours,
+    check_post_local_sgd,
+    local_sgd_cases,
+)
 from .test_wrappers import (
     check_fsdp2,
     check_our_ddp,
@@ -93,6 +104,8 @@ def _size(example: Any) -> tuple[int, int]:
         return len(list(example.make_model().parameters())), example.world_size
     if isinstance(example, Scenario | DDPScenario):
         return example.model.parameter_count, example.world_size
+    if isinstance(example, tuple) and isinstance(example[0], TrainingScenario):  # local SGD
+        return len(list(example[0].make_model().parameters())), example[0].world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
         return example[0].model.parameter_count, example[0].world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
@@ -309,6 +322,15 @@ CASES: dict[str, Case] = {
     ),
     "torch fp16 hook sums in float32": Case(
         SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
+    ),
+    # Two ranks whose float16 shares each fit, but not their sum: only drawn magnitudes show
+    # it (at two ranks, dividing before or after the sum is otherwise the same bits).
+    # One step of two micro-batches, the first with the attribute toggled by hand.
+    "only no_sync accumulates": Case(OUR_MICRO, check_micro_batches_ours),
+    # Two ranks, each its own subgroup, local SGD from the start: one step shows it.
+    "post-local SGD starts late": Case(local_sgd_cases(), check_post_local_sgd),
+    "torch fp16 hook divides after the sum": Case(
+        MAGNITUDES, check_fp16_hook, lambda s: s.world_size == 2
     ),
     # One rank is enough: the .grad of a transposed weight, a view of its bucket.
     "bucket views ignore strides": Case(

@@ -42,7 +42,7 @@ _MICRO = wrapper_scenarios(buffers=False, ignore=False, micro_batches=3, max_wor
 # This project's DDP: accumulation as training loops do it, the last micro-batch synced. (A
 # step that ends unsynced, or syncs twice, is where it and torch's differ on a parameter used
 # only in some micro-batches: see README, "Testing your own data-parallel code".)
-_OUR_MICRO = wrapper_scenarios(
+OUR_MICRO = wrapper_scenarios(
     buffers=False, ignore=False, micro_batches=3, max_world_size=3, sync_last_only=True
 )
 
@@ -66,7 +66,7 @@ def test_torch_ddp_accumulates_micro_batches_exactly(s: TrainingScenario) -> Non
     check_micro_batches_torch(s)
 
 
-@given(_OUR_MICRO)
+@given(OUR_MICRO)
 def test_this_projects_ddp_accumulates_micro_batches_exactly(s: TrainingScenario) -> None:
     _note(s)
     check_micro_batches_ours(s)
