@@ -329,9 +329,10 @@ CASES: dict[str, Case] = {
     "only no_sync accumulates": Case(OUR_MICRO, check_micro_batches_ours),
     # Two ranks, each its own subgroup, local SGD from the start: one step shows it.
     "post-local SGD starts late": Case(local_sgd_cases(), check_post_local_sgd),
-    "torch fp16 hook divides after the sum": Case(
-        MAGNITUDES, check_fp16_hook, lambda s: s.world_size == 2
-    ),
+    # At three ranks dividing before or after the sum rounds differently whatever the data;
+    # at two, only a drawn magnitude shows it (float16 shares that fit, a sum that does not:
+    # tests/corpus/test_fp16_compress_hook.py searches two ranks only).
+    "torch fp16 hook divides after the sum": Case(MAGNITUDES, check_fp16_hook, max_ranks=3),
     # One rank is enough: the .grad of a transposed weight, a view of its bucket.
     "bucket views ignore strides": Case(
         wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp
