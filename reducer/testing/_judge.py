@@ -272,15 +272,31 @@ def _judge_one(
     if bounds.exact:
         found = [n for n, w in present.items() if _same(w, got)]
         return found or None
-    if bounds.atol or bounds.rtol:
+    per_bucket = bounds.range_rtol is not None or bounds.norm_rtol is not None
+    if bounds.rtol or (bounds.atol and not per_bucket):  # with per-bucket bounds, atol is theirs
         torch.testing.assert_close(
             got,
             first,
             atol=bounds.atol,
             rtol=bounds.rtol,
-            msg=lambda m: f"{where}: beyond the stated bound: {m}",
+            msg=lambda m: f"{where}: beyond the stated bound: {m}{_overflow(got, first)}",
         )
     return [next(iter(present))]
+
+
+def _overflow(got: Tensor, want: Tensor) -> str:
+    """A diagnosis line where ``got`` is inf or NaN and the exact value is finite."""
+    if not got.is_floating_point():
+        return ""
+    bad = ~torch.isfinite(got) & torch.isfinite(want)
+    if not bool(bad.any()):
+        return ""
+    index = tuple(int(k) for k in torch.nonzero(bad)[0])
+    return (
+        f"\n  Diagnosis: {int(bad.sum())} element(s) are {got[index].item()} where the exact "
+        f"average is finite (at {index}: {want[index].item()!r}): an overflow, a sum past the "
+        "range of the dtype it was taken in (divide before summing, or sum in a wider dtype)."
+    )
 
 
 def _mismatch(
@@ -393,13 +409,14 @@ def _bucket_bounds(
                 raise AssertionError(
                     f"{where}: error up to {float(error.max()):.3g}, beyond range_rtol x the "
                     f"bucket's range ({bounds.range_rtol} x {float(w.max() - w.min()):.3g})"
+                    + _overflow(g, w)
                 )
         if bounds.norm_rtol is not None:
             limit = bounds.norm_rtol * float(w.norm()) + bounds.atol
             if not float(error.norm()) <= limit:
                 raise AssertionError(
                     f"{where}: error of norm {float(error.norm()):.3g}, beyond norm_rtol x the "
-                    f"bucket's norm ({bounds.norm_rtol} x {float(w.norm()):.3g})"
+                    f"bucket's norm ({bounds.norm_rtol} x {float(w.norm()):.3g})" + _overflow(g, w)
                 )
 
 

@@ -230,8 +230,10 @@ def check_comm_hook(
     Exact where every bound is 0/None (bit for bit); otherwise within the bounds:
     ``atol + rtol * |want|`` elementwise; ``range_rtol``: per bucket the hook was handed, the
     largest error at most ``range_rtol`` times the range (max - min) of the bucket's exact
-    values (an 8-bit quantizer's error follows it); ``norm_rtol``: the error's norm at most
-    ``norm_rtol`` times the exact bucket's norm (low-rank hooks). ``cumulative_atol``: also,
+    values, plus ``atol`` (an 8-bit quantizer's error follows it); ``norm_rtol``: the error's
+    norm at most ``norm_rtol`` times the exact bucket's norm, plus ``atol`` (compression to a
+    half type, low-rank hooks; robust to cancellation, which elementwise bounds are not). With
+    a per-bucket bound, ``atol`` alone adds no elementwise check. ``cumulative_atol``: also,
     at every step, the running sums over steps of the hook's gradients and of the exact ones
     are within it: a hook with error feedback keeps them so (what it drops now, it adds
     later); one that loses its residual drifts steadily. A future that does not complete
