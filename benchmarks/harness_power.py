@@ -2,8 +2,9 @@
 
 For each mutant of ``property_tests/mutants.py`` (``CATALOGUE``), a subprocess runs the
 property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTANT``, see
-``property_tests/conftest.py``): the nine property files (the reducer's, and those that
-check this project's DDP, torch's DDP and its comm hooks, FSDP2 and a user's wrapper), under
+``property_tests/conftest.py``): the ten property files (the reducer's, and those that
+check this project's DDP, torch's DDP and its comm hooks, FSDP2, a user's wrapper, and
+training steps: micro-batches, post-local SGD), under
 the ``ci`` profile's example counts (derandomized; the core properties get four times the
 profile's examples, the unused-parameter and DDP ones eight), generate and shrink phases
 only (a failing explicit example would be reported unshrunk). The unit tests (``tests/``)
@@ -63,6 +64,7 @@ PROPERTIES = (
     "test_torch_equivalence.py",
     "test_wrappers.py",
     "test_torch_comm_hooks.py",
+    "test_training_steps.py",
 )
 REAL = "(real code)"
 WITHIN = (3, 2)  # the goal: reported examples of at most 3 parameters and 2 ranks

@@ -68,8 +68,26 @@ __all__ = [
 _TORCH_LOGGERS = ("torch.distributed", "torch.nn.parallel.distributed")
 
 
+# Where a failing check's own lines live: Hypothesis's explanation ("these lines were always
+# and only run by failing examples") should point at the user's code, not at these.
+_LIBRARY_LINES = ("/reducer/testing/*.py", "/reducer/_averages.py", "/fakepg/*.py", "/torch/**")
+
+
+def _explain_user_lines_only() -> None:
+    """Add the library's files to the locations Hypothesis leaves out of its explanations
+    (once; a private list of Hypothesis, so quietly nothing where it is gone)."""
+    try:
+        from hypothesis.internal import scrutineer
+    except ImportError:  # pragma: no cover - Hypothesis is optional for the checks
+        return
+    unhelpful = getattr(scrutineer, "UNHELPFUL_LOCATIONS", None)
+    if isinstance(unhelpful, tuple) and _LIBRARY_LINES[0] not in unhelpful:
+        scrutineer.UNHELPFUL_LOCATIONS = (*unhelpful, *_LIBRARY_LINES)
+
+
 @contextmanager
 def _quiet_torch_logs() -> Iterator[None]:
+    _explain_user_lines_only()
     loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
