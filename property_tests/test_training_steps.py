@@ -1,11 +1,13 @@
 """Property 8: any training step, checked against a reference algorithm.
 
 - Gradient accumulation: torch's DDP and this project's, over 1 to 3 micro-batches per step,
-  each synced or not (``no_sync()``, or ``require_backward_grad_sync = False`` as nanoGPT
-  sets it; for this project's, the last one synced), ``zero_grad`` to None or to zeros,
+  the last one synced, the others not (``no_sync()``, or ``require_backward_grad_sync =
+  False`` as nanoGPT sets it), ``zero_grad`` to None or to zeros,
   optional branches unused per rank and micro-batch: at each optimizer step every rank's
   gradients are what the reference accumulates and averages at each synced micro-batch (any
-  of torch's roundings), and the parameters after SGD follow.
+  of torch's roundings), and the parameters after SGD follow. A step that ends unsynced,
+  followed by one that does not use what it used, is where both part from the reference
+  (pinned at the end).
 - Post-local SGD: this project's DDP with its ``post_localSGD_hook`` (gradients over every
   rank until ``start_localSGD_iter``, then within subgroups of consecutive ranks) and torch's
   ``PeriodicModelAverager`` after each optimizer step equal
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,11 +41,10 @@ from reducer.testing.model import BranchSpec, ModelSpec, branch_inputs, build_mo
 
 from .test_wrappers import wrapper_scenarios
 
-_MICRO = wrapper_scenarios(buffers=False, ignore=False, micro_batches=3, max_world_size=3)
-# This project's DDP: accumulation as training loops do it, the last micro-batch synced. (A
-# step that ends unsynced, or syncs twice, is where it and torch's differ on a parameter used
-# only in some micro-batches: see README, "Testing your own data-parallel code".)
-OUR_MICRO = wrapper_scenarios(
+# Accumulation as training loops do it: the last micro-batch of each step synced. (A step that
+# ends unsynced is where both DDPs part from the reference on a parameter used only there:
+# pinned below.)
+_MICRO = OUR_MICRO = wrapper_scenarios(
     buffers=False, ignore=False, micro_batches=3, max_world_size=3, sync_last_only=True
 )
 
@@ -126,3 +128,45 @@ def check_post_local_sgd(case: LocalSGDCase) -> None:
 def test_post_local_sgd_is_periodic_averaging(case: LocalSGDCase) -> None:
     note_size(len(list(case[0].make_model().parameters())), case[0].world_size)
     check_post_local_sgd(case)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _used_only_in_an_unsynced_step() -> TrainingScenario:
+    """Step 0 ends unsynced and uses head ``b``; ``zero_grad`` clears it; step 1 syncs and no
+    rank uses ``b``: the reference expects no gradient for it."""
+
+    def x(seed: int) -> torch.Tensor:
+        return torch.randn(3, 2, generator=torch.Generator().manual_seed(seed))
+
+    inputs = ((((x(0), True),), ((x(1), True),)), (((x(2), False),), ((x(3), False),)))
+    modes = (("no_sync",), ("sync",))
+    options = {"find_unused_parameters": True}
+    return TrainingScenario(_TwoHeads, inputs, micro_batches=modes, options=options)
+
+
+def test_torch_ddp_fails_on_a_parameter_used_only_in_an_unsynced_step() -> None:
+    # torch's reducer reduces b's bucket slot as if b were used, finds no gradient there and
+    # trips its own internal check ("please report a bug").
+    with pytest.raises(RuntimeError, match="gradient which is undefined, but still allreduced"):
+        check_data_parallel(torch_ddp(), _used_only_in_an_unsynced_step())
+
+
+def test_this_projects_ddp_gives_zeros_to_a_parameter_used_only_in_an_unsynced_step() -> None:
+    # This project's treats b as used too, and writes a zero gradient where none is due (an
+    # optimizer with momentum or weight decay would then move it).
+    with pytest.raises(
+        AssertionError, match=r"step 1, parameter 2 \('b.weight'\).*expected no gradient"
+    ):
+        check_data_parallel(reducer_ddp(), _used_only_in_an_unsynced_step())
