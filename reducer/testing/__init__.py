@@ -1,7 +1,7 @@
 """Property-based tests for data-parallel training: this project's, torch's, and yours.
 
-Installed with the package (``pip install "ddp-reducer[testing]"`` adds Hypothesis and
-pytest). It holds what the project's own property suite is built on:
+Installed with the package (from a clone: ``pip install "./ddp-reducer[testing]"`` adds
+Hypothesis and pytest). It holds what the project's own property suite is built on:
 
 - :mod:`~reducer.testing.reference`: the exact rank-order average a reduced gradient must
   equal on the fake world (``rank_order_average``), with torch's rounding or the bare
@@ -12,9 +12,13 @@ pytest). It holds what the project's own property suite is built on:
 - :mod:`~reducer.testing.harness`: plays a reducer scenario on the fake world and checks it
   against the reference (``check_against_reference``);
 - :mod:`~reducer.testing.checks`: checks for any data-parallel wrapper built from (module,
-  process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own) and
-  ``check_comm_hook`` (exact, or within a bound you state), on :class:`TrainingScenario`
-  values that ``training_scenarios`` draws from your model factory and inputs.
+  process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own;
+  with your training step, optimizer and micro-batches) and ``check_comm_hook`` (exact in
+  any of torch's roundings, or within a bound you state), on :class:`TrainingScenario`
+  values that ``training_scenarios`` draws from your model factory and inputs; a mismatch
+  is diagnosed (:mod:`reducer._averages`, shared with ``launch``'s replica check);
+- :mod:`~reducer.testing.algorithms`: references as algorithms: what each rank must hold
+  after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, your own).
 
 This module is a tool layer: it imports the core and ``fakepg``; the core never imports it.
 Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest plugin).

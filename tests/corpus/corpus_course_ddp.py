@@ -12,7 +12,9 @@ are known for:
 
 - :class:`AveragesParameters`: ``finish_gradient_synchronization()`` reduces ``p.data``
   instead of ``p.grad``: the parameters are averaged, every gradient stays local.
-- :class:`LastBucketOnly`: the hooks are made in a loop by a closure over the loop's
+- :class:`DividesBeforeWaiting`: divides each gradient before waiting for its allreduce
+  (a race; checked once the checks take a controlled schedule).
+- ``last_bucket_only``: the hooks are made in a loop by a closure over the loop's
   ``bucket`` variable, so every hook counts towards, and fills, the last bucket
   (Python's late binding); the fix binds the bucket when the hook is made.
 """
@@ -133,3 +135,17 @@ def last_bucket_only(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
 
 def bucketed(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
     return Bucketed(module, pg)
+
+
+class DividesBeforeWaiting(IndividualParameters):
+    """The race: divides each gradient while its asynchronous allreduce may still be reading
+    it (the division belongs after ``wait()``). Whether the reduction sees the divided or
+    the undivided gradient depends on when the collective reads its input: a race, which
+    only a controlled scheduler makes repeatable."""
+
+    def finish_gradient_synchronization(self) -> None:
+        for work, p in self.pending:
+            assert p.grad is not None
+            p.grad.div_(self.pg.size())  # the bug: before work.wait()
+            work.wait()
+        self.pending.clear()
