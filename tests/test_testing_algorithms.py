@@ -221,3 +221,25 @@ def test_the_default_average_is_any_rounding_and_scaling_pins_one() -> None:
     assert "reciprocal" in check_data_parallel(torch_ddp(), scenario).roundings
     report = check_data_parallel(torch_ddp(), scenario, reference=ddp_average(scaling="reciprocal"))
     assert report.roundings == ("reciprocal",)
+
+
+def _never(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    return torch.futures.Future()  # never completed
+
+
+_never.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[Tensor],
+}
+
+
+@pytest.mark.parametrize("wrapper", [nn.parallel.DistributedDataParallel, "ours"])
+def test_the_timeout_holds_for_a_hook_registered_by_any_wrapper(wrapper: Any) -> None:
+    def make(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
+        ddp = reducer.DistributedDataParallel(module, pg) if wrapper == "ours" else wrapper(module)
+        ddp.register_comm_hook(None, _never)
+        return ddp
+
+    with pytest.raises(Exception, match=r"rank \d, step 0: the comm hook's future for bucket"):
+        check_data_parallel(make, TrainingScenario(_mlp, _inputs(2, 1)), timeout=2.0)

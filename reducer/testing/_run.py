@@ -186,6 +186,7 @@ def play(
         model = s.make_model()
         trace = RankTrace(rank, [name for name, _ in model.named_parameters()])
         stop_observing = _observe(pg, trace)
+        _registering.trace, _registering.timeout = trace, timeout
         try:
             if s.ignored:
                 _ignore(model, s.ignored)
@@ -232,10 +233,12 @@ def play(
             raise
         finally:
             stop_observing()
+            _registering.trace = None
         return trace
 
     try:
-        return fakepg.run_torch(rank_fn, s.world_size, timeout=timeout)
+        with hooks_with_deadline():
+            return fakepg.run_torch(rank_fn, s.world_size, timeout=timeout)
     except Exception as exc:
         if s.refusal is None:
             raise
@@ -328,3 +331,95 @@ class RankStreams:
             torch.set_rng_state(self._states[rank])
             yield
             self._states[rank] = torch.get_rng_state()
+
+
+def _watched(
+    hook: Callable[[Any, Any], torch.futures.Future[Tensor]],
+    trace: RankTrace,
+    module: nn.Module,
+    timeout: float,
+) -> Callable[[Any, Any], torch.futures.Future[Tensor]]:
+    """``hook``, recording which parameters each bucket holds, its future failing after
+    ``timeout`` seconds if the hook's own never completes (torch's DDP waits on it without a
+    deadline)."""
+    index = {id(p): i for i, p in enumerate(_module_of(module).parameters())}
+
+    def watched(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+        step = trace.step
+        while len(trace.buckets) <= step:
+            trace.buckets.append([])
+        members = [index.get(id(p), -1) for p in bucket.parameters()]
+        trace.buckets[step].append(members)
+        inner = hook(state, bucket)
+        outer: torch.futures.Future[Tensor] = torch.futures.Future()
+        lock = threading.Lock()  # one completion of outer: the relay or the timer
+
+        def relay(f: torch.futures.Future[Tensor]) -> None:
+            with lock:
+                if outer.done():
+                    return
+                try:
+                    value = f.value()
+                except Exception as exc:  # the hook's own failure, passed on as it is
+                    outer.set_exception(exc)  # type: ignore[arg-type]
+                    return
+                outer.set_result(value)
+
+        def expire() -> None:
+            error = TimeoutError(
+                f"rank {trace.rank}, step {step}: the comm hook's future for bucket "
+                f"{bucket.index()} (parameters {members}) did not complete within {timeout} s "
+                "(a future the hook never completes, or a collective some rank never issued)"
+            )
+            with lock:
+                if not outer.done():
+                    outer.set_exception(error)  # type: ignore[arg-type]
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
+        outer.add_done_callback(lambda _: timer.cancel())
+        inner.add_done_callback(relay)
+        return outer
+
+    watched._watched = True  # type: ignore[attr-defined]
+    watched.__annotations__ = dict(getattr(hook, "__annotations__", {}))
+    watched.__name__ = getattr(hook, "__name__", "hook")
+    watched.__qualname__ = getattr(hook, "__qualname__", "hook")
+    return watched
+
+
+def _module_of(wrapper: nn.Module) -> nn.Module:
+    inner = getattr(wrapper, "module", None)
+    return inner if isinstance(inner, nn.Module) else wrapper
+
+
+# The rank thread's trace and the check's timeout, for hooks registered on that thread.
+_registering = threading.local()
+
+
+@contextlib.contextmanager
+def hooks_with_deadline() -> Iterator[None]:
+    """While a check plays, every comm hook registered on a DDP wrapper (torch's or this
+    project's) from a rank thread is watched: its buckets recorded, its future failed after
+    the check's timeout (torch's reducer waits on it without a deadline). Process-wide: the
+    checks run one at a time, as torch's default group is one per process."""
+    classes: list[Any] = [nn.parallel.DistributedDataParallel, reducer.DistributedDataParallel]
+    originals = [cls.register_comm_hook for cls in classes]
+
+    def patched(original: Callable[..., Any]) -> Callable[..., Any]:
+        def register_comm_hook(self: nn.Module, state: object, hook: Any) -> Any:
+            trace: RankTrace | None = getattr(_registering, "trace", None)
+            if trace is not None and not getattr(hook, "_watched", False):
+                hook = _watched(hook, trace, self, _registering.timeout)
+            return original(self, state, hook)
+
+        return register_comm_hook
+
+    for cls, original in zip(classes, originals, strict=True):
+        cls.register_comm_hook = patched(original)
+    try:
+        yield
+    finally:
+        for cls, original in zip(classes, originals, strict=True):
+            cls.register_comm_hook = original

@@ -32,7 +32,6 @@ seed (``TrainingScenario.rank_seeds``): the reference replays them on the callin
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -266,8 +265,8 @@ def check_comm_hook(
     wrapper = make_wrapper if make_wrapper is not None else torch_ddp()
 
     def setup(module: nn.Module, pg: reducer.ProcessGroup, trace: RankTrace) -> None:
-        watched = _watched(hook, trace, module, timeout)
-        module.register_comm_hook(None if state is None else state(pg), watched)  # type: ignore[operator]
+        # Watched by play: its future fails after the timeout, its buckets are recorded.
+        module.register_comm_hook(None if state is None else state(pg), hook)  # type: ignore[operator]
 
     with _quiet_torch_logs():
         runs = play(
@@ -289,63 +288,3 @@ def check_comm_hook(
         check_strides=False,
         bounds=bounds,
     )
-
-
-def _watched(
-    hook: Callable[[Any, Any], torch.futures.Future[Tensor]],
-    trace: RankTrace,
-    module: nn.Module,
-    timeout: float,
-) -> Callable[[Any, Any], torch.futures.Future[Tensor]]:
-    """``hook``, recording which parameters each bucket holds, its future failing after
-    ``timeout`` seconds if the hook's own never completes (torch's DDP waits on it without a
-    deadline)."""
-    index = {id(p): i for i, p in enumerate(_module_of(module).parameters())}
-
-    def watched(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
-        step = trace.step
-        while len(trace.buckets) <= step:
-            trace.buckets.append([])
-        members = [index.get(id(p), -1) for p in bucket.parameters()]
-        trace.buckets[step].append(members)
-        inner = hook(state, bucket)
-        outer: torch.futures.Future[Tensor] = torch.futures.Future()
-        lock = threading.Lock()  # one completion of outer: the relay or the timer
-
-        def relay(f: torch.futures.Future[Tensor]) -> None:
-            with lock:
-                if outer.done():
-                    return
-                try:
-                    value = f.value()
-                except Exception as exc:  # the hook's own failure, passed on as it is
-                    outer.set_exception(exc)  # type: ignore[arg-type]
-                    return
-                outer.set_result(value)
-
-        def expire() -> None:
-            error = TimeoutError(
-                f"rank {trace.rank}, step {step}: the comm hook's future for bucket "
-                f"{bucket.index()} (parameters {members}) did not complete within {timeout} s "
-                "(a future the hook never completes, or a collective some rank never issued)"
-            )
-            with lock:
-                if not outer.done():
-                    outer.set_exception(error)  # type: ignore[arg-type]
-
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
-        outer.add_done_callback(lambda _: timer.cancel())
-        inner.add_done_callback(relay)
-        return outer
-
-    watched.__annotations__ = dict(getattr(hook, "__annotations__", {}))
-    watched.__name__ = getattr(hook, "__name__", "hook")
-    watched.__qualname__ = getattr(hook, "__qualname__", "hook")
-    return watched
-
-
-def _module_of(wrapper: nn.Module) -> nn.Module:
-    inner = getattr(wrapper, "module", None)
-    return inner if isinstance(inner, nn.Module) else wrapper
