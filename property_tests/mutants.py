@@ -658,6 +658,10 @@ def _post_local_sgd_late(state: Any, bucket: reducer.GradBucket) -> Any:
     return _real_post_local_sgd(state, bucket)
 
 
+# The wrapper reads a hook's annotations: give the mutant the real hook's.
+_post_local_sgd_late.__annotations__ = dict(_real_post_local_sgd.__annotations__)
+
+
 class RebuildFromOwnOrder(_DDP):
     """Rebuilds the buckets in this rank's own ready order, without taking rank 0's."""
 
