@@ -4,6 +4,7 @@ torch's own implementation on the fake world, and the errors for bad input."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -243,3 +244,20 @@ def test_the_timeout_holds_for_a_hook_registered_by_any_wrapper(wrapper: Any) ->
 
     with pytest.raises(Exception, match=r"rank \d, step 0: the comm hook's future for bucket"):
         check_data_parallel(make, TrainingScenario(_mlp, _inputs(2, 1)), timeout=2.0)
+
+
+def test_torch_distributed_log_records_stay_out_of_the_captured_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+
+    def train_step(model: nn.Module, optimizer: Any, batch: Batch, step: int) -> None:
+        logging.getLogger("torch.distributed.c10d_logger").debug("c10d noise")
+        logging.getLogger("my_training").debug("my record")
+        optimizer.zero_grad()
+        batch.loss(model(*batch.args)).backward()
+        optimizer.step()
+
+    check_data_parallel(torch_ddp(), TrainingScenario(_mlp, _inputs(2, 1)), train_step=train_step)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "my record" in messages and "c10d noise" not in messages
