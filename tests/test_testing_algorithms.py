@@ -31,6 +31,7 @@ from reducer.testing import (
     check_comm_hook,
     check_data_parallel,
     ddp_average,
+    fsdp2,
     hierarchical_averaging,
     periodic_averaging,
     reducer_ddp,
@@ -222,6 +223,9 @@ def test_the_default_average_is_any_rounding_and_scaling_pins_one() -> None:
     assert "reciprocal" in check_data_parallel(torch_ddp(), scenario).roundings
     report = check_data_parallel(torch_ddp(), scenario, reference=ddp_average(scaling="reciprocal"))
     assert report.roundings == ("reciprocal",)
+    # FSDP2's full gradients: the sum in rank order, then divided (its AVG reduce-scatter).
+    report = check_data_parallel(fsdp2(), scenario, check_strides=False)
+    assert report.roundings == ("sum_then_divide",)
 
 
 def _never(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
