@@ -22,7 +22,7 @@ def batch(generator: torch.Generator, skip: frozenset[int]) -> tuple[torch.Tenso
 
 
 def within_fp16_rounding(hook: object) -> object:
-    @settings(max_examples=60, derandomize=True, database=None, deadline=None)
+    @settings(max_examples=30, derandomize=True, database=None, deadline=None)
     @given(
         training_scenarios(
             model,
