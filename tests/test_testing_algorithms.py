@@ -5,6 +5,7 @@ torch's own implementation on the fake world, and the errors for bad input."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from torch.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
 import reducer
+import reducer.testing.checks
 from reducer.testing import (
     Batch,
     Reference,
@@ -265,3 +267,13 @@ def test_torch_distributed_log_records_stay_out_of_the_captured_log(
     check_data_parallel(torch_ddp(), TrainingScenario(_mlp, _inputs(2, 1)), train_step=train_step)
     messages = [r.getMessage() for r in caplog.records]
     assert "my record" in messages and "c10d noise" not in messages
+
+
+def test_hypothesis_explanations_leave_the_library_lines_out() -> None:
+    from hypothesis.internal import scrutineer
+
+    check_data_parallel(torch_ddp(), TrainingScenario(_mlp, _inputs(1, 1)))
+    hidden = re.compile(scrutineer._glob_to_re(scrutineer.UNHELPFUL_LOCATIONS))
+    assert hidden.search(reducer.testing.checks.__file__.replace("\\", "/"))
+    assert hidden.search(f"{reducer.__file__.rsplit('/', 1)[0]}/_averages.py")
+    assert not hidden.search(__file__)  # the user's own lines stay
