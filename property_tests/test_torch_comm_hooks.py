@@ -21,19 +21,21 @@ whose residual is exactly bounded, in ``tests/test_testing_checks.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from reducer.testing import TrainingScenario, check_comm_hook, generated_training_scenarios
 from reducer.testing.harness import note_size
 from reducer.testing.hooks import AVERAGES
-from reducer.testing.model import BranchSpec, ModelSpec
+from reducer.testing.model import BranchSpec, ModelSpec, build_model, loss_of
 from reducer.testing.strategies import gradient_scales, model_specs
 
 SCENARIOS = _SCENARIOS = generated_training_scenarios(
@@ -122,3 +124,24 @@ _PROJECTIONS = st.builds(
 def test_full_rank_powersgd_is_the_average_within_rounding(s: TrainingScenario) -> None:
     _note(s)
     check_comm_hook(powersgd.powerSGD_hook, s, state=_powersgd_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        quantization_hooks.quantization_pertensor_hook,
+        quantization_hooks.quantization_perchannel_hook,
+    ],
+)
+def test_torch_quantization_hooks_fail_at_their_first_bucket(hook: Any) -> None:
+    # Each reads the gathered scales and zero points as ``fut.wait()[0][rank][0]``, which needs
+    # the future's value nested one level deeper than the fake world's all_gather future gives
+    # it (a flat list of the gathered tensors): an IndexError in its first callback, on every
+    # rank, before anything is quantized.
+    scenario = TrainingScenario(
+        functools.partial(build_model, ModelSpec((BranchSpec("mlp"),), seed=0)),
+        ((([torch.ones(2, 3)], frozenset({0})), ([torch.zeros(2, 3)], frozenset({0}))),),
+        loss=loss_of,
+    )
+    with pytest.raises(RuntimeError, match="IndexError"):
+        check_comm_hook(hook, scenario, range_rtol=2 / 255, timeout=10.0)
