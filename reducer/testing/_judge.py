@@ -38,12 +38,17 @@ class CheckReport:
     steps: int
     compared: int
     matched: dict[str, int] = field(default_factory=dict)
+    exact: bool = True  # False: compared within the bounds a lossy hook was given
 
     @property
     def roundings(self) -> tuple[str, ...]:
+        if not self.exact or not self.compared:
+            return ()
         return tuple(r for r in ROUNDINGS if self.matched.get(r, 0) == self.compared)
 
     def __str__(self) -> str:
+        if not self.exact:
+            return f"{self.compared} gradients over {self.steps} steps within the stated bounds"
         seen = ", ".join(f"{r} ({FORMULAS[r]})" for r in self.roundings) or "no single one"
         counts = ", ".join(f"{name}: {n}" for name, n in self.matched.items())
         return (
@@ -127,7 +132,8 @@ def judge(
                         _mismatch(got[i], expected, r, i, sg, runs[r], f"{where}, gradient")
                     )
                 compared += got[i] is not None
-                matched.update(found if got[i] is not None else ())
+                if bounds.exact and got[i] is not None:
+                    matched.update(found)
                 adopt = expected[r][i][found[0]] if found else None
                 params[r][i].grad = None if adopt is None else adopt.clone()
             if not bounds.exact:
@@ -164,7 +170,7 @@ def judge(
                     params[r][i].copy_(cands[found[0]])  # type: ignore[arg-type]
             _compare_buffers(runs[r].buffers[step], buffers_of(models[r]), r, step)
     _final(s, runs, params, streams)
-    return CheckReport(s.steps, compared, dict(matched))
+    return CheckReport(s.steps, compared, dict(matched), bounds.exact)
 
 
 def _local_gradients(
