@@ -51,7 +51,8 @@ from reducer.testing import (
     sum_then_divide,
     torch_ddp,
 )
-from reducer.testing.checks import _reference
+from reducer.testing._judge import reference_alone
+from reducer.testing.algorithms import ddp_average
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import ModelSpec
 from reducer.testing.reference import rank_order_average
@@ -135,7 +136,7 @@ def _reference_only(average: Any) -> Any:
 
     def run(s: TrainingScenario) -> None:
         # A private function of the checks: the benchmark measures what it costs.
-        _reference(s, average, broadcast_buffers=True)
+        reference_alone(s, ddp_average(average=average))
 
     return run
 

@@ -524,9 +524,23 @@ def _torch_fp16_sum_in_full(process_group: Any, bucket: Any) -> Any:
     return work.get_future().then(lambda f: f.value()[0])  # type: ignore[union-attr]
 
 
+def _torch_fp16_divide_after_sum(process_group: Any, bucket: Any) -> Any:
+    """torch's fp16 compression hook as it was before its overflow fix (pytorch#59576): the
+    float16 shares are summed undivided and the sum divided afterwards, so gradients whose
+    sum passes 65504 come back inf."""
+    buffer = bucket.buffer()
+    size = dist.get_world_size(process_group)
+    compressed = buffer.to(torch.float16)
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    return work.get_future().then(  # type: ignore[union-attr]
+        lambda f: buffer.copy_(f.value()[0].div_(size))
+    )
+
+
 for _hook, _typed in (
     (_torch_allreduce_not_divided, _torch_fp16_hook),
     (_torch_fp16_sum_in_full, _torch_fp16_hook),
+    (_torch_fp16_divide_after_sum, _torch_fp16_hook),
 ):
     # torch's DDP checks a hook's annotations; this module's are strings.
     _hook.__annotations__ = dict(_typed.__annotations__)
@@ -674,6 +688,44 @@ class IgnoreSyncToggle(_DDP):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.require_backward_grad_sync = True
         return super().forward(*inputs, **kwargs)
+
+
+class OnlyNoSyncAccumulates(_DDP):
+    """Accumulates only inside ``no_sync()``: ``require_backward_grad_sync = False`` set by
+    hand (as nanoGPT's train.py does) is ignored, and that micro-batch reduces too."""
+
+    _inside_no_sync = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._inside_no_sync = True
+        try:
+            with super().no_sync():
+                yield
+        finally:
+            self._inside_no_sync = False
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self._inside_no_sync:
+            self.require_backward_grad_sync = True
+        return super().forward(*inputs, **kwargs)
+
+
+_real_post_local_sgd = reducer.post_localSGD_hook
+
+
+def _post_local_sgd_late(state: Any, bucket: reducer.GradBucket) -> Any:
+    """Averages over every rank through iteration ``start_localSGD_iter`` itself (``<=``
+    for ``<``): local SGD starts one iteration late."""
+    if state.iter == state.start_localSGD_iter:
+        if bucket.is_last():
+            state.iter += 1
+        return reducer.allreduce_hook(state.process_group, bucket)
+    return _real_post_local_sgd(state, bucket)
+
+
+# The wrapper reads a hook's annotations: give the mutant the real hook's.
+_post_local_sgd_late.__annotations__ = dict(_real_post_local_sgd.__annotations__)
 
 
 class RebuildFromOwnOrder(_DDP):
@@ -1163,6 +1215,15 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
             _torch_fp16_sum_in_full,
         ),
     ),
+    (
+        "torch fp16 hook divides after the sum",
+        "torch comm hooks",
+        _in(
+            "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+            "fp16_compress_hook",
+            _torch_fp16_divide_after_sum,
+        ),
+    ),
     # The fake world under FSDP2.
     (
         "reduce_scatter chunks reversed",
@@ -1204,6 +1265,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.ddp._wrapper", "replace_tensors", _replace_but_dicts),
     ),
     ("no_sync ignored", "DDP wrapper", _in("reducer", "DistributedDataParallel", IgnoreSyncToggle)),
+    (
+        "only no_sync accumulates",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", OnlyNoSyncAccumulates),
+    ),
+    (
+        "post-local SGD starts late",
+        "comm hooks",
+        _in("reducer", "post_localSGD_hook", _post_local_sgd_late),
+    ),
     (
         "joined rank's used map says all used",
         "DDP wrapper",

@@ -55,8 +55,19 @@ from .test_launch_preimport import _PREFIX as _PROBE
 from .test_launch_preimport import check_preimport, scripts
 from .test_multi_iteration import TrainingMachine
 from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
-from .test_torch_comm_hooks import SCENARIOS, check_allreduce_hook, check_fp16_hook
+from .test_torch_comm_hooks import (
+    MAGNITUDES,
+    SCENARIOS,
+    check_allreduce_hook,
+    check_fp16_hook,
+)
 from .test_torch_equivalence import check_bucket_assignment
+from .test_training_steps import (
+    OUR_MICRO,
+    check_micro_batches_ours,
+    check_post_local_sgd,
+    local_sgd_cases,
+)
 from .test_wrappers import (
     _BUFFER_HOOKED,
     _STATIC,
@@ -117,6 +128,8 @@ def _size(example: Any) -> tuple[int, int]:
         return len(list(example.make_model().parameters())), example.world_size
     if isinstance(example, Scenario | DDPScenario):
         return example.model.parameter_count, example.world_size
+    if isinstance(example, tuple) and isinstance(example[0], TrainingScenario):  # local SGD
+        return len(list(example[0].make_model().parameters())), example[0].world_size
     if isinstance(example, tuple) and isinstance(example[0], Scenario):  # (scenario, rank)
         return example[0].model.parameter_count, example[0].world_size
     if isinstance(example, _MixedPrecision):  # a configuration, checked on one Linear
@@ -342,6 +355,18 @@ CASES: dict[str, Case] = {
     "torch fp16 hook sums in float32": Case(
         SCENARIOS, check_fp16_hook, lambda s: s.world_size == 2
     ),
+    # Two ranks whose float16 shares each fit, but not their sum: only drawn magnitudes show
+    # it (at two ranks, dividing before or after the sum is otherwise the same bits).
+    # One step of two micro-batches, the first with the attribute toggled by hand: reduced
+    # early, the average is the same sum in another order, so only its rounding shows it
+    # (surely at three ranks, where dividing by W rounds).
+    "only no_sync accumulates": Case(OUR_MICRO, check_micro_batches_ours, max_ranks=3),
+    # Two ranks, each its own subgroup, local SGD from the start: one step shows it.
+    "post-local SGD starts late": Case(local_sgd_cases(), check_post_local_sgd),
+    # At three ranks dividing before or after the sum rounds differently whatever the data;
+    # at two, only a drawn magnitude shows it (float16 shares that fit, a sum that does not:
+    # tests/corpus/test_fp16_compress_hook.py searches two ranks only).
+    "torch fp16 hook divides after the sum": Case(MAGNITUDES, check_fp16_hook, max_ranks=3),
     # One rank is enough: the .grad of a transposed weight, a view of its bucket.
     "bucket views ignore strides": Case(
         wrapper_scenarios(buffers=False, layouts=True, as_view=True), check_our_ddp

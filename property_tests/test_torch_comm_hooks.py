@@ -6,7 +6,9 @@ fake world sums in rank order, in the tensor's dtype):
 - ``allreduce_hook`` divides the bucket in place, then sums: the rank-order average with
   ``g / W`` (not torch's reducer's own ``g * (1/W)``), bit for bit;
 - ``fp16_compress_hook`` / ``bf16_compress_hook``: each gradient cast to the half type and
-  divided there, summed in the half type, cast back: bit for bit (torch refuses to register
+  divided there, summed in the half type, cast back: bit for bit, at every gradient magnitude
+  drawn (zeros, denormals, float16 sums past 65504: inf exactly where the prediction has it;
+  the hook from before torch's overflow fix, summing first, fails here) (torch refuses to register
   ``bf16_compress_hook`` by its name without CUDA and NCCL, so it is registered under
   another name; what it computes does not depend on the device);
 - ``powerSGD_hook`` with a rank at least the smaller side of every matrix: the average within
@@ -19,25 +21,35 @@ whose residual is exactly bounded, in ``tests/test_testing_checks.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, quantization_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from reducer.testing import TrainingScenario, check_comm_hook, generated_training_scenarios
 from reducer.testing.harness import note_size
 from reducer.testing.hooks import AVERAGES
-from reducer.testing.model import BranchSpec, ModelSpec
-from reducer.testing.strategies import model_specs
+from reducer.testing.model import BranchSpec, ModelSpec, build_model, loss_of
+from reducer.testing.strategies import gradient_scales, model_specs
 
 SCENARIOS = _SCENARIOS = generated_training_scenarios(
     model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
     options={"find_unused_parameters": True},
     lr=0.0,
+)
+# The same, each rank's loss scaled per step by a drawn power of two: gradients of any
+# magnitude, zeros, denormals, and float16 sums past 65504 (see gradient_scales).
+MAGNITUDES = generated_training_scenarios(
+    model=model_specs(max_branches=3, max_params=6, allow_sparse=False),
+    options={"find_unused_parameters": True},
+    lr=0.0,
+    loss_scales=gradient_scales(),
 )
 
 
@@ -61,7 +73,7 @@ def _note(s: TrainingScenario) -> None:
 
 def check_allreduce_hook(s: TrainingScenario) -> None:
     # torch's hook as default_hooks holds it now (a mutant may replace it).
-    check_comm_hook(default_hooks.allreduce_hook, s)
+    check_comm_hook(default_hooks.allreduce_hook, s, scaling="divide")
 
 
 def check_fp16_hook(s: TrainingScenario) -> None:
@@ -74,13 +86,13 @@ def test_allreduce_hook_is_the_divided_average(s: TrainingScenario) -> None:
     check_allreduce_hook(s)
 
 
-@given(_SCENARIOS)
+@given(MAGNITUDES)
 def test_fp16_compression_is_exactly_predictable(s: TrainingScenario) -> None:
     _note(s)
     check_fp16_hook(s)
 
 
-@given(_SCENARIOS)
+@given(MAGNITUDES)
 def test_bf16_compression_is_exactly_predictable(s: TrainingScenario) -> None:
     _note(s)
     check_comm_hook(bf16_hook, s, average=AVERAGES["bf16"])
@@ -112,3 +124,24 @@ _PROJECTIONS = st.builds(
 def test_full_rank_powersgd_is_the_average_within_rounding(s: TrainingScenario) -> None:
     _note(s)
     check_comm_hook(powersgd.powerSGD_hook, s, state=_powersgd_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        quantization_hooks.quantization_pertensor_hook,
+        quantization_hooks.quantization_perchannel_hook,
+    ],
+)
+def test_torch_quantization_hooks_fail_at_their_first_bucket(hook: Any) -> None:
+    # Each reads the gathered scales and zero points as ``fut.wait()[0][rank][0]``, which needs
+    # the future's value nested one level deeper than the fake world's all_gather future gives
+    # it (a flat list of the gathered tensors): an IndexError in its first callback, on every
+    # rank, before anything is quantized.
+    scenario = TrainingScenario(
+        functools.partial(build_model, ModelSpec((BranchSpec("mlp"),), seed=0)),
+        ((([torch.ones(2, 3)], frozenset({0})), ([torch.zeros(2, 3)], frozenset({0}))),),
+        loss=loss_of,
+    )
+    with pytest.raises(RuntimeError, match="IndexError"):
+        check_comm_hook(hook, scenario, range_rtol=2 / 255, timeout=10.0)

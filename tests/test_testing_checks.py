@@ -159,13 +159,14 @@ def test_error_feedback_keeps_the_running_sum_within_the_bound() -> None:
     # Each step is off by at most one grid step per rank; with feedback the running sum is
     # off by what the ranks hold back now, at most half a grid step each.
     bound = world_size * STEP
-    check_comm_hook(
+    report = check_comm_hook(
         _rounding_hook(True),
         scenario,
         state=lambda pg: {},
         atol=bound,
         cumulative_atol=bound / 2 + 1e-5,
     )
+    assert not report.exact and report.roundings == ()  # within bounds, not exact
     with pytest.raises(AssertionError, match="running sum"):
         check_comm_hook(
             _rounding_hook(False),
@@ -203,3 +204,127 @@ def test_a_comm_hook_check_refuses_a_reload() -> None:
     scenario = TrainingScenario(_mlp, _inputs(2, 2), reload_after=0)
     with pytest.raises(ValueError, match="a reloaded wrapper has no comm hook"):
         check_comm_hook(hook, scenario)
+
+
+# -- one default for both checks, and a diagnosis of every mismatch ---------------------------
+
+
+def _divide_the_sum(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """A correct hook that sums, then divides in its callback (sum then divide)."""
+    world = dist.get_world_size()  # the callback runs on another thread
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda f: f.value()[0].div_(world))  # type: ignore[union-attr]
+
+
+_divide_the_sum.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[Tensor],
+}
+
+
+def test_no_one_ulp_false_alarm_at_three_ranks_with_the_defaults() -> None:
+    scenario = TrainingScenario(_mlp, _inputs(3, 2))
+    report = check_comm_hook(_divide_the_sum, scenario)
+    assert report.roundings == ("sum_then_divide",)
+    with pytest.raises(AssertionError, match=r"scaling='sum_then_divide' accepts it"):
+        check_comm_hook(_divide_the_sum, scenario, scaling="reciprocal")
+    with pytest.raises(AssertionError, match=r"scaling='reciprocal' accepts it"):
+        check_data_parallel(torch_ddp(), scenario, scaling="divide")
+
+
+def test_the_sum_is_diagnosed_as_w_times_the_average() -> None:
+    with pytest.raises(AssertionError, match="W times the average"):
+        check_data_parallel(SummingParallel, TrainingScenario(_mlp, _inputs(2, 1)))
+
+
+class SubgroupParallel(SummingParallel):
+    """A broken user wrapper: averages over ranks 0 and 1 only (a subgroup made for the whole
+    world)."""
+
+    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.module = module
+        sub = pg.new_group([0, 1])  # type: ignore[attr-defined]
+
+        def reduce(q: Tensor) -> None:
+            if sub is not None:
+                sub.allreduce([q.grad.div_(2)]).wait()
+
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(reduce)  # type: ignore[no-untyped-call]
+
+
+def test_an_average_of_some_ranks_is_diagnosed() -> None:
+    with pytest.raises(AssertionError, match=r"average of ranks \[0, 1\] only"):
+        check_data_parallel(SubgroupParallel, TrainingScenario(_mlp, _inputs(3, 1)))
+
+
+class ParameterAveraging(SummingParallel):
+    """A broken user wrapper (a classic): averages the parameters' values after backward,
+    not their gradients."""
+
+    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
+        nn.Module.__init__(self)
+        self.module, self.pg = module, pg
+
+    def finish_gradient_synchronization(self) -> None:
+        for p in self.module.parameters():
+            self.pg.allreduce([p.data.div_(self.pg.size())]).wait()
+
+
+def test_parameters_averaged_instead_of_gradients_is_diagnosed() -> None:
+    with pytest.raises(
+        AssertionError,
+        match=r"(?s)rank 0's local gradient: nothing was reduced.*parameter values were averaged",
+    ):
+        check_data_parallel(
+            ParameterAveraging,
+            TrainingScenario(_mlp, _inputs(2, 1)),
+            after_backward=ParameterAveraging.finish_gradient_synchronization,
+        )
+
+
+def _twins() -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Tanh(), nn.Linear(3, 3, bias=False))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
+
+
+class SwappedParallel(nn.Module):
+    """A broken user wrapper: reduces every gradient, then writes each of the two layers'
+    averages onto the other (a bucket's gradients on the wrong parameters)."""
+
+    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
+        super().__init__()
+        self.module, self.pg = module, pg
+
+    def forward(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self) -> None:
+        first, second = self.module.parameters()
+        for p in (first, second):
+            self.pg.allreduce([p.grad.mul_(1.0 / self.pg.size())]).wait()
+        first.grad, second.grad = second.grad, first.grad
+
+
+def test_gradients_on_the_wrong_parameter_are_diagnosed() -> None:
+    inputs = tuple(
+        tuple(
+            (torch.randn(2, 3, generator=torch.Generator().manual_seed(r + 10 * s)),)
+            for r in range(2)
+        )
+        for s in range(1)
+    )
+    with pytest.raises(
+        AssertionError, match=r"it is the gradient parameter 1 \('2.weight'\) should have"
+    ):
+        check_data_parallel(
+            SwappedParallel,
+            TrainingScenario(_twins, inputs),
+            after_backward=SwappedParallel.finish_gradient_synchronization,
+        )

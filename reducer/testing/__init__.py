@@ -1,7 +1,7 @@
 """Property-based tests for data-parallel training: this project's, torch's, and yours.
 
-Installed with the package (``pip install "ddp-reducer[testing]"`` adds Hypothesis and
-pytest). It holds what the project's own property suite is built on:
+Installed with the package (from a clone: ``pip install "./ddp-reducer[testing]"`` adds
+Hypothesis and pytest). It holds what the project's own property suite is built on:
 
 - :mod:`~reducer.testing.reference`: the exact rank-order average a reduced gradient must
   equal on the fake world (``rank_order_average``), with torch's rounding or the bare
@@ -12,9 +12,13 @@ pytest). It holds what the project's own property suite is built on:
 - :mod:`~reducer.testing.harness`: plays a reducer scenario on the fake world and checks it
   against the reference (``check_against_reference``);
 - :mod:`~reducer.testing.checks`: checks for any data-parallel wrapper built from (module,
-  process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own) and
-  ``check_comm_hook`` (exact, or within a bound you state), on :class:`TrainingScenario`
-  values that ``training_scenarios`` draws from your model factory and inputs;
+  process group): ``check_data_parallel`` (torch's DDP, this project's, FSDP2, your own;
+  with your training step, optimizer and micro-batches) and ``check_comm_hook`` (exact in
+  any of torch's roundings, or within a bound you state), on :class:`TrainingScenario`
+  values that ``training_scenarios`` draws from your model factory and inputs; a mismatch
+  is diagnosed (:mod:`reducer._averages`, shared with ``launch``'s replica check);
+- :mod:`~reducer.testing.algorithms`: references as algorithms: what each rank must hold
+  after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, your own);
 - :mod:`~reducer.testing.schedule`: races made repeatable: ``schedules`` draws the fake
   world's schedule for the checks' ``schedule=``, ``race_report`` prints it as a timeline.
 
@@ -24,7 +28,17 @@ Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest
 
 from __future__ import annotations
 
+from .algorithms import (
+    Reference,
+    StepGradients,
+    ddp_average,
+    hierarchical_averaging,
+    periodic_averaging,
+    zero_redundancy,
+)
 from .checks import (
+    Batch,
+    CheckReport,
     TrainingScenario,
     check_comm_hook,
     check_data_parallel,
@@ -40,12 +54,20 @@ from .strategies import bucket_caps_mb, generated_training_scenarios, training_s
 
 __all__ = [
     "TrainingScenario",
+    "Batch",
+    "CheckReport",
     "check_data_parallel",
     "check_comm_hook",
     "torch_ddp",
     "reducer_ddp",
     "fsdp2",
     "sum_of_squares",
+    "Reference",
+    "StepGradients",
+    "ddp_average",
+    "zero_redundancy",
+    "periodic_averaging",
+    "hierarchical_averaging",
     "training_scenarios",
     "generated_training_scenarios",
     "bucket_caps_mb",

@@ -76,6 +76,7 @@ __all__ = [
     "bucket_caps_mb",
     "bucket_assignments",
     "bucketing_inputs",
+    "gradient_scales",
     "generated_training_scenarios",
     "model_specs",
     "odd_heavy_world_sizes",
@@ -610,6 +611,11 @@ def training_scenarios(
     uneven: bool = False,
     reload: bool = False,
     uniform_skip: bool = False,
+    micro_batches: int = 1,
+    sync_modes: Sequence[str] = ("no_sync", "require_backward_grad_sync"),
+    sync_last_only: bool = False,
+    loss_scales: st.SearchStrategy[float] | None = None,
+    set_to_none: bool | None = True,
 ) -> TrainingScenario:
     """A :class:`~reducer.testing.checks.TrainingScenario` of a user's model.
 
@@ -631,7 +637,15 @@ def training_scenarios(
     drawn after which every rank pickles and reloads its wrapper (``reload_after``). With
     ``uniform_skip``, the optional parts left out are drawn once: the same on every rank at
     every step (what ``skip_all_reduce_unused_params`` requires).
-    Shrinks toward one rank, one step, nothing skipped, nothing ignored, no reload.
+    With ``micro_batches`` > 1, each step runs 1 to that many micro-batches (gradient
+    accumulation), each synced or not (one of ``sync_modes``: how the step tells the wrapper),
+    each with its own inputs and optional parts left out (with ``sync_last_only``, the usual
+    accumulation: only the last micro-batch synced). ``loss_scales`` draws, per rank and
+    step, a factor of that rank's loss (e.g. :func:`gradient_scales`: magnitudes, zeros,
+    denormals, sums past float16's range). ``set_to_none``: how ``zero_grad`` clears the
+    gradients (None: drawn).
+    Shrinks toward one rank, one step, one synced micro-batch, scale 1, nothing skipped,
+    nothing ignored, no reload.
     """
     world_size = draw(world_sizes if world_sizes is not None else _ranks(4))
     count = draw(steps if steps is not None else st.integers(1, 3))
@@ -640,21 +654,37 @@ def training_scenarios(
     count = max(lengths)
     inputs: list[tuple[tuple[Any, ...] | None, ...]] = []
     uniform = frozenset(p for p in parts if draw(_BOOLEANS)) if uniform_skip else None
+    modes: list[tuple[str, ...]] = []
+    unsynced = _sampled(("sync", *sync_modes))
     for step in range(count):
+        micro = draw(st.integers(1, micro_batches)) if micro_batches > 1 else 1
+        if micro_batches == 1:
+            modes.append(())
+        elif sync_last_only:  # accumulate, then sync: every micro-batch but the last unsynced
+            modes.append((*(draw(_sampled(tuple(sync_modes))) for _ in range(micro - 1)), "sync"))
+        else:
+            modes.append(tuple(draw(unsynced) for _ in range(micro)))
         per_rank: list[tuple[Any, ...] | None] = []
         for rank in range(world_size):
             if step >= lengths[rank]:
                 per_rank.append(None)  # this rank has run out
                 continue
-            # Seeded by rank and step too: ranks see different data even where every drawn
-            # seed shrinks to 0 (identical inputs would hide a wrong average).
-            seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step) % (2**63)
-            if uniform is not None:
-                skip = uniform
-            else:
-                skip = frozenset(p for p in parts if draw(_BOOLEANS)) if parts else frozenset()
-            per_rank.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
+            batches = []
+            for m in range(micro):
+                # Seeded by rank, step and micro-batch too: ranks see different data even
+                # where every drawn seed shrinks to 0 (identical inputs would hide a wrong
+                # average).
+                seed = (draw(_SEEDS) * 1_000_003 + rank * 1009 + step * 31 + m) % (2**63)
+                if uniform is not None:
+                    skip = uniform
+                else:
+                    skip = frozenset(p for p in parts if draw(_BOOLEANS)) if parts else frozenset()
+                batches.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
+            per_rank.append(tuple(batches) if micro_batches > 1 else batches[0])
         inputs.append(tuple(per_rank))
+    scales = None
+    if loss_scales is not None:
+        scales = tuple(tuple(draw(loss_scales) for _ in range(world_size)) for _ in range(count))
     chosen = dict(options or {})
     if bucket_caps is not None:
         chosen["bucket_cap_mb"] = draw(bucket_caps)
@@ -684,6 +714,9 @@ def training_scenarios(
         ignored=ignored,
         rank_seeds=seeds,
         reload_after=reload_after,
+        micro_batches=tuple(modes) if micro_batches > 1 else None,
+        loss_scales=scales,
+        set_to_none=draw(_BOOLEANS) if set_to_none is None else set_to_none,
     )
 
 
@@ -701,6 +734,23 @@ def odd_heavy_world_sizes(max_size: int = 4) -> st.SearchStrategy[int]:
 def _ranks(max_size: int) -> st.SearchStrategy[int]:
     """The training scenarios' world sizes: three ranks often, where there can be three."""
     return odd_heavy_world_sizes(max_size) if max_size >= 3 else st.integers(1, max_size)
+
+
+# Powers of two, so that each scales a rank's gradients exactly (until they leave the
+# dtype's range): 1 most often (shrinks to it), 0 (a rank contributing zeros), 2^-130 (float32
+# gradients of order 1 become denormals), 2^14 (float16 sums of two ranks' gradients of a few
+# units pass 65504, while each share stays within it).
+_GRADIENT_SCALES = (1.0, 1.0, 1.0, 0.0, 2.0**-130, 2.0**14)
+
+
+def gradient_scales(
+    scales: Sequence[float] = _GRADIENT_SCALES,
+) -> st.SearchStrategy[float]:
+    """Factors of a rank's loss in a step (``training_scenarios(loss_scales=...)``): the
+    gradients' magnitudes and special values, per rank and step. The default mixes 1, 0,
+    2^-130 (denormals) and 2^14 (float16 sums that overflow); give your own to suit your
+    model's gradients and the dtype your hook compresses to."""
+    return st.sampled_from(tuple(scales))
 
 
 def bucket_caps_mb() -> st.SearchStrategy[float]:
@@ -801,13 +851,19 @@ def generated_training_scenarios(
     uneven: bool = False,
     reload: bool = False,
     uniform_skip: bool = False,
+    micro_batches: int = 1,
+    sync_modes: Sequence[str] = ("no_sync", "require_backward_grad_sync"),
+    sync_last_only: bool = False,
+    loss_scales: st.SearchStrategy[float] | None = None,
+    set_to_none: bool | None = True,
 ) -> TrainingScenario:
     """:func:`training_scenarios` of random models (:func:`model_specs`, dense, no
     reentrant checkpoints by default), their optional branches the optional parts; with
     ``buffers`` inside :class:`WithBuffers`, with ``layouts`` non-contiguous (see
     :class:`GeneratedTraining`; None: each drawn); ``ignore``: see
     :func:`training_scenarios`; ``dropout`` (None: drawn): through :class:`WithDropout`, each
-    rank seeding its own stream; ``uneven``, ``reload``, ``uniform_skip``: see
+    rank seeding its own stream; ``uneven``, ``reload``, ``uniform_skip``, ``micro_batches``,
+    ``sync_modes``, ``sync_last_only``, ``loss_scales``, ``set_to_none``: see
     :func:`training_scenarios`. ``world_sizes`` draws the number of ranks (default: 1 to
     ``max_world_size``, three half the time: :func:`odd_heavy_world_sizes`)."""
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
@@ -834,5 +890,10 @@ def generated_training_scenarios(
             uneven=uneven,
             reload=reload,
             uniform_skip=uniform_skip,
+            micro_batches=micro_batches,
+            sync_modes=sync_modes,
+            sync_last_only=sync_last_only,
+            loss_scales=loss_scales,
+            set_to_none=set_to_none,
         )
     )

@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from reducer._averages import (
+    average,
+    averages,
+    bits,
+    bits_equal,
+    explain,
+    host,
+    max_diff,
+    rank_order_sum,
+)
 
 from ._record import REDUCTIONS, Forward, RankRecord, storage, wrapper_types
 
@@ -130,7 +141,7 @@ def _agree(per_rank: Sequence[Sequence[Tensor]]) -> bool:
     """Whether every rank's tensors are bit-identical to rank 0's, all at once."""
     if not per_rank or not per_rank[0]:
         return True
-    blobs = [torch.cat([_bits(t) for t in tensors]) for tensors in per_rank]
+    blobs = [torch.cat([bits(t) for t in tensors]) for tensors in per_rank]
     return all(b.shape == blobs[0].shape and bool(torch.equal(b, blobs[0])) for b in blobs[1:])
 
 
@@ -144,7 +155,7 @@ def _averages_agree(cases: list[tuple[int, list[Tensor], Tensor]], world: int) -
     for group in by_dtype.values():
         ranks = [torch.cat([c[1][r].reshape(-1) for c in group]) for r in range(world)]
         got = torch.cat([c[2].reshape(-1) for c in group])
-        if not _bits_equal(_rank_order_sum([g * scale for g in ranks]), got):
+        if not bits_equal(rank_order_sum([g * scale for g in ranks]), got):
             return False
     return True
 
@@ -310,7 +321,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
     unchanged = all(
         (local := a.record.local.get(id(a.params[i]))) is not None
         and local[0] is not None
-        and _bits_equal(local[0], a.params[i].grad)  # type: ignore[arg-type]
+        and bits_equal(local[0], a.params[i].grad)  # type: ignore[arg-type]
         for a in arrivals
     )
     if not unchanged:
@@ -318,7 +329,7 @@ def _why_not_reduced(arrivals: Sequence[Arrival], i: int) -> str:
         scaled = all(
             (local := a.record.local.get(id(a.params[i]))) is not None
             and local[0] is not None
-            and _bits_equal(local[0] * (1.0 / world), a.params[i].grad)  # type: ignore[arg-type]
+            and bits_equal(local[0] * (1.0 / world), a.params[i].grad)  # type: ignore[arg-type]
             for a in arrivals
         )
         if scaled:
@@ -380,11 +391,11 @@ def _mixed_reduction(arrivals: Sequence[Arrival], i: int) -> str | None:
         got = a.params[i].grad
         if got is None or got.is_sparse:
             continue
-        got = _host(got)
+        got = host(got)
         candidates: list[list[tuple[Tensor, Tensor]]] = []
         for b in arrivals:
             found = [
-                (param, _host(local[0]))
+                (param, host(local[0]))
                 for key, param in b.record.accumulated.items()
                 if (local := b.record.local.get(key)) is not None
                 and local[0] is not None
@@ -402,12 +413,8 @@ def _mixed_reduction(arrivals: Sequence[Arrival], i: int) -> str | None:
             if all(param is b.params[i] for (param, _), b in zip(combo, arrivals, strict=True)):
                 continue
             grads = [g for _, g in combo]
-            averages = (
-                _rank_order_sum([g * (1.0 / world) for g in grads]),
-                _rank_order_sum([g / world for g in grads]),
-                _rank_order_sum(grads) / world,
-            )
-            if any(_bits_equal(average, got) for average in averages):
+            candidates_of_combo = averages(grads, world).values()
+            if any(v is not None and bits_equal(v, got) for v in candidates_of_combo):
                 return _mixed_text(arrivals, a, i, [param for param, _ in combo])
     return None
 
@@ -522,15 +529,6 @@ def _comm_hook(wrapper: nn.Module) -> str | None:
     return None
 
 
-# Note [The roundings of an exact average]
-# The fake world adds in rank order, so an average is exact up to where its division rounds,
-# and reducers round in one of three places: torch's DDP multiplies each gradient by 1/W as it
-# copies it into the bucket (sum of g_r * (1/W)), but divides in place when the gradient is
-# already a view of its bucket (gradient_as_bucket_view: sum of g_r / W); a reducer may also
-# divide the sum (sum / W). For a power-of-two W the three are the same bits; for others they
-# may differ in the last place, and each is a correct average. Anything else is not.
-
-
 def _average_case(
     arrivals: Sequence[Arrival], i: int
 ) -> tuple[int, list[Tensor], Tensor] | Finding | None:
@@ -567,7 +565,7 @@ def _average_case(
     grads = [loc[0] for loc in locals_ if loc is not None and loc[0] is not None]
     if any(g.is_sparse or g.shape != got.shape or g.dtype != got.dtype for g in grads):
         return None
-    return (i, [_host(g) for g in grads], _host(got))
+    return (i, [host(g) for g in grads], host(got))
 
 
 def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -> Finding | None:
@@ -580,37 +578,18 @@ def _check_average(arrivals: Sequence[Arrival], i: int, name: str, where: str) -
     world = len(arrivals)
     step = arrivals[0].step
     wrappers = [_governing(a.record, a.params[i])[0][-1].wrapper for a in arrivals]
-    scale = 1.0 / world
-    # See Note [The roundings of an exact average].
-    expected = _rank_order_sum([g * scale for g in grads])
-    if _bits_equal(expected, got):
-        return None  # the usual case, and every case at a power-of-two world size
-    total = _rank_order_sum(grads)
-    averages = (expected, _rank_order_sum([g / world for g in grads]), total / world)
-    if any(_bits_equal(average, got) for average in averages[1:]):
+    # See Note [The roundings of an exact average] (reducer/_averages.py).
+    cause = explain(got, grads, world)
+    if cause is None:
         return None
     hook = _comm_hook(wrappers[0])
-    if _bits_equal(total, got):
-        cause = (
-            "it is the sum of the local gradients, not their average (a missing division by "
-            "the world size)"
-        )
-    elif any(
-        _bits_equal(average * scale, got) or _bits_equal(average / world, got)
-        for average in averages
-    ):
-        cause = f"it is the average divided by the world size again (divided by {world} twice)"
-    elif _bits_equal(grads[0], got):
-        cause = "it is rank 0's local gradient, unreduced (a comm hook that dropped its bucket?)"
-    elif hook is not None:
-        diff = _max_diff(expected, got)
+    if hook is not None and cause.startswith("it differs"):
+        diff = max_diff(average(grads, world, "reciprocal"), got)  # type: ignore[arg-type]
         text = (
             f"gradient of {name!r} {where} differs from the exact rank-order average by up to "
             f"{diff:.3g}: the comm hook {hook} changes it (expected for compressing hooks)."
         )
         return Finding("note", step, "comm hook changes the average", text, f"hook:{hook}")
-    else:
-        cause = f"it differs from it by up to {_max_diff(expected, got):.3g}"
     via = f" (comm hook {hook})" if hook is not None else ""
     text = (
         f"gradient of {name!r} {where} is identical on every rank but is not the exact "
@@ -738,50 +717,16 @@ def _replica_grad(t: Tensor) -> Tensor | None:
     return None if grad is None else _replica(grad)
 
 
-def _host(t: Tensor) -> Tensor:
-    """``t`` on the CPU: ranks' tensors may live on different GPUs, and the check compares
-    them, and computes their averages (elementwise: the same bits anywhere), in one place."""
-    return t if t.device.type == "cpu" else t.detach().cpu()
-
-
-def _bits(t: Tensor) -> Tensor:
-    t = t.to_dense() if t.is_sparse else t
-    return _host(t).detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _bits_equal(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(_bits(a), _bits(b)))
-
-
 def _differ(values: Sequence[Tensor]) -> list[int]:
     """The ranks whose tensor is not bit-identical to rank 0's."""
-    return [r for r, v in enumerate(values) if r and not _bits_equal(values[0], v)]
-
-
-def _max_diff(a: Tensor, b: Tensor) -> float:
-    a = _host(a.to_dense() if a.is_sparse else a)
-    b = _host(b.to_dense() if b.is_sparse else b)
-    if a.shape != b.shape:
-        return float("nan")
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    return [r for r, v in enumerate(values) if r and not bits_equal(values[0], v)]
 
 
 def _ranks_text(differ: list[int], values: Sequence[Tensor]) -> str:
-    diff = max(_max_diff(values[0], values[r]) for r in differ)
+    diff = max(max_diff(values[0], values[r]) for r in differ)
     ranks = ", ".join(map(str, differ))
     verb = "rank {} disagrees" if len(differ) == 1 else "ranks {} disagree"
     return f"{verb.format(ranks)} with rank 0, by up to {diff:.6g}"
-
-
-def _rank_order_sum(tensors: Iterable[Tensor]) -> Tensor:
-    """((x0 + x1) + x2) + ...: the fake world's and the ranks' reduction order."""
-    it = iter(tensors)
-    total = next(it).clone()
-    for t in it:
-        total += t
-    return total
 
 
 def _roots(record: RankRecord) -> list[nn.Module]:
