@@ -71,6 +71,7 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -643,7 +644,7 @@ class _Scheduler:
         thread = actor.thread
         if thread is None or thread.ident is None:
             return (None, "?", None)
-        frame = sys._current_frames().get(thread.ident)
+        frame = current_frames().get(thread.ident)
         # Only where a thread may wait for the world without a point (see Note [Blocked
         # outside the scheduler]); elsewhere a sleeping thread is slow, not blocked.
         where = None if frame is None or not _blocking_site(frame) else (id(frame), frame.f_lasti)
@@ -721,7 +722,7 @@ class _Scheduler:
     # Deadlocks.
 
     def _deadlock_locked(self, why: str) -> tuple[int, ScheduleDeadlock]:
-        frames = sys._current_frames()
+        frames = current_frames()
         lines = [
             f"fakepg: deadlock under the controlled schedule ({why}); after "
             f"{len(self.schedule.timeline)} steps and {self.schedule.used} choices of "
@@ -782,6 +783,25 @@ def _internal(filename: str) -> bool:
     return os.path.dirname(os.path.abspath(filename)) == _FAKEPG_DIR or filename.endswith(
         "threading.py"
     )
+
+
+def current_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()``, safe while other threads start.
+
+    # Note [Reading every thread's frame]
+    # On CPython before 3.12, sys._current_frames() holds the interpreter's thread-list lock
+    # while it builds its dict, and the allocation can start a garbage collection whose
+    # finalizers release the GIL; a thread being started meanwhile (a rank, the world's
+    # timer) waits for that lock while it holds the GIL, and neither can go on: a hang of
+    # every thread (CPython gh-106883). No collection starts while the collector is off.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # -------------------------------------------------------------------------------------------

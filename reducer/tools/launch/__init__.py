@@ -711,7 +711,9 @@ class _Launch:
                 self.stacks = self._stacks(exclude=rank)
 
     def _stacks(self, exclude: int | None = None, only: int | None = None) -> dict[int, str]:
-        frames = sys._current_frames()
+        from fakepg.schedule import current_frames  # See Note [Reading every thread's frame]
+
+        frames = current_frames()
         out = {}
         for rank, ident in sorted(self.idents.items()):
             frame = frames.get(ident)
