@@ -53,6 +53,7 @@ import reducer.ddp._wrapper
 import reducer.graph
 import reducer.hooks._default
 import reducer.reducer
+import reducer.testing._judge
 import reducer.testing.checks
 import reducer.testing.strategies
 import reducer.tools.check
@@ -71,7 +72,7 @@ _synced_parameters = reducer.ddp._wrapper.synced_parameters
 _named_buffers = reducer.ddp._wrapper.named_buffers
 _mesh_group = reducer.ddp._wrapper.mesh_group
 _ReplicaCheck = reducer.tools.check.ReplicaCheck
-_compare = reducer.testing.checks._compare
+_same = reducer.testing._judge._same
 _bucket_view = reducer.buckets.bucket_view
 _mp_setup = reducer.ddp._mixed_precision.setup
 _compress_wrapper = reducer.hooks._default._compress_wrapper
@@ -966,19 +967,12 @@ def _named_buffers_first_seen(module: torch.nn.Module, slots: Sequence[Any]) -> 
 # The harness itself: reducer.testing's check and scenarios.
 
 
-def _compare_within_tolerance(
-    got: Tensor | None, want: Tensor | None, where: str, **kwargs: Any
-) -> None:
+def _same_within_tolerance(got: Tensor, want: Tensor) -> bool:
     """The check compares gradients and parameters with torch.testing.assert_close's
     default tolerance for their dtype, not bit for bit."""
-    if (
-        got is not None
-        and want is not None
-        and (got.shape, got.dtype) == (want.shape, want.dtype)
-        and torch.allclose(got, want)
-    ):
-        return
-    _compare(got, want, where, **kwargs)
+    if (got.shape, got.dtype) == (want.shape, want.dtype) and torch.allclose(got, want):
+        return True
+    return _same(got, want)
 
 
 def _powers_of_two_ranks(max_size: int) -> Any:
@@ -1374,7 +1368,7 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     (
         "check compares with a tolerance",
         "harness",
-        _in("reducer.testing.checks", "_compare", _compare_within_tolerance),
+        _in("reducer.testing._judge", "_same", _same_within_tolerance),
     ),
     (
         "scenarios never draw three ranks",
