@@ -925,14 +925,17 @@ def _agree_within_tolerance(per_rank: Sequence[Sequence[Tensor]]) -> bool:
 
 class FirstGroupOnlyCheck(_ReplicaCheck):
     """The replica check compares the parameters of the optimizer's first parameter group
-    only (nanoGPT's weight-decay split puts the biases and norms in a second one)."""
+    only (nanoGPT's weight-decay split puts the biases and norms in a second one), and of
+    the wrappers only those no optimizer steps (the frozen ones)."""
 
-    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        first = _FirstGroup(optimizer)
-        super()._before(first, args, kwargs)  # type: ignore[arg-type]
-
-    def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        super()._after(_FirstGroup(optimizer), args, kwargs)  # type: ignore[arg-type]
+    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
+        arrival = super()._arrival(record, optimizer, step)
+        seen = {id(p) for p in optimizer.param_groups[0]["params"]}
+        seen |= {
+            id(p) for w in record.wrappers.values() for p in w.parameters() if not p.requires_grad
+        }
+        arrival.params = [p for p in arrival.params if id(p) in seen]
+        return arrival
 
 
 class JoinBlindCheck(_ReplicaCheck):
@@ -941,13 +944,6 @@ class JoinBlindCheck(_ReplicaCheck):
 
     def _joining(self) -> bool:
         return False
-
-
-class _FirstGroup:
-    """An optimizer seen through its first parameter group only."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.param_groups = optimizer.param_groups[:1]
 
 
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
