@@ -95,27 +95,15 @@ def judge(
     bounds: Bounds,
 ) -> CheckReport:
     world = s.world_size
-    models = [s.make_model() for _ in range(world)]
-    names = tuple(name for name, _ in models[0].named_parameters())
-    params = [list(m.parameters()) for m in models]
-    make_opt = reference.optimizer or optimizer or (lambda ps: SGD(ps, s.lr))
-    optims = [make_opt(ps) for ps in params]
+    plain = _Plain(s, reference.optimizer or optimizer)
+    models, names, params, optims = plain.models, plain.names, plain.params, plain.optims
     ignored = frozenset(i for i, n in enumerate(names) if n in s.ignored)
-    streams = RankStreams(s.rank_seeds)
     matched: Counter[str] = Counter()
     compared = 0
     sums: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
     for step in range(s.steps):
-        trains = tuple(s.trains(step, r) for r in range(world))
-        for r in range(world):
-            if trains[r]:
-                optims[r].zero_grad(set_to_none=s.set_to_none)
-        before: tuple[Grads, ...] = tuple(
-            [full(p.grad) for p in params[r]] if trains[r] else _nones(len(names))
-            for r in range(world)
-        )
-        micro = _local_gradients(s, step, models, params, streams, broadcast_buffers)
-        sg = StepGradients(step, world, names, micro, s.syncs(step), before, trains, ignored)
+        sg = plain.step_gradients(step, broadcast_buffers, ignored)
+        trains = sg.trains
         expected = reference.gradients(sg)
         _validate(reference, expected, step, params, names, "gradient")
         for r in range(world):
@@ -169,8 +157,40 @@ def judge(
                 with torch.no_grad():
                     params[r][i].copy_(cands[found[0]])  # type: ignore[arg-type]
             _compare_buffers(runs[r].buffers[step], buffers_of(models[r]), r, step)
-    _final(s, runs, params, streams)
+    _final(s, runs, params, plain.streams)
     return CheckReport(s.steps, compared, dict(matched), bounds.exact)
+
+
+class _Plain:
+    """The reference's side of a check: one plain model and optimizer per rank, stepped as
+    the scenario says, whose local gradients the reference turns into what each rank must
+    hold (each step's :class:`StepGradients`)."""
+
+    def __init__(self, s: TrainingScenario, optimizer: OptimizerFactory | None) -> None:
+        self.s = s
+        self.models = [s.make_model() for _ in range(s.world_size)]
+        self.names = tuple(name for name, _ in self.models[0].named_parameters())
+        self.params = [list(m.parameters()) for m in self.models]
+        make_opt = optimizer or (lambda ps: SGD(ps, s.lr))
+        self.optims = [make_opt(ps) for ps in self.params]
+        self.streams = RankStreams(s.rank_seeds)
+
+    def step_gradients(
+        self, step: int, broadcast_buffers: bool, ignored: frozenset[int]
+    ) -> StepGradients:
+        """Zero the training ranks' gradients as the scenario says, run each micro-batch's
+        forward and backward, and return every rank's local gradients of the step."""
+        s, world, names, params = self.s, self.s.world_size, self.names, self.params
+        trains = tuple(s.trains(step, r) for r in range(world))
+        for r in range(world):
+            if trains[r]:
+                self.optims[r].zero_grad(set_to_none=s.set_to_none)
+        before: tuple[Grads, ...] = tuple(
+            [full(p.grad) for p in params[r]] if trains[r] else _nones(len(names))
+            for r in range(world)
+        )
+        micro = _local_gradients(s, step, self.models, params, self.streams, broadcast_buffers)
+        return StepGradients(step, world, names, micro, s.syncs(step), before, trains, ignored)
 
 
 def _local_gradients(
@@ -522,30 +542,16 @@ def reference_alone(s: TrainingScenario, reference: Reference) -> list[list[Grad
     """The reference's gradients per step and rank, with no run to follow (each value its
     first acceptable one): what the judge costs without a world (a benchmark's anchor)."""
     world = s.world_size
-    models = [s.make_model() for _ in range(world)]
-    names = tuple(name for name, _ in models[0].named_parameters())
-    params = [list(m.parameters()) for m in models]
-    make_opt = reference.optimizer or (lambda ps: SGD(ps, s.lr))
-    optims = [make_opt(ps) for ps in params]
-    streams = RankStreams(s.rank_seeds)
+    plain = _Plain(s, reference.optimizer)
     out: list[list[Grads]] = []
     for step in range(s.steps):
-        trains = tuple(s.trains(step, r) for r in range(world))
-        for r in range(world):
-            if trains[r]:
-                optims[r].zero_grad(set_to_none=s.set_to_none)
-        before: tuple[Grads, ...] = tuple(
-            [full(p.grad) for p in params[r]] if trains[r] else _nones(len(names))
-            for r in range(world)
-        )
-        micro = _local_gradients(s, step, models, params, streams, True)
-        sg = StepGradients(step, world, names, micro, s.syncs(step), before, trains, frozenset())
+        sg = plain.step_gradients(step, True, frozenset())
         expected = reference.gradients(sg)
         out.append([[next(iter(c.values())) for c in per_rank] for per_rank in expected])
         for r in range(world):
             for i, cands in enumerate(expected[r]):
                 first = next(iter(cands.values()))
-                params[r][i].grad = None if first is None else first.clone()
-            if trains[r]:
-                optims[r].step()
+                plain.params[r][i].grad = None if first is None else first.clone()
+            if sg.trains[r]:
+                plain.optims[r].step()
     return out
