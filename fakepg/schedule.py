@@ -502,7 +502,11 @@ class _Scheduler:
         # resumes among the others, after what completes meanwhile.
         goes_on = me is not None and me.state == _READY
         others = sorted(
-            (a for a in self._actors.values() if a.runnable() and not (a is me and goes_on)),
+            (
+                a
+                for a in self._actors.values()
+                if (a.runnable() or self._orphaned_locked(a, me)) and not (a is me and goes_on)
+            ),
             key=lambda a: a.key,
         )
         callbacks = sorted(
@@ -516,6 +520,13 @@ class _Scheduler:
             newest = sorted(callbacks, key=lambda a: -a.posted[-1][0])
             return mine + runs + [("callback", a) for a in newest] + completes
         return mine + completes + [("callback", a) for a in callbacks] + runs
+
+    def _orphaned_locked(self, actor: _Actor, me: _Actor | None) -> bool:
+        """``actor`` was handed the turn and has not been seen at a point since, but another
+        decides now (the monitor took it for blocked outside, then it ran on): it waits for
+        the turn, or runs uncontrolled, and may go on. Without this it could never be chosen,
+        and a world with nothing else to run would be taken for a deadlock."""
+        return actor.state == _RUNNING and actor is not self._holder and actor is not me
 
     def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
         """The option to take among ``n``, and (it, n) to show where it is not the natural
