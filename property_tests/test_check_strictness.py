@@ -19,24 +19,19 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, find, given, settings
-from torch import Tensor, nn
+from torch import Tensor
 
-import reducer
 from reducer.testing import TrainingScenario, check_data_parallel, generated_training_scenarios
 from reducer.testing.harness import note_size
 from reducer.testing.profiles import CI_MAX_EXAMPLES
 from reducer.testing.strategies import model_specs
 
+from .test_wrappers import NaiveDataParallel
 
-class _Reducing(nn.Module):
-    """A user's wrapper: each gradient, once accumulated, is allreduced (synchronously) and
-    then ``adjust``-ed into the average."""
 
-    def __init__(self, module: nn.Module, pg: reducer.ProcessGroup) -> None:
-        super().__init__()
-        self.module, self.pg = module, pg
-        for p in module.parameters():
-            p.register_post_accumulate_grad_hook(self._reduce)  # type: ignore[no-untyped-call]
+class _Reducing(NaiveDataParallel):
+    """A user's wrapper (:class:`NaiveDataParallel`): each gradient, once accumulated, is
+    ``scale``-d, allreduced (synchronously) and then ``adjust``-ed into the average."""
 
     def _reduce(self, p: Tensor) -> None:
         assert p.grad is not None
@@ -49,9 +44,6 @@ class _Reducing(nn.Module):
 
     def adjust(self, grad: Tensor) -> None:
         pass
-
-    def forward(self, *args: Any) -> Any:
-        return self.module(*args)
 
 
 class OneUlpOff(_Reducing):

@@ -102,11 +102,7 @@ def test_a_large_gradient_scaled_at_its_hook_is_the_bitwise_average(
                 seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
         return seen
 
-    for seen in run_ranks(fn, world_size):
-        for step in range(2):
-            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
-                assert want is not None
-                assert torch.equal(got, want), f"parameter {i}, step {step}"
+    _assert_every_rank_saw(run_ranks(fn, world_size), expected)
 
 
 @pytest.mark.parametrize("fresh", [(), (1,), (0, 3), (0, 1, 2, 3, 4, 5)])
@@ -148,9 +144,16 @@ def test_bucket_views_in_one_bucket_scale_each_gradient_as_torch_does(
                 seen.append([p.grad.clone() for p in params])  # type: ignore[union-attr]
         return seen
 
-    for seen in run_ranks(fn, world_size):
-        for step in range(2):
-            for i, (got, want) in enumerate(zip(seen[step], expected[step], strict=True)):
+    _assert_every_rank_saw(run_ranks(fn, world_size), expected)
+
+
+def _assert_every_rank_saw(
+    runs: list[list[list[torch.Tensor]]], expected: list[list[torch.Tensor | None]]
+) -> None:
+    """Each rank's gradients of each step are bit for bit the expected ones."""
+    for seen in runs:
+        for step, want_step in enumerate(expected):
+            for i, (got, want) in enumerate(zip(seen[step], want_step, strict=True)):
                 assert want is not None
                 assert torch.equal(got, want), f"parameter {i}, step {step}"
 
