@@ -610,8 +610,10 @@ def _waste(arrivals: Sequence[Arrival]) -> list[Finding]:
         if f.synced:
             by_wrapper.setdefault(id(f.wrapper), []).append(f)
     for synced in by_wrapper.values():
-        # Forwards before the same backward (a siamese step) arm one reduction between them.
-        if len({f.backward for f in synced}) < 2:
+        # Forwards before the same backward (a siamese step) arm one reduction between them:
+        # a micro-step is a backward, however many forwards it took.
+        micro_steps = len({f.backward for f in synced})
+        if micro_steps < 2:
             continue
         kind = type(synced[0].wrapper).__qualname__
         count = sum(1 for c in a.record.collectives if c.kind in REDUCTIONS)
@@ -628,7 +630,7 @@ def _waste(arrivals: Sequence[Arrival]) -> list[Finding]:
             )
             key = "sync-every-micro-step"
         text = (
-            f"{kind} reduced gradients on {len(synced)} micro-steps before optimizer step "
+            f"{kind} reduced gradients on {micro_steps} micro-steps before optimizer step "
             f"{a.step} ({a.line}), {count} reductions where one micro-step's would do: {cause}."
         )
         out.append(Finding("warning", a.step, "redundant reductions", text, key))
