@@ -57,6 +57,7 @@ import reducer.testing._judge
 import reducer.testing.checks
 import reducer.testing.strategies
 import reducer.tools.check
+import reducer.tools.check._audit
 from reducer.bucket_views import BucketViews
 from reducer.buckets import Bucket, BucketReplica
 
@@ -72,6 +73,7 @@ _synced_parameters = reducer.ddp._wrapper.synced_parameters
 _named_buffers = reducer.ddp._wrapper.named_buffers
 _mesh_group = reducer.ddp._wrapper.mesh_group
 _ReplicaCheck = reducer.tools.check.ReplicaCheck
+_waste = reducer.tools.check._audit._waste
 _same = reducer.testing._judge._same
 _bucket_view = reducer.buckets.bucket_view
 _mp_setup = reducer.ddp._mixed_precision.setup
@@ -946,6 +948,61 @@ class JoinBlindCheck(_ReplicaCheck):
         return False
 
 
+class FrozenSkippedCheck(_ReplicaCheck):
+    """The replica check compares only the parameters that train (``requires_grad``): a
+    frozen layer whose weights some ranks loaded after wrapping is taken to be in sync."""
+
+    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
+        arrival = super()._arrival(record, optimizer, step)
+        arrival.params = [p for p in arrival.params if p.requires_grad]
+        return arrival
+
+
+class NestedStepsCheck(_ReplicaCheck):
+    """The replica check checks every optimizer's step, also one inside another's: the inner
+    optimizers of a ZeroRedundancyOptimizer, each over its own rank's shard, are compared
+    by position (shards of equal shapes taken for diverged replicas)."""
+
+    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        record = self._current()
+        if record is not None:
+            record.stepping = None
+        super()._before(optimizer, args, kwargs)
+
+
+class IgnoredComparedCheck(_ReplicaCheck):
+    """The replica check compares the parameters a wrapper was told to ignore
+    (``_set_params_and_buffers_to_ignore_for_model``), which differ per rank by design."""
+
+    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
+        arrival = super()._arrival(record, optimizer, step)
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        every = [*stepped, *(p for w in record.wrappers.values() for p in w.parameters())]
+        arrival.params = list({id(p): p for p in every}.values())
+        return arrival
+
+
+def _waste_per_forward(arrivals: Sequence[Any]) -> list[Any]:
+    """The replica check takes each synced forward of a wrapper for a micro-step: a siamese
+    step (two forwards, one backward, one reduction) is warned as redundant reductions."""
+    forwards = arrivals[0].record.forwards
+    kept = [f.backward for f in forwards]
+    for k, forward in enumerate(forwards):
+        forward.backward = k
+    try:
+        return _waste(arrivals)
+    finally:
+        for forward, backward in zip(forwards, kept, strict=True):
+            forward.backward = backward
+
+
+def _no_mixed_reduction(arrivals: Sequence[Any], i: int) -> str | None:
+    """The replica check never looks for a reduction that summed different parameters: a
+    summed bucket is blamed on the generic cause (a gradient hook, per-rank clipping or a
+    comm hook), or said to be unknown."""
+    return None
+
+
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
 _hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -1359,6 +1416,31 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "replica check blind to join",
         "tools",
         _in("reducer.tools.check._run", "ReplicaCheck", JoinBlindCheck),
+    ),
+    (
+        "replica check skips frozen parameters",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", FrozenSkippedCheck),
+    ),
+    (
+        "replica check compares ZeRO shards by position",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", NestedStepsCheck),
+    ),
+    (
+        "replica check compares ignored parameters",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", IgnoredComparedCheck),
+    ),
+    (
+        "replica check counts forwards as micro-steps",
+        "tools",
+        _in("reducer.tools.check._audit", "_waste", _waste_per_forward),
+    ),
+    (
+        "replica check blames a summed bucket on a generic cause",
+        "tools",
+        _in("reducer.tools.check._audit", "_mixed_reduction", _no_mixed_reduction),
     ),
     # The harness itself.
     (

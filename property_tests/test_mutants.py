@@ -138,8 +138,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example.spec.parameter_count, 4
     if isinstance(example, tuple) and isinstance(example[0], str):  # a script: no ranks
         return 0, 1
-    if isinstance(example, CheckScenario):  # one Linear layer
-        return 2, example.world_size
+    if isinstance(example, CheckScenario):  # a Linear layer or two, a frozen one, a head
+        return example.parameters, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -582,6 +582,39 @@ CASES: dict[str, Case] = {
         check_scenarios(),
         check_replica_check,
         lambda s: s.world_size == 2 and s.joined is not None,
+    ),
+    # Two ranks, a frozen layer (none loads it: two parameters compared, not three; or one
+    # rank loads it: in sync, not diverged at the frozen weight).
+    "replica check skips frozen parameters": Case(
+        check_scenarios(("frozen",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault is None and len(s.loaded) <= 1,
+    ),
+    # Two ranks, ZeRO over two equal blocks, no fault: each rank's inner optimizer holds
+    # the other block.
+    "replica check compares ZeRO shards by position": Case(
+        check_scenarios(("zero",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault is None,
+    ),
+    # Two ranks, an ignored parameter that differs per rank, no fault elsewhere.
+    "replica check compares ignored parameters": Case(
+        check_scenarios(("ignored",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault in (None, (0, 2), (1, 2)),
+    ),
+    # Two ranks, one backward after two forwards (a siamese pair), or two backwards after
+    # one forward and two.
+    "replica check counts forwards as micro-steps": Case(
+        check_scenarios(("siamese",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.fault is None and sum(s.micro) == 2 + (len(s.micro) > 1),
+    ),
+    # Two ranks of torch's DDP skipping unused buckets, each running its own head.
+    "replica check blames a summed bucket on a generic cause": Case(
+        check_scenarios(("summed",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.kind == "torch" and s.skip and s.heads == (0, 1),
     ),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
