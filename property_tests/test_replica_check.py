@@ -37,6 +37,7 @@ blames the summed bucket on a generic cause gives another verdict.
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import reducer
+from reducer.testing.harness import note_size
 from reducer.tools.check import ReplicaCheck, run_checked
 
 FEATURES = ("plain", "zero", "ignored", "frozen", "siamese", "summed")
@@ -62,6 +64,7 @@ TRAINED: dict[str, tuple[str, ...]] = {
     "summed": ("trunk.weight", "left.weight", "right.weight"),
 }
 _IGNORED = "own.scale"
+_BUILD = threading.Lock()
 _COMPARED = {"plain": 2, "zero": 2, "ignored": 2, "frozen": 3, "siamese": 2, "summed": 3}
 
 
@@ -161,7 +164,12 @@ class _TwoHeads(nn.Module):
 
 def _model(s: CheckScenario, rank: int) -> tuple[nn.Module, dict[str, Any]]:
     """The feature's model (seeded alike on every rank) and the wrapper's arguments."""
-    torch.manual_seed(0)
+    with _BUILD:  # torch's default generator is shared by the rank threads
+        torch.manual_seed(0)
+        return _build(s, rank)
+
+
+def _build(s: CheckScenario, rank: int) -> tuple[nn.Module, dict[str, Any]]:
     if s.feature == "zero":
         blocks = nn.Linear(3, 3, bias=False), nn.Tanh(), nn.Linear(3, 3, bias=False)
         return nn.Sequential(*blocks), {}
@@ -334,6 +342,7 @@ def _verdict_line(check: ReplicaCheck) -> str:
 def test_the_replica_check_gives_the_exact_verdict(feature: str, data: st.DataObject) -> None:
     # One test per feature: each gets the profile's examples.
     s = data.draw(check_scenarios((feature,)))
+    note_size(s.parameters, s.world_size)
     event(f"{s.kind}, {s.world_size} ranks, {s.groups} group(s), fault: {s.fault is not None}")
     if s.feature == "frozen":
         event(f"frozen, loaded on some ranks only: {0 < len(s.loaded) < s.world_size}")
