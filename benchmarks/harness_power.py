@@ -70,6 +70,7 @@ PROPERTIES = (
     "test_launch_preimport.py",
     "test_replica_check.py",
     "test_training_steps.py",
+    "test_wrapper_options.py",
 )
 REAL = "(real code)"
 WITHIN = (3, 3)  # the goal: reported examples of at most 3 parameters and 3 ranks

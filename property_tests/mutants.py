@@ -72,6 +72,7 @@ _read_buffers = reducer.ddp._wrapper.read_buffers
 _synced_parameters = reducer.ddp._wrapper.synced_parameters
 _named_buffers = reducer.ddp._wrapper.named_buffers
 _mesh_group = reducer.ddp._wrapper.mesh_group
+_bucket_limits = reducer.ddp._wrapper.bucket_limits
 _ReplicaCheck = reducer.tools.check.ReplicaCheck
 _waste = reducer.tools.check._audit._waste
 _same = reducer.testing._judge._same
@@ -1017,6 +1018,61 @@ def _named_buffers_first_seen(module: torch.nn.Module, slots: Sequence[Any]) -> 
 
 
 # -------------------------------------------------------------------------------------------
+# The DDP wrapper's newest options (property_tests/test_wrapper_options.py).
+
+
+class NeverSyncAtConstruction(_DDP):
+    """Never broadcasts rank 0's parameters and buffers at construction (``init_sync`` taken
+    as False): ranks whose models start different stay different, silently."""
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        kwargs["init_sync"] = False
+        super().__init__(module, *args, **kwargs)
+
+
+class BroadcastBuffersIgnored(_DDP):
+    """Reads ``forward_sync_buffers`` only: ``broadcast_buffers=False`` is ignored, and every
+    forward still overwrites each rank's buffers with rank 0's."""
+
+    def __init__(
+        self, module: torch.nn.Module, *args: Any, broadcast_buffers: Any = None, **kwargs: Any
+    ) -> None:
+        super().__init__(module, *args, **kwargs)
+
+
+def _caps_list_as_largest(
+    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+) -> tuple[float, list[int], list[int]]:
+    """Takes ``bucket_cap_mb_list`` as one cap, its largest (what torch reports as the
+    effective ``bucket_cap_mb``), for every bucket."""
+    if bucket_cap_mb_list:
+        return _bucket_limits(max(bucket_cap_mb_list), None)
+    return _bucket_limits(bucket_cap_mb, None)
+
+
+class BuiltinHookAlwaysAllreduce(_DDP):
+    """Registers the ALLREDUCE hook for any built-in hook type: FP16_COMPRESS reduces in
+    full precision."""
+
+    def _register_builtin_comm_hook(self, comm_hook_type: object) -> None:
+        super()._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+
+
+class StaticGraphFlagOnly(_DDP):
+    """``_set_static_graph()`` after construction sets the wrapper's flag but does not tell
+    the reducer: a parameter no rank uses is waited for, as without a static graph."""
+
+    def _set_static_graph(self) -> None:
+        self.static_graph = True
+
+
+def _refuse_nothing(**arguments: object) -> None:
+    """Accepts ``delay_all_reduce_named_params`` and ``param_to_hook_all_reduce`` and
+    ignores them: those parameters are reduced in their buckets, not after backward as
+    asked, silently."""
+
+
+# -------------------------------------------------------------------------------------------
 # The harness itself: reducer.testing's check and scenarios.
 
 
@@ -1395,6 +1451,36 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "mixed precision buffers in param_dtype",
         "DDP wrapper",
         _in("reducer.ddp._mixed_precision", "setup", _buffers_in_param_dtype),
+    ),
+    (
+        "construction never syncs",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", NeverSyncAtConstruction),
+    ),
+    (
+        "broadcast_buffers=False ignored",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", BroadcastBuffersIgnored),
+    ),
+    (
+        "bucket_cap_mb_list taken as its largest cap",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "bucket_limits", _caps_list_as_largest),
+    ),
+    (
+        "built-in FP16_COMPRESS registered as ALLREDUCE",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", BuiltinHookAlwaysAllreduce),
+    ),
+    (
+        "_set_static_graph not told to the reducer",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", StaticGraphFlagOnly),
+    ),
+    (
+        "refused arguments accepted silently",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "refuse_unsupported", _refuse_nothing),
     ),
     # Tools.
     (

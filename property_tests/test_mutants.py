@@ -68,6 +68,14 @@ from .test_training_steps import (
     check_post_local_sgd,
     local_sgd_cases,
 )
+from .test_wrapper_options import (
+    PARAMETERS,
+    OptionScenario,
+    check_options,
+    check_refused,
+    option_scenarios,
+    refused_options,
+)
 from .test_wrappers import (
     _BUFFER_HOOKED,
     _STATIC,
@@ -137,6 +145,10 @@ def _size(example: Any) -> tuple[int, int]:
     if isinstance(example, MeshScenario):  # always a 2 x 2 mesh
         return example.spec.parameter_count, 4
     if isinstance(example, tuple) and isinstance(example[0], str):  # a script: no ranks
+        return 0, 1
+    if isinstance(example, OptionScenario):
+        return PARAMETERS, example.world_size
+    if isinstance(example, dict):  # arguments for one wrapper's construction: one rank
         return 0, 1
     if isinstance(example, CheckScenario):  # a Linear layer or two, a frozen one, a head
         return example.parameters, example.world_size
@@ -616,6 +628,36 @@ CASES: dict[str, Case] = {
         check_replica_check,
         lambda s: s.world_size == 2 and s.kind == "torch" and s.skip and s.heads == (0, 1),
     ),
+    # Two ranks whose models start different, init_sync on: torch's start from rank 0's.
+    "construction never syncs": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: s.world_size == 2 and s.per_rank_init and s.init_sync,
+    ),
+    # Two ranks, broadcast_buffers=False: each rank's buffer follows its own data.
+    "broadcast_buffers=False ignored": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: s.world_size == 2 and s.buffers == ("broadcast_buffers", False),
+    ),
+    # One rank is enough: the buckets the wrapper is built with (searching for unused
+    # parameters: see Note [The first iteration's buckets]).
+    "bucket_cap_mb_list taken as its largest cap": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: s.world_size == 1 and s.caps is not None and s.caps[0] == "bucket_cap_mb_list",
+    ),
+    # One rank is enough: float16's rounding of its own gradient.
+    "built-in FP16_COMPRESS registered as ALLREDUCE": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: s.world_size == 1 and s.hook == "FP16_COMPRESS",
+    ),
+    # One rank is enough: the head no rank uses is waited for (static_graph=True calls it).
+    "_set_static_graph not told to the reducer": Case(
+        option_scenarios(), check_options, lambda s: s.world_size == 1 and s.static is not None
+    ),
+    "refused arguments accepted silently": Case(refused_options(), check_refused),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
         strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1

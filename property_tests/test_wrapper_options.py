@@ -1,0 +1,267 @@
+"""Property 11: this project's DDP with torch's newest options is torch's DDP, bit for bit.
+
+Both wrappers run on the same rank threads of one fake world, on copies of one model, fed the
+same data, each with its own SGD optimizer, for two or three steps; the options drawn are the
+ones no other property draws:
+
+- ``init_sync`` (the ranks' models start different, seeded per rank, two times in three):
+  with it, every rank starts from rank 0's parameters and buffers; without it, each from
+  its own;
+- ``broadcast_buffers`` or ``forward_sync_buffers`` (a buffer forward updates from the rank's
+  own data, and the gradients depend on it): synced from rank 0 at every forward, or not;
+- ``bucket_cap_mb`` or ``bucket_cap_mb_list`` (a cap per bucket, the last repeating): the
+  buckets the wrapper is built with, as torch's logging data reports them (see Note [The
+  first iteration's buckets]);
+- ``_register_builtin_comm_hook`` (ALLREDUCE or FP16_COMPRESS), against the Python hooks
+  torch's built-in ones compute the same as;
+- ``static_graph=True`` or ``_set_static_graph()`` after construction, with a head no rank
+  ever uses (without either, ``find_unused_parameters`` drawn, a head used on some ranks and
+  steps only where it is on);
+- ``gradient_as_bucket_view``.
+
+Every rank's gradients, parameters and buffers after each step, and the bucket sizes, must
+be torch's. And the two arguments this wrapper cannot honour
+(``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``) are refused by name, never
+ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import event, given
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import fakepg
+import reducer
+from reducer.testing.harness import note_size
+
+# torch's C++ built-in hooks expect a C++ work's result, which the fake world's is not.
+_TORCH_HOOKS = {
+    "ALLREDUCE": default_hooks.allreduce_hook,
+    "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+}
+_BUILD = threading.Lock()  # torch's default generator is shared by the rank threads
+PARAMETERS = 3  # the model below: inp, two heads (weights only)
+
+
+@dataclass(frozen=True)
+class OptionScenario:
+    """One run of both wrappers with the same drawn options."""
+
+    world_size: int
+    steps: int
+    per_rank_init: bool  # each rank seeds its model with its rank
+    init_sync: bool
+    buffers: tuple[str, bool] | None  # ("broadcast_buffers" or "forward_sync_buffers", value)
+    caps: tuple[str, Any] | None  # ("bucket_cap_mb", MiB) or ("bucket_cap_mb_list", [MiB])
+    hook: str | None  # None, "ALLREDUCE" or "FP16_COMPRESS"
+    static: str | None  # None, "constructor" (static_graph=True) or "set" (_set_static_graph)
+    find_unused: bool
+    as_view: bool
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The constructor's keyword arguments, the same for both wrappers."""
+        options: dict[str, Any] = {
+            "init_sync": self.init_sync,
+            "find_unused_parameters": self.find_unused,
+            "gradient_as_bucket_view": self.as_view,
+            "static_graph": self.static == "constructor",
+        }
+        if self.buffers is not None:
+            options[self.buffers[0]] = self.buffers[1]
+        if self.caps is not None:
+            options[self.caps[0]] = self.caps[1]
+        return options
+
+
+_MIB = 1 << 20
+# Caps around the model's parameter sizes (32 and 48 bytes): a bucket per parameter, a few,
+# or one; 1 MiB and more: the first bucket's own limit decides.
+_CAPS = st.sampled_from([0.0, 40 / _MIB, 100 / _MIB, 1.0, 2.0])
+_CAP_LISTS = st.lists(st.sampled_from([40 / _MIB, 100 / _MIB, 1.0]), min_size=1, max_size=3)
+
+
+@st.composite
+def option_scenarios(draw: st.DrawFn) -> OptionScenario:
+    world = draw(st.sampled_from([1, 2, 3, 3, 4]))
+    static = draw(st.sampled_from([None, None, "constructor", "set"]))
+    caps = draw(
+        st.sampled_from(["bucket_cap_mb", "bucket_cap_mb_list", None]).flatmap(
+            lambda name: (
+                st.none()
+                if name is None
+                else st.tuples(st.just(name), _CAPS if name == "bucket_cap_mb" else _CAP_LISTS)
+            )
+        )
+    )
+    buffers = draw(
+        st.sampled_from([None, "broadcast_buffers", "forward_sync_buffers"]).flatmap(
+            lambda name: st.none() if name is None else st.tuples(st.just(name), st.booleans())
+        )
+    )
+    return OptionScenario(
+        world_size=world,
+        steps=draw(st.integers(2, 3)),
+        per_rank_init=draw(st.sampled_from([True, True, False])),
+        init_sync=draw(st.booleans()),
+        buffers=buffers,
+        caps=caps,
+        hook=draw(st.sampled_from([None, "ALLREDUCE", "FP16_COMPRESS"])),
+        static=static,
+        find_unused=static is None and draw(st.booleans()),
+        as_view=draw(st.booleans()),
+    )
+
+
+class _Net(nn.Module):
+    """A trunk, a running mean of its output (a buffer the gradients depend on), two heads:
+    head 1 runs only where ``second`` says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4, bias=False)
+        self.heads = nn.ModuleList([nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False)])
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: Tensor, second: bool) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        out: Tensor = self.heads[0](h + self.mean)
+        if second:
+            out = out + self.heads[1](h)
+        return out
+
+
+def _build(seed: int) -> _Net:
+    with _BUILD:
+        torch.manual_seed(seed)
+        return _Net()
+
+
+def _second(s: OptionScenario, rank: int, step: int) -> bool:
+    """Whether head 1 runs: never under a static graph, on some ranks and steps only where
+    unused parameters are searched for, else always."""
+    if s.static is not None:
+        return False
+    return not s.find_unused or (rank + step) % 2 == 0
+
+
+Trace = list[tuple[list[Tensor | None], list[Tensor], list[Tensor]]]  # grads, params, buffers
+
+
+def _run(s: OptionScenario) -> list[tuple[tuple[Trace, Any], tuple[Trace, Any]]]:
+    """Per rank, for this project's wrapper then torch's: the trace of every step and the
+    sizes of the buckets it was built with, from its logging data."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[tuple[Trace, Any], tuple[Trace, Any]]:
+        torch.get_num_threads()  # this thread's intra-op thread count, before any kernel
+        rank = pg.rank()
+        seed = rank if s.per_rank_init else 0
+        models = [_build(seed), _build(seed)]
+        ours = reducer.DistributedDataParallel(models[0], **s.options)
+        theirs = nn.parallel.DistributedDataParallel(models[1], **s.options)
+        out = []
+        for ddp, model in zip((ours, theirs), models, strict=True):
+            if s.static == "set":
+                ddp._set_static_graph()
+            if s.hook is not None and ddp is ours:
+                ddp._register_builtin_comm_hook(getattr(dist.BuiltinCommHookType, s.hook))
+            elif s.hook is not None:  # the Python hooks its C++ ones compute the same as
+                ddp.register_comm_hook(None, _TORCH_HOOKS[s.hook])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            trace: Trace = []
+            for step in range(s.steps):
+                optimizer.zero_grad(set_to_none=True)
+                x = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * step + rank))
+                ddp(x, _second(s, rank, step)).square().sum().backward()
+                grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                optimizer.step()
+                params = [p.detach().clone() for p in model.parameters()]
+                trace.append((grads, params, [b.clone() for b in model.buffers()]))
+            out.append((trace, ddp._get_ddp_logging_data().get("bucket_sizes")))
+        return out[0], out[1]
+
+    return fakepg.run_torch(fn, s.world_size, timeout=30.0)
+
+
+def _same(ours: Tensor | None, theirs: Tensor | None, where: str) -> None:
+    if theirs is None or ours is None:
+        assert ours is None and theirs is None, f"{where}: torch's {theirs}, ours {ours}"
+        return
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, where
+    assert torch.equal(ours.view(-1).view(torch.uint8), theirs.view(-1).view(torch.uint8)), (
+        f"{where}: not bit-identical: ours {ours.flatten().tolist()}, torch's "
+        f"{theirs.flatten().tolist()}"
+    )
+
+
+def check_options(s: OptionScenario) -> None:
+    """The property: every rank's gradients, parameters and buffers after every step, and
+    the bucket sizes before and after the rebuild, are torch's."""
+    names = [n for n, _ in _build(0).named_parameters()]
+    for rank, ((ours, our_sizes), (theirs, their_sizes)) in enumerate(_run(s)):
+        for step, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
+            where = f"rank {rank}, step {step}"
+            for kind, a, b in zip(("grad", "param"), mine[:2], torchs[:2], strict=True):
+                for name, x, y in zip(names, a, b, strict=True):
+                    _same(x, y, f"{kind} of {name}, {where}")
+            for x, y in zip(mine[2], torchs[2], strict=True):
+                _same(x, y, f"buffer mean, {where}")
+        if s.find_unused:  # See Note [The first iteration's buckets].
+            assert our_sizes == their_sizes, (
+                f"rank {rank}: buckets {our_sizes}, torch's {their_sizes}"
+            )
+
+
+# Note [The first iteration's buckets]
+# torch 2.13 builds its first iteration's buckets as one bucket of every parameter where it
+# does not search for unused parameters (or has a static graph), whatever the caps, and
+# rebuilds them after it; this wrapper builds them by the caps from the start (the same
+# gradients either way: the average is elementwise). So the sizes are compared where torch
+# buckets by the caps. Its logging data reports the buckets it was built with only.
+
+
+@given(option_scenarios())
+def test_this_projects_ddp_is_torchs_with_its_newest_options(s: OptionScenario) -> None:
+    note_size(PARAMETERS, s.world_size)
+    event(f"static: {s.static}, hook: {s.hook}, caps: {s.caps and s.caps[0]}")
+    event(f"init_sync={s.init_sync}, per-rank init: {s.per_rank_init}; buffers: {s.buffers}")
+    check_options(s)
+
+
+_REFUSED = ("delay_all_reduce_named_params", "param_to_hook_all_reduce")
+
+
+@st.composite
+def refused_options(draw: st.DrawFn) -> dict[str, Any]:
+    """One or both of the arguments this wrapper refuses, with a value torch would take."""
+    names = draw(st.sets(st.sampled_from(_REFUSED), min_size=1))
+    return {name: draw(st.sampled_from([[("inp.weight", None)], [], ()])) for name in names}
+
+
+def check_refused(options: dict[str, Any]) -> None:
+    """The property: construction raises ``reducer.InvalidArgument`` naming the first refused
+    argument (in torch's order), before any collective."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        first = next(name for name in _REFUSED if name in options)
+        with pytest.raises(reducer.InvalidArgument, match=first):
+            reducer.DistributedDataParallel(_build(0), pg, **options)
+
+    fakepg.run(fn, 1, timeout=20.0)
+
+
+@given(refused_options())
+def test_arguments_this_wrapper_cannot_honour_are_refused_by_name(options: dict[str, Any]) -> None:
+    event(f"refused: {sorted(options)}")
+    check_refused(options)
