@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1004,6 +1005,37 @@ def _no_mixed_reduction(arrivals: Sequence[Any], i: int) -> str | None:
     return None
 
 
+def _mixed_reduction_own_pairing(arrivals: Sequence[Any], i: int) -> str | None:
+    """The replica check, looking for a reduction that summed different parameters, does not
+    leave out the parameter's own pairing: a gradient changed on one rank after a correct
+    reduction is blamed on a summed bucket (the other ranks' gradient is the average of
+    every rank's own), where the check cannot know why."""
+    audit = reducer.tools.check._audit
+    world = len(arrivals)
+    for a in arrivals:
+        got = a.params[i].grad
+        if got is None or got.is_sparse:
+            continue
+        got = audit.host(got)
+        candidates = [
+            [
+                (param, audit.host(local[0]))
+                for key, param in b.record.accumulated.items()
+                if (local := b.record.local.get(key)) is not None
+                and local[0] is not None
+                and not local[0].is_sparse
+                and local[0].shape == got.shape
+                and local[0].dtype == got.dtype
+            ]
+            for b in arrivals
+        ]
+        for combo in itertools.product(*candidates):
+            values = audit.averages([g for _, g in combo], world).values()
+            if any(v is not None and audit.bits_equal(v, got) for v in values):
+                return audit._mixed_text(arrivals, a, i, [param for param, _ in combo])
+    return None
+
+
 # Per wrapped module (weakly), the buffers by name as a buffer comm hook first got them.
 _hooked_first: weakref.WeakKeyDictionary[Any, dict[str, Tensor]] = weakref.WeakKeyDictionary()
 
@@ -1522,6 +1554,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "replica check counts forwards as micro-steps",
         "tools",
         _in("reducer.tools.check._audit", "_waste", _waste_per_forward),
+    ),
+    (
+        "replica check blames a summed bucket it cannot prove",
+        "tools",
+        _in("reducer.tools.check._audit", "_mixed_reduction", _mixed_reduction_own_pairing),
     ),
     (
         "replica check blames a summed bucket on a generic cause",

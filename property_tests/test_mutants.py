@@ -622,6 +622,12 @@ CASES: dict[str, Case] = {
         check_replica_check,
         lambda s: s.world_size == 2 and s.fault is None and sum(s.micro) == 2 + (len(s.micro) > 1),
     ),
+    # Two ranks, a one-ulp fault on one: the other's gradient is the average of the ranks' own.
+    "replica check blames a summed bucket it cannot prove": Case(
+        check_scenarios(),
+        check_replica_check,
+        lambda s: s.world_size == 2 and s.feature == "plain" and s.fault is not None,
+    ),
     # Two ranks of torch's DDP skipping unused buckets, each running its own head.
     "replica check blames a summed bucket on a generic cause": Case(
         check_scenarios(("summed",)),
