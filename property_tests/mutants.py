@@ -1072,6 +1072,26 @@ class BroadcastBuffersIgnored(_DDP):
         super().__init__(module, *args, **kwargs)
 
 
+class ForwardSyncAsBroadcast(_DDP):
+    """Takes ``forward_sync_buffers`` for the deprecated ``broadcast_buffers``, which also
+    decides the sync at construction: with ``forward_sync_buffers=False`` each rank keeps the
+    buffers it built (torch syncs them at construction whatever it says)."""
+
+    def __init__(
+        self, module: torch.nn.Module, *args: Any, forward_sync_buffers: Any = None, **kwargs: Any
+    ) -> None:
+        if forward_sync_buffers is not None:
+            kwargs["broadcast_buffers"] = forward_sync_buffers
+        super().__init__(module, *args, **kwargs)
+
+
+def _cap_ignored(
+    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+) -> tuple[float, list[int], list[int]]:
+    """Ignores ``bucket_cap_mb``: every wrapper buckets by torch's default 25 MiB."""
+    return _bucket_limits(None, bucket_cap_mb_list)
+
+
 def _caps_list_as_largest(
     bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
 ) -> tuple[float, list[int], list[int]]:
@@ -1493,6 +1513,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "broadcast_buffers=False ignored",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", BroadcastBuffersIgnored),
+    ),
+    (
+        "forward_sync_buffers taken for broadcast_buffers",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", ForwardSyncAsBroadcast),
+    ),
+    (
+        "bucket_cap_mb ignored",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "bucket_limits", _cap_ignored),
     ),
     (
         "bucket_cap_mb_list taken as its largest cap",

@@ -646,6 +646,23 @@ CASES: dict[str, Case] = {
         check_options,
         lambda s: s.world_size == 2 and s.buffers == ("broadcast_buffers", False),
     ),
+    # Two ranks whose buffers start different, init_sync on, forward_sync_buffers=False.
+    "forward_sync_buffers taken for broadcast_buffers": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: (
+            s.world_size == 2
+            and s.per_rank_init
+            and s.init_sync
+            and s.buffers == ("forward_sync_buffers", False)
+        ),
+    ),
+    # One rank is enough: a cap below the model's size (see the next case).
+    "bucket_cap_mb ignored": Case(
+        option_scenarios(),
+        check_options,
+        lambda s: s.world_size == 1 and s.caps is not None and s.caps[0] == "bucket_cap_mb",
+    ),
     # One rank is enough: the buckets the wrapper is built with (searching for unused
     # parameters: see Note [The first iteration's buckets]).
     "bucket_cap_mb_list taken as its largest cap": Case(

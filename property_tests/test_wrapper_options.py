@@ -4,9 +4,9 @@ Both wrappers run on the same rank threads of one fake world, on copies of one m
 same data, each with its own SGD optimizer, for two or three steps; the options drawn are the
 ones no other property draws:
 
-- ``init_sync`` (the ranks' models start different, seeded per rank, two times in three):
-  with it, every rank starts from rank 0's parameters and buffers; without it, each from
-  its own;
+- ``init_sync`` (the ranks' models, buffer included, start different, seeded per rank, two
+  times in three): with it, every rank starts from rank 0's parameters and buffers (the
+  buffers even with ``forward_sync_buffers=False``, as torch); without it, each from its own;
 - ``broadcast_buffers`` or ``forward_sync_buffers`` (a buffer forward updates from the rank's
   own data, and the gradients depend on it): synced from rank 0 at every forward, or not;
 - ``bucket_cap_mb`` or ``bucket_cap_mb_list`` (a cap per bucket, the last repeating): the
@@ -130,7 +130,7 @@ class _Net(nn.Module):
         super().__init__()
         self.inp = nn.Linear(3, 4, bias=False)
         self.heads = nn.ModuleList([nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False)])
-        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("mean", torch.rand(4))  # per rank where the seed is
 
     def forward(self, x: Tensor, second: bool) -> Tensor:
         h = torch.tanh(self.inp(x))
