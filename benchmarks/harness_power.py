@@ -2,10 +2,11 @@
 
 For each mutant of ``property_tests/mutants.py`` (``CATALOGUE``), a subprocess runs the
 property suite with the mutant in place of the real code (``PROPERTY_TESTS_MUTANT``, see
-``property_tests/conftest.py``): the thirteen property files (the reducer's, those that
+``property_tests/conftest.py``): the fourteen property files (the reducer's, those that
 check this project's DDP, torch's DDP and its comm hooks, FSDP2 and a user's wrapper,
 training steps (micro-batches, post-local SGD), the one that checks ``reducer.testing``'s
-own check and scenarios, launch's pre-import and the replica check), under
+own check and scenarios, launch's pre-import, the replica check, and this project's DDP
+against torch's with its newest options), under
 the ``ci`` profile's example counts (derandomized; the core properties get four times the
 profile's examples, the unused-parameter and DDP ones eight), generate and shrink phases
 only (a failing explicit example would be reported unshrunk). The unit tests (``tests/``)

@@ -6,14 +6,15 @@ Each :class:`Mutant` is the real code with one realistic, seeded bug: a subclass
 ``reducer.graph``, ``reducer.ddp``, ``reducer.buckets``, ``reducer.hooks`` or DDP's mixed
 precision calls (or DDP's reducer class, or the wrapper's unpickling), a
 broken ``compute_bucket_assignment_by_size``, a broken piece of the fake world (its
-reduce_scatter, its per-rank random streams), or a broken comm hook of torch's own (run by
-torch's DDP).
+reduce_scatter, its per-rank random streams), a broken comm hook of torch's own (run by
+torch's DDP), or a broken piece of a tool (launch's pre-import, the replica check's
+comparison, its choice of what to compare, its diagnosis).
 :func:`applied` puts one in place of the real code for everything that looks it up at call
 time (the properties do), so a property that lets any of them pass is too weak.
 :data:`CATALOGUE` holds them all, by short name, grouped by what they break: averaging, unused
 parameters, accumulation, comm hooks, checkpointing and higher-order backward, the DDP
-wrapper's outputs, buckets, buffers, ignored parameters and join, teardown, bucket
-assignment and errors, the fake world, torch's comm hooks.
+wrapper's outputs, buckets, buffers, ignored parameters, join and construction options,
+teardown, bucket assignment and errors, the fake world, torch's comm hooks, the tools.
 
 ``property_tests/test_mutants.py`` checks, within CI's time, that each is caught and shrunk
 by the property meant for it, on a narrowed search; ``benchmarks/harness_power.py`` runs the

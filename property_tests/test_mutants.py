@@ -636,19 +636,19 @@ CASES: dict[str, Case] = {
     ),
     # Two ranks whose models start different, init_sync on: torch's start from rank 0's.
     "construction never syncs": Case(
-        option_scenarios(),
+        option_scenarios("init_sync"),
         check_options,
         lambda s: s.world_size == 2 and s.per_rank_init and s.init_sync,
     ),
     # Two ranks, broadcast_buffers=False: each rank's buffer follows its own data.
     "broadcast_buffers=False ignored": Case(
-        option_scenarios(),
+        option_scenarios("buffers"),
         check_options,
         lambda s: s.world_size == 2 and s.buffers == ("broadcast_buffers", False),
     ),
     # Two ranks whose buffers start different, init_sync on, forward_sync_buffers=False.
     "forward_sync_buffers taken for broadcast_buffers": Case(
-        option_scenarios(),
+        option_scenarios("buffers"),
         check_options,
         lambda s: (
             s.world_size == 2
@@ -659,26 +659,28 @@ CASES: dict[str, Case] = {
     ),
     # One rank is enough: a cap below the model's size (see the next case).
     "bucket_cap_mb ignored": Case(
-        option_scenarios(),
+        option_scenarios("caps"),
         check_options,
         lambda s: s.world_size == 1 and s.caps is not None and s.caps[0] == "bucket_cap_mb",
     ),
     # One rank is enough: the buckets the wrapper is built with (searching for unused
     # parameters: see Note [The first iteration's buckets]).
     "bucket_cap_mb_list taken as its largest cap": Case(
-        option_scenarios(),
+        option_scenarios("caps"),
         check_options,
         lambda s: s.world_size == 1 and s.caps is not None and s.caps[0] == "bucket_cap_mb_list",
     ),
     # One rank is enough: float16's rounding of its own gradient.
     "built-in FP16_COMPRESS registered as ALLREDUCE": Case(
-        option_scenarios(),
+        option_scenarios("hook"),
         check_options,
         lambda s: s.world_size == 1 and s.hook == "FP16_COMPRESS",
     ),
     # One rank is enough: the head no rank uses is waited for (static_graph=True calls it).
     "_set_static_graph not told to the reducer": Case(
-        option_scenarios(), check_options, lambda s: s.world_size == 1 and s.static is not None
+        option_scenarios("static"),
+        check_options,
+        lambda s: s.world_size == 1 and s.static is not None,
     ),
     "refused arguments accepted silently": Case(refused_options(), check_refused),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.

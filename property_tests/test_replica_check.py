@@ -104,11 +104,20 @@ def check_scenarios(draw: st.DrawFn, features: tuple[str, ...] = FEATURES) -> Ch
     if feature == "plain" and fault is None:  # the one step without a fault: see siamese
         joined = tuple(draw(st.integers(1, 3)) for _ in range(world))
     loaded: tuple[int, ...] = ()
-    if feature == "frozen":
-        loaded = tuple(sorted(draw(st.sets(st.integers(0, world - 1)))))
+    if feature == "frozen":  # rank 0 only (the usual mistake), none, every rank, or some
+        loaded = draw(
+            st.sampled_from([(0,), (), tuple(range(world)), None]).flatmap(
+                lambda ranks: (
+                    st.just(ranks)
+                    if ranks is not None
+                    else st.sets(st.integers(0, world - 1)).map(lambda r: tuple(sorted(r)))
+                )
+            )
+        )
     micro = (1,)
-    if feature == "siamese":
-        micro = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    if feature == "siamese":  # one backward two times in three; a siamese pair first
+        backwards = draw(st.sampled_from([1, 1, 2]))
+        micro = tuple(draw(st.sampled_from([2, 1, 3])) for _ in range(backwards))
     heads: tuple[int, ...] = ()
     skip = False
     if feature == "summed":

@@ -27,6 +27,7 @@ ignored.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -90,12 +91,30 @@ _CAPS = st.sampled_from([0.0, 40 / _MIB, 100 / _MIB, 1.0, 2.0])
 _CAP_LISTS = st.lists(st.sampled_from([40 / _MIB, 100 / _MIB, 1.0]), min_size=1, max_size=3)
 
 
+# What torch's DDP takes here: the newest arguments are drawn only where it has them.
+_TORCH_TAKES = frozenset(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
+_BUFFER_OPTIONS = ("broadcast_buffers", "forward_sync_buffers")
+_CAP_OPTIONS = ("bucket_cap_mb", "bucket_cap_mb_list", None)
+
+
+FOCUSES = ("init_sync", "buffers", "caps", "hook", "static")
+
+
 @st.composite
-def option_scenarios(draw: st.DrawFn) -> OptionScenario:
-    world = draw(st.sampled_from([1, 2, 3, 3, 4]))
-    static = draw(st.sampled_from([None, None, "constructor", "set"]))
+def option_scenarios(draw: st.DrawFn, focus: str | None = None) -> OptionScenario:
+    """Both wrappers' options, each drawn; ``focus`` (one of :data:`FOCUSES`) always draws
+    that option away from its default (its corner: models that start different per rank
+    for ``init_sync``, two ranks or more for the buffers, the search for unused parameters
+    for the caps, where their buckets are compared)."""
+    worlds = [2, 3, 3, 4] if focus in ("init_sync", "buffers") else [1, 2, 3, 3, 4]
+    world = draw(st.sampled_from(worlds))
+    statics = ["constructor", "set"] if focus == "static" else [None, None, "constructor", "set"]
+    static = None if focus == "caps" else draw(st.sampled_from(statics))
+    cap_names = [n for n in _CAP_OPTIONS if n is None or n in _TORCH_TAKES]
+    if focus == "caps":
+        cap_names.remove(None)
     caps = draw(
-        st.sampled_from(["bucket_cap_mb", "bucket_cap_mb_list", None]).flatmap(
+        st.sampled_from(cap_names).flatmap(
             lambda name: (
                 st.none()
                 if name is None
@@ -103,21 +122,29 @@ def option_scenarios(draw: st.DrawFn) -> OptionScenario:
             )
         )
     )
+    buffer_names = [n for n in _BUFFER_OPTIONS if n in _TORCH_TAKES]
     buffers = draw(
-        st.sampled_from([None, "broadcast_buffers", "forward_sync_buffers"]).flatmap(
-            lambda name: st.none() if name is None else st.tuples(st.just(name), st.booleans())
+        st.sampled_from(buffer_names if focus == "buffers" else [None, *buffer_names]).flatmap(
+            lambda name: (
+                st.none()
+                if name is None
+                else st.tuples(st.just(name), st.sampled_from([False, True]))
+            )
         )
+    )
+    hooks = (
+        ["FP16_COMPRESS", "ALLREDUCE"] if focus == "hook" else [None, "ALLREDUCE", "FP16_COMPRESS"]
     )
     return OptionScenario(
         world_size=world,
         steps=draw(st.integers(2, 3)),
-        per_rank_init=draw(st.sampled_from([True, True, False])),
-        init_sync=draw(st.booleans()),
+        per_rank_init=focus == "init_sync" or draw(st.sampled_from([True, True, False])),
+        init_sync=draw(st.sampled_from([True, False])),
         buffers=buffers,
         caps=caps,
-        hook=draw(st.sampled_from([None, "ALLREDUCE", "FP16_COMPRESS"])),
+        hook=draw(st.sampled_from(hooks)),
         static=static,
-        find_unused=static is None and draw(st.booleans()),
+        find_unused=focus == "caps" or (static is None and draw(st.booleans())),
         as_view=draw(st.booleans()),
     )
 
@@ -231,8 +258,13 @@ def check_options(s: OptionScenario) -> None:
 # buckets by the caps. Its logging data reports the buckets it was built with only.
 
 
-@given(option_scenarios())
-def test_this_projects_ddp_is_torchs_with_its_newest_options(s: OptionScenario) -> None:
+@pytest.mark.parametrize("focus", FOCUSES)
+@given(data=st.data())
+def test_this_projects_ddp_is_torchs_with_its_newest_options(
+    focus: str, data: st.DataObject
+) -> None:
+    # One test per option drawn away from its default: each gets the profile's examples.
+    s = data.draw(option_scenarios(focus))
     note_size(PARAMETERS, s.world_size)
     event(f"static: {s.static}, hook: {s.hook}, caps: {s.caps and s.caps[0]}")
     event(f"init_sync={s.init_sync}, per-rank init: {s.per_rank_init}; buffers: {s.buffers}")
