@@ -79,8 +79,7 @@ class ThreadProbe:
             return (self._where(), "S", None)
         try:
             before = time.clock_gettime_ns(self._clock)
-            with open(self._stat, "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+            state = self._state(self._stat)
         except (OSError, ValueError, IndexError):
             return (self._where(), "?", None)
         # Not run since the last look: it is where it was.
@@ -91,6 +90,12 @@ class ThreadProbe:
             return (where, "?", None)
         # A thread that ran during the look: nothing in it to compare with the next one.
         return (where, state, after) if after == before else (None, "R", None)
+
+    @staticmethod
+    def _state(stat: str) -> str:
+        """The state letter in the thread's /proc stat file."""
+        with open(stat, "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
 
     def _where(self) -> Any:
         """(frame id, instruction) if the innermost frame is a blocking site, else None."""
