@@ -8,7 +8,9 @@ monitor decides in its place. See Note [Blocked outside the scheduler] in
 # wakes the monitor if its next look is due later than that); while the
 # holder runs it looks less and less often (doubling up to _LAST_LOOK_S: a holder that computes
 # long costs few wakes, each of which takes the GIL from it); once a look shows it asleep at a
-# blocking site, the next look, which confirms it, comes _CONFIRM_S later. So a holder that
+# blocking site, the next look, which confirms it, comes _CONFIRM_S later. Not while it keeps
+# running between such looks (a thread that often waits for the GIL, which a look takes: looks
+# every _CONFIRM_S would slow it down tenfold). So a holder that
 # blocks is taken for outside about 0.1 + 0.1 ms after it blocks, on an idle machine, or the
 # last interval plus that after a long computation. An outside actor that may have woken is
 # looked at the same way until it parks at a point or is asleep again for _LOOKS_TO_SETTLE
@@ -37,8 +39,14 @@ _LOOKS_TO_SETTLE = 3
 _IDLE_LOOK_S = 0.05  # nobody holds the turn: only the end of the run to notice
 
 
-def _next_look(interval: float, sample: Sample) -> float:
-    return _CONFIRM_S if asleep(sample) else min(2 * interval, _LAST_LOOK_S)
+def _next_look(interval: float, samples: list[Sample]) -> float:
+    """Soon if the last look found the thread asleep at a blocking site for the first time, or
+    again without having run; else (it runs, or it ran between two such looks) later."""
+    last = samples[-1]
+    previous = samples[-2] if len(samples) > 1 else None
+    if asleep(last) and (previous is None or not asleep(previous) or previous[2] == last[2]):
+        return _CONFIRM_S
+    return min(2 * interval, _LAST_LOOK_S)
 
 
 def _look(actor: Actor) -> Sample:
@@ -56,7 +64,7 @@ class Monitor:
         self._sched = sched
         self._cond = threading.Condition(lock)  # the waits of deciders for outside actors
         self._watch_cond = threading.Condition(lock)  # the monitor thread's own waits
-        self._next_look = math.inf  # when the monitor thread looks next (monotonic)
+        self._look_due = math.inf  # when the monitor thread looks next (monotonic)
         self._thread: threading.Thread | None = None
 
     def start(self, run: int) -> None:
@@ -79,7 +87,7 @@ class Monitor:
     def handed_locked(self) -> None:
         """The turn was handed over: the new holder is looked at soon (see Note [How often the
         monitor looks]); a wake only where the next look is due later than that."""
-        if self._next_look > time.monotonic() + _FIRST_LOOK_S:
+        if self._look_due > time.monotonic() + _FIRST_LOOK_S:
             self._watch_cond.notify_all()
 
     def _watch(self, run: int) -> None:
@@ -95,14 +103,14 @@ class Monitor:
                 if gen != seen:
                     interval = _FIRST_LOOK_S
                 elif holder is not None and holder.samples:
-                    interval = _next_look(interval, holder.samples[-1])
+                    interval = _next_look(interval, holder.samples)
                 seen = gen
                 # Woken by a hand-over only where this wait is long (handed_locked): the
                 # generation says whether the holder moved since.
                 wait = interval if holder is not None else _IDLE_LOOK_S
-                self._next_look = time.monotonic() + wait
+                self._look_due = time.monotonic() + wait
                 self._watch_cond.wait(wait)
-                self._next_look = math.inf
+                self._look_due = math.inf
                 if not sched.active or holder is None or gen != sched.generation:
                     continue
                 if holder is not sched.holder or holder.state != RUNNING:
@@ -140,7 +148,7 @@ class Monitor:
                     if stalled(actor.samples, _LOOKS_TO_SETTLE):
                         actor.stalled_at = actor.samples[-1]
                         break
-                    interval = _next_look(interval, actor.samples[-1])
+                    interval = _next_look(interval, actor.samples)
             if not arrived:
                 return
 
