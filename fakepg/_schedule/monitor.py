@@ -5,17 +5,16 @@ monitor decides in its place. See Note [Blocked outside the scheduler] in
 
 # Note [How often the monitor looks]
 # Right after a hand-over the monitor looks at the new holder soon (_FIRST_LOOK_S: a hand-over
-# wakes the monitor if its next look is due later than that); while the
-# holder runs it looks less and less often (doubling up to _LAST_LOOK_S: a holder that computes
-# long costs few wakes, each of which takes the GIL from it); once a look shows it asleep at a
-# blocking site, the next look, which confirms it, comes _CONFIRM_S later. Not while it keeps
-# running between such looks (a thread that often waits for the GIL, which a look takes: looks
-# every _CONFIRM_S would slow it down tenfold). So a holder that
-# blocks is taken for outside about 0.1 + 0.1 ms after it blocks, on an idle machine, or the
-# last interval plus that after a long computation. An outside actor that may have woken is
-# looked at the same way until it parks at a point or is asleep again for _LOOKS_TO_SETTLE
-# looks. Looking is what costs, not waiting: a look takes a few microseconds (Note [A look at
-# a thread]).
+# wakes the monitor if its next look is due later than that). While the holder runs, it looks
+# less and less often (doubling up to _LAST_LOOK_S: a holder that computes long costs few
+# wakes, each of which takes the GIL from it). Once a look shows it asleep at a blocking site,
+# the next look, which confirms it, comes _CONFIRM_S later; but not while it keeps running
+# between such looks (a thread that often waits for the GIL, which a look takes: looks every
+# _CONFIRM_S would slow it down tenfold). So a holder that blocks is taken for outside about
+# 0.1 + 0.1 ms after it blocks on an idle machine, or the last interval plus that after a
+# long computation. An outside actor that may have woken is looked at the same way until it
+# parks at a point or is asleep again for _LOOKS_TO_SETTLE looks. Looking is what costs, not
+# waiting: a look takes a few microseconds (Note [A look at a thread]).
 """
 
 from __future__ import annotations
