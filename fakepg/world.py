@@ -68,6 +68,15 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # run on the rank thread itself, whatever the device. On the CPU nothing changes (CPU work
 # already runs on the thread that called backward).
 
+# Note [Each rank computes with the process's thread count]
+# torch.set_num_threads applies to a thread lazily, at its first parallel op; until then
+# oneDNN kernels (convolutions) on a new thread use OpenMP's process default (the core count,
+# or OMP_NUM_THREADS), and a different count splits their reductions differently. A rank
+# thread's convolution gradient would then differ in the last bits from the same computation
+# on the main thread (a reference, a check) after torch.set_num_threads(1). A process per rank
+# starts with the count its launcher gave it; so each rank thread asks for the process's count
+# first (get_num_threads runs the lazy initialization: torch has no other way to request it).
+
 # Note [One link per world]
 # With a network model, the world is one simulated link that carries one collective at a time,
 # in the order collectives start (the last rank joins), as a real backend runs them on one
@@ -568,6 +577,8 @@ class World:
                 if scheduler is not None:
                     scheduler.enter(rank)
                 try:
+                    # See Note [Each rank computes with the process's thread count].
+                    torch.get_num_threads()
                     # See Note [Each rank runs its own backward].
                     with (
                         torch.autograd.set_multithreading_enabled(False),

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +31,47 @@ def test_run_returns_results_in_rank_order(world_size: int, no_leaked_threads: N
     for rank, (got_rank, size, t) in enumerate(results):
         assert (got_rank, size) == (rank, world_size)
         assert torch.equal(t, torch.full((5,), total))
+
+
+# A convolution's weight gradient on the main thread and on every rank thread, after
+# torch.set_num_threads(1) in a process whose OpenMP default is 3 threads.
+_THREAD_COUNT_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import fakepg
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(4, 3, 2)
+    x = torch.randn(8, 4, 16)
+
+    def grad(_pg=None):
+        conv.weight.grad = None
+        conv(x).square().sum().backward()
+        return conv.weight.grad.clone()
+
+    main = grad()
+    ranks = fakepg.run(grad, 2)
+    print([bool(torch.equal(main, g)) for g in ranks])
+    """
+)
+
+
+def test_rank_threads_compute_with_the_thread_count_torch_set() -> None:
+    # Without it, a rank thread's oneDNN convolution ran with OpenMP's default count and its
+    # gradient differed in the last bits from the main thread's: the checks' reference.
+    env = {**os.environ, "OMP_NUM_THREADS": "3"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _THREAD_COUNT_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "[True, True]", out.stderr
 
 
 def test_groups_implement_the_protocols() -> None:

@@ -1,0 +1,166 @@
+"""The monitor of a scheduled run: a holder blocked where no point sees it (torch's C++ DDP
+waiting for its buckets' futures inside backward) is found by looking at its thread, and the
+monitor decides in its place. See Note [Blocked outside the scheduler] in
+:mod:`fakepg.schedule`.
+
+# Note [How often the monitor looks]
+# Right after a hand-over the monitor looks at the new holder soon (_FIRST_LOOK_S: a hand-over
+# wakes the monitor if its next look is due later than that). While the holder runs, it looks
+# less and less often (doubling up to _LAST_LOOK_S: a holder that computes long costs few
+# wakes, each of which takes the GIL from it). Once a look shows it asleep at a blocking site,
+# the next look, which confirms it, comes _CONFIRM_S later; but not while it keeps running
+# between such looks (a thread that often waits for the GIL, which a look takes: looks every
+# _CONFIRM_S would slow it down tenfold). So a holder that blocks is taken for outside about
+# 0.1 + 0.1 ms after it blocks on an idle machine, or the last interval plus that after a
+# long computation. An outside actor that may have woken is looked at the same way until it
+# parks at a point or is asleep again for _LOOKS_TO_SETTLE looks. Looking is what costs, not
+# waiting: a look takes a few microseconds (Note [A look at a thread]).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .actors import OUTSIDE, RUNNING, Actor
+from .probe import Sample, asleep, stalled
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+_FIRST_LOOK_S = 0.0001
+_CONFIRM_S = 0.0001
+_LAST_LOOK_S = 0.001
+_LOOKS_TO_STALL = 2
+_LOOKS_TO_SETTLE = 3
+_IDLE_LOOK_S = 0.05  # nobody holds the turn: only the end of the run to notice
+
+
+def _next_look(interval: float, samples: list[Sample]) -> float:
+    """Soon if the last look found the thread asleep at a blocking site for the first time, or
+    again without having run; else (it runs, or it ran between two such looks) later."""
+    last = samples[-1]
+    previous = samples[-2] if len(samples) > 1 else None
+    if asleep(last) and (previous is None or not asleep(previous) or previous[2] == last[2]):
+        return _CONFIRM_S
+    return min(2 * interval, _LAST_LOOK_S)
+
+
+def _look(actor: Actor) -> Sample:
+    probe = actor.probe
+    if probe is None:
+        return (None, "?", None)
+    return probe.look(actor.samples[-1] if actor.samples else None)
+
+
+class Monitor:
+    """One scheduler's monitor thread (one per run) and its waits for outside actors. Every
+    method ending in ``_locked`` is called with the scheduler's lock held."""
+
+    def __init__(self, sched: Scheduler, lock: threading.Lock) -> None:
+        self._sched = sched
+        self._cond = threading.Condition(lock)  # the waits of deciders for outside actors
+        self._watch_cond = threading.Condition(lock)  # the monitor thread's own waits
+        self._look_due = math.inf  # when the monitor thread looks next (monotonic)
+        self._thread: threading.Thread | None = None
+
+    def start(self, run: int) -> None:
+        self._thread = threading.Thread(
+            target=self._watch, args=(run,), name="fakepg-schedule-monitor", daemon=True
+        )
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def wake_locked(self) -> None:
+        """Something the monitor may wait for happened: an outside actor came back, or the run
+        stopped."""
+        self._cond.notify_all()
+        self._watch_cond.notify_all()
+
+    def handed_locked(self) -> None:
+        """The turn was handed over: the new holder is looked at soon (see Note [How often the
+        monitor looks]); a wake only where the next look is due later than that."""
+        if self._look_due > time.monotonic() + _FIRST_LOOK_S:
+            self._watch_cond.notify_all()
+
+    def _watch(self, run: int) -> None:
+        """The monitor of run ``run``: look at a holder that does not come back; decide in its
+        place once it is blocked outside. Ends with the run (end, abort, close)."""
+        sched = self._sched
+        interval, seen = _FIRST_LOOK_S, -1
+        while True:
+            with self._cond:
+                if not sched.serves(run):
+                    return
+                gen, holder = sched.generation, sched.holder
+                if gen != seen:
+                    interval = _FIRST_LOOK_S
+                elif holder is not None and holder.samples:
+                    interval = _next_look(interval, holder.samples)
+                seen = gen
+                # Woken by a hand-over only where this wait is long (handed_locked): the
+                # generation says whether the holder moved since.
+                wait = interval if holder is not None else _IDLE_LOOK_S
+                self._look_due = time.monotonic() + wait
+                self._watch_cond.wait(wait)
+                self._look_due = math.inf
+                if not sched.active or holder is None or gen != sched.generation:
+                    continue
+                if holder is not sched.holder or holder.state != RUNNING:
+                    continue
+                holder.samples.append(_look(holder))
+                if not stalled(holder.samples, _LOOKS_TO_STALL):
+                    continue
+                holder.stalled_at = holder.samples[-1]
+                sched.taken_outside_locked(holder)
+            sched.decide_for_outside()
+
+    def settle_locked(self, timeout: float) -> None:
+        """Before a decision: every outside actor has parked at a point or is blocked again.
+
+        Passes over the outside actors repeat until one passes with no arrival: an actor that
+        comes back may wake another that an earlier pass had seen blocked (a callback that
+        returns completes the future a rank waits for in C++)."""
+        sched = self._sched
+        deadline = time.monotonic() + timeout
+        while sched.active and time.monotonic() < deadline:
+            arrived = False
+            for actor in sched.actors():
+                if actor.state != OUTSIDE or actor.probe is None:
+                    continue
+                if actor.probe.still_stalled(actor.stalled_at):
+                    continue
+                actor.samples.clear()
+                interval = _CONFIRM_S
+                while sched.active and time.monotonic() < deadline:
+                    self._cond.wait(interval)
+                    if actor.state != OUTSIDE:
+                        arrived = True
+                        break
+                    actor.samples.append(_look(actor))
+                    if stalled(actor.samples, _LOOKS_TO_SETTLE):
+                        actor.stalled_at = actor.samples[-1]
+                        break
+                    interval = _next_look(interval, actor.samples)
+            if not arrived:
+                return
+
+    def wait_for_outside_locked(self, timeout: float) -> bool:
+        """No option: if some actor is outside, wait (up to ``timeout``) for it to come back.
+        True if one did (decide again)."""
+        sched = self._sched
+        outside = [a for a in sched.actors() if a.state == OUTSIDE]
+        if not outside:
+            return False
+        deadline = time.monotonic() + timeout
+        while sched.active and time.monotonic() < deadline:
+            if any(a.state != OUTSIDE for a in outside):
+                return True
+            self._cond.wait(0.01)
+        return False

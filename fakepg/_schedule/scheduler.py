@@ -1,0 +1,397 @@
+"""One world's controlled scheduler: the run's life on each thread, the points the world
+calls, the decision at each point and the hand-over of the turn. See Note [Controlled
+scheduling] in :mod:`fakepg.schedule`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fakepg.faults import FakePGError
+
+from .actors import BLOCKED, DONE, IDLE, OUTSIDE, READY, RUNNING, Actor, Key, Ready
+from .deadlock import deadlock
+from .monitor import Monitor
+from .timeline import Schedule, ScheduleDeadlock, ScheduleEvent
+
+# Which scheduler and actor the calling thread is (absent on every other thread).
+_local = threading.local()
+
+
+def current_scheduler() -> Scheduler | None:
+    """The scheduler controlling the calling thread, while it controls it."""
+    sched: Scheduler | None = getattr(_local, "scheduler", None)
+    return sched if sched is not None and sched.active else None
+
+
+class Scheduler:
+    """One world's controlled scheduler. See Note [Controlled scheduling]."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        world_size: int,
+        *,
+        timeout: float,
+        on_deadlock: Callable[[int, BaseException], None],
+    ) -> None:
+        self.schedule = schedule
+        self._world_size = world_size
+        self._timeout = timeout
+        self._on_deadlock = on_deadlock
+        # _lock guards every field below and every actor's fields.
+        self._lock = threading.Lock()
+        self._actors: dict[Key, Actor] = {}
+        self._holder: Actor | None = None
+        self._ready: list[Ready] = []
+        self._posts = 0  # numbers the callbacks posted, for the lanes' order
+        self._gen = 0  # bumped at each hand-over: the monitor's "has the holder moved?"
+        self._active = False
+        self._run = 0  # numbers the runs: a monitor serves one
+        self._monitor = Monitor(self, self._lock)
+        self._quiet = threading.Condition(self._lock)  # notified when nobody holds the baton
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    # What the monitor reads, with the lock held.
+
+    @property
+    def holder(self) -> Actor | None:
+        return self._holder
+
+    @property
+    def generation(self) -> int:
+        return self._gen
+
+    def serves(self, run: int) -> bool:
+        return self._active and self._run == run
+
+    def actors(self) -> Iterator[Actor]:
+        return iter(list(self._actors.values()))
+
+    # ---------------------------------------------------------------------------------------
+    # The run: begin on the caller's thread, enter and leave on each rank's, end on the caller's.
+
+    def begin(self) -> None:
+        """Before the rank threads start: every rank is ready; the first decision is made."""
+        with self._lock:
+            self._active = True
+            for rank in range(self._world_size):
+                actor = self._actor_locked((rank, -1))
+                actor.state = READY
+                actor.probe = None
+            self._holder = None
+            self._run += 1
+            self._monitor.start(self._run)
+        self._switch(None, settle=False)
+
+    def enter(self, rank: int) -> None:
+        """On rank ``rank``'s thread, first thing: wait to be chosen."""
+        self._attach((rank, -1))
+
+    def leave(self) -> None:
+        """On a rank's thread, after its function returned (or raised)."""
+        self._detach(DONE, "return")
+
+    def end(self) -> None:
+        """After the rank threads ended: let pending callbacks run, then stop controlling."""
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            while self._active and self._holder is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._quiet.wait(left)
+            self._active = False
+            self._wake_all_locked()
+
+    def abort(self) -> None:
+        """Release every thread: from now on nothing is controlled (a failure wakes all)."""
+        with self._lock:
+            self._active = False
+            self._wake_all_locked()
+
+    def close(self) -> None:
+        self.abort()
+        self._monitor.join(5.0)
+
+    def _wake_all_locked(self) -> None:
+        for actor in self._actors.values():
+            actor.cond.notify_all()
+        self._monitor.wake_locked()
+        self._quiet.notify_all()
+
+    def _attach(self, key: Key) -> None:
+        """The calling thread runs actor ``key`` now: wait to be chosen."""
+        with self._lock:
+            if not self._active:
+                return
+            actor = self._actor_locked(key)
+            actor.attach(threading.current_thread())
+        _local.scheduler, _local.actor = self, actor
+        self._await_baton(actor)
+
+    def _detach(self, state: str, event: str | None) -> None:
+        """The calling thread's actor ended what it ran (``state``: done, or an idle lane):
+        if it held the turn, decide what runs next."""
+        actor = self._me()
+        _local.scheduler = _local.actor = None
+        if actor is None:
+            return
+        with self._lock:
+            if not self._active:
+                return
+            if event is not None:
+                self._record_locked(actor, event)
+            actor.state = state
+            if self._holder is not actor:  # it ran outside: it came back (see settle)
+                self._monitor.wake_locked()
+                return
+        self._switch(actor)
+
+    # ---------------------------------------------------------------------------------------
+    # Points, called by the world on controlled threads.
+
+    def controls_current_thread(self) -> bool:
+        return self._active and getattr(_local, "scheduler", None) is self
+
+    def check_thread(self, what: str) -> None:
+        """Refuse a collective issued, while this schedule runs, from a thread it does not
+        control (its timing would decide the order again)."""
+        if self._active and getattr(_local, "scheduler", None) is not self:
+            raise FakePGError(
+                f"fakepg: {what} was issued from thread {threading.current_thread().name!r}, "
+                "which the world's schedule does not control; under a Schedule, issue "
+                "collectives only from World.run's rank threads and their done-callbacks"
+            )
+
+    def issued(self, what: str, tensors: str, complete: Callable[[], None] | None) -> None:
+        """The calling actor issued ``what``; ``complete``, if it was the last rank to, moves
+        its data and finishes it when a decision says so."""
+        actor = self._me()
+        with self._lock:
+            controlled = self._active and actor is not None
+            if controlled and actor is not None:
+                self._record_locked(actor, "issue", what, tensors)
+                if complete is not None:
+                    self._ready.append(Ready(what, tensors, complete))
+                self._arrive_locked(actor, READY)
+        if not controlled or actor is None:
+            if complete is not None:
+                complete()
+            return
+        self._switch_or_park(actor)
+
+    def block(self, pred: Callable[[], bool], event: str, what: str) -> None:
+        """The calling actor waits until ``pred()``; returns once it holds, or once nothing is
+        controlled any more (the caller then waits for real, with its own deadline)."""
+        actor = self._me()
+        with self._lock:
+            if not self._active or actor is None:
+                return
+            if pred():
+                return  # nothing to wait for: not a point
+            self._record_locked(actor, event, what)
+            actor.pred, actor.waits_for = pred, what
+            self._arrive_locked(actor, BLOCKED)
+        self._switch_or_park(actor)
+
+    def lane_posted(self, rank: int, level: int, what: str) -> None:
+        """A callback was queued on rank ``rank``'s lane ``level`` (completions' lock held)."""
+        with self._lock:
+            if not self._active:
+                return
+            actor = self._actor_locked((rank, level))
+            self._posts += 1
+            actor.posted.append((self._posts, what))
+
+    def lane_acquire(self, rank: int, level: int) -> None:
+        """On the lane's thread, before it takes its next callback: wait to be chosen."""
+        self._attach((rank, level))
+
+    def lane_release(self) -> None:
+        """On the lane's thread, after its callback returned."""
+        self._detach(IDLE, None)
+
+    # ---------------------------------------------------------------------------------------
+    # The monitor's part (see fakepg._schedule.monitor).
+
+    def taken_outside_locked(self, holder: Actor) -> None:
+        """The monitor saw the holder blocked outside: it gives up the turn."""
+        holder.state = OUTSIDE
+        holder.samples.clear()
+        self._record_locked(holder, "blocked outside")
+        self._holder = None
+
+    def decide_for_outside(self) -> None:
+        """On the monitor's thread, for the holder it took outside."""
+        self._switch(None)
+
+    # ---------------------------------------------------------------------------------------
+    # Deciding and handing over.
+
+    def _me(self) -> Actor | None:
+        if getattr(_local, "scheduler", None) is not self:
+            return None
+        actor: Actor | None = getattr(_local, "actor", None)
+        return actor
+
+    def _actor_locked(self, key: Key) -> Actor:
+        actor = self._actors.get(key)
+        if actor is None:
+            state = IDLE if key[1] >= 0 else READY
+            actor = self._actors[key] = Actor(key, state, threading.Condition(self._lock))
+        return actor
+
+    def _arrive_locked(self, actor: Actor, state: str) -> None:
+        if actor.state == OUTSIDE:
+            self._monitor.wake_locked()  # see Monitor.settle_locked
+        actor.arrive(state)
+
+    def _switch_or_park(self, actor: Actor) -> None:
+        """Decide if ``actor`` holds the baton; else (it came back from outside) park."""
+        with self._lock:
+            holds = self._holder is actor
+        if holds:
+            self._switch(actor)
+        else:
+            self._await_baton(actor)
+
+    def _record_locked(
+        self,
+        actor: Actor | None,
+        event: str,
+        what: str = "",
+        tensors: str = "",
+        choice: tuple[int, int] | None = None,
+    ) -> None:
+        label = "world" if actor is None else actor.label
+        rank = None if actor is None else actor.rank
+        self.schedule.timeline.append(ScheduleEvent(label, rank, event, what, tensors, choice))
+
+    def _options_locked(self, me: Actor | None) -> list[tuple[str, Any]]:
+        # The holder goes on first only from a point it passes (an issue); once it waited, it
+        # resumes among the others, after what completes meanwhile.
+        goes_on = me is not None and me.state == READY
+        others = sorted(
+            (
+                a
+                for a in self._actors.values()
+                if (a.runnable() or self._orphaned_locked(a, me)) and not (a is me and goes_on)
+            ),
+            key=lambda a: a.key,
+        )
+        callbacks = sorted(
+            (a for a in self._actors.values() if a.state == IDLE and a.posted),
+            key=lambda a: a.posted[0][0],
+        )
+        mine: list[tuple[str, Any]] = [("run", me)] if goes_on else []
+        completes: list[tuple[str, Any]] = [("complete", r) for r in self._ready]
+        runs: list[tuple[str, Any]] = [("run", a) for a in others]
+        if self.schedule.adversarial:
+            newest = sorted(callbacks, key=lambda a: -a.posted[-1][0])
+            return mine + runs + [("callback", a) for a in newest] + completes
+        return mine + completes + [("callback", a) for a in callbacks] + runs
+
+    def _orphaned_locked(self, actor: Actor, me: Actor | None) -> bool:
+        """``actor`` was handed the turn and has not been seen at a point since, but another
+        decides now (the monitor took it for blocked outside, then it ran on): it waits for
+        the turn, or runs uncontrolled, and may go on. Without this it could never be chosen,
+        and a world with nothing else to run would be taken for a deadlock."""
+        return actor.state == RUNNING and actor is not self._holder and actor is not me
+
+    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
+        """The option to take among ``n``, and (it, n) to show where it is not the natural
+        one."""
+        if n == 1:
+            return 0, None
+        s = self.schedule
+        raw = s.choices[s.used] if s.used < len(s.choices) else 0
+        s.used += 1
+        index = raw % n
+        return index, ((index, n) if index else None)
+
+    def _switch(self, me: Actor | None, *, settle: bool = True) -> None:
+        """The holder ``me`` (None: the monitor, for an outside holder) is at a point: decide
+        until an actor is handed the baton; then, if ``me`` may go on later, wait for it.
+        ``settle``: first wait for outside actors that the segment just ended may have woken."""
+        while True:
+            with self._lock:
+                if not self._active:
+                    return
+                if settle:
+                    settle = False
+                    self._monitor.settle_locked(self._timeout)
+                    continue  # look again: the schedule may have stopped meanwhile
+                options = self._options_locked(me)
+                if not options:
+                    if self._monitor.wait_for_outside_locked(self._timeout):
+                        continue
+                    done = all(a.state in (DONE, IDLE) for a in self._actors.values())
+                    if done:
+                        self._holder = None
+                        self._quiet.notify_all()
+                        return
+                    rank, error = self._deadlock_locked("no actor can move")
+                    stuck = True
+                else:
+                    stuck = False
+                    index, choice = self._choose_locked(len(options))
+                    kind, target = options[index]
+                    if kind == "complete":
+                        self._ready.remove(target)
+                        self._record_locked(None, "complete", target.what, target.tensors, choice)
+                    else:
+                        self._hand_locked(me, target, kind, choice)
+            if stuck:
+                self._on_deadlock(rank, error)
+                return
+            if kind != "complete":
+                break
+            target.complete()  # moves the data, posts callbacks; on this thread, no lock held
+        if me is not None and me.state in (READY, BLOCKED, RUNNING):
+            self._await_baton(me)
+
+    def _hand_locked(
+        self, me: Actor | None, target: Actor, kind: str, choice: tuple[int, int] | None
+    ) -> None:
+        if kind == "callback":
+            _, what = target.posted.popleft()
+            self._record_locked(target, "callback", what, choice=choice)
+        elif target is not me:
+            event = "resume" if target.state == BLOCKED else "run"
+            self._record_locked(
+                target, event, target.waits_for if event == "resume" else "", choice=choice
+            )
+        target.state = RUNNING
+        target.pred, target.waits_for = None, ""
+        target.samples.clear()
+        self._holder = target
+        self._gen += 1
+        target.cond.notify_all()
+        self._monitor.handed_locked()
+
+    def _await_baton(self, actor: Actor) -> None:
+        deadline = time.monotonic() + self._timeout
+        with self._lock:
+            while self._active and self._holder is not actor:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    holder = self._holder
+                    why = (
+                        f"{actor.label} waited {self._timeout:g} s for its turn while "
+                        f"{'nobody' if holder is None else holder.label} held it"
+                    )
+                    rank, error = self._deadlock_locked(why)
+                    break
+                actor.cond.wait(left)
+            else:
+                return
+        self._on_deadlock(rank, error)
+
+    def _deadlock_locked(self, why: str) -> tuple[int, ScheduleDeadlock]:
+        return deadlock(self.schedule, self._actors.values(), why)
