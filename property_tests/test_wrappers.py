@@ -103,6 +103,7 @@ def wrapper_scenarios(
     world_sizes: st.SearchStrategy[int] | None = None,
     micro_batches: int = 1,
     sync_last_only: bool = False,
+    sync_modes: Sequence[str] = ("no_sync", "require_backward_grad_sync"),
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -122,9 +123,9 @@ def wrapper_scenarios(
     ``require_optional``: every model has a branch that can go unused; ``world_sizes``: the
     ranks (default: 1 to ``max_world_size``, three often); ``lr``: the SGD step after each
     step (0: gradients only); ``micro_batches`` > 1: gradient accumulation over up to that
-    many micro-batches per step, each synced or not (``no_sync()`` or
-    ``require_backward_grad_sync = False``; with ``sync_last_only`` only the last one synced),
-    and ``zero_grad(set_to_none=...)`` drawn."""
+    many micro-batches per step, each synced or not (one of ``sync_modes``: ``no_sync()``,
+    ``require_backward_grad_sync = False``, or "by_hand"; with ``sync_last_only`` only the
+    last one synced), and ``zero_grad(set_to_none=...)`` drawn."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
@@ -160,6 +161,7 @@ def wrapper_scenarios(
         lr=lr,
         micro_batches=micro_batches,
         sync_last_only=sync_last_only,
+        sync_modes=sync_modes,
         set_to_none=None if micro_batches > 1 else True,
     )
 

@@ -190,7 +190,10 @@ class _Plain:
             for r in range(world)
         )
         micro = _local_gradients(s, step, self.models, params, self.streams, broadcast_buffers)
-        return StepGradients(step, world, names, micro, s.syncs(step), before, trains, ignored)
+        views = bool(s.options.get("gradient_as_bucket_view", False))
+        return StepGradients(
+            step, world, names, micro, s.syncs(step), before, trains, ignored, views
+        )
 
 
 def _local_gradients(
@@ -203,12 +206,13 @@ def _local_gradients(
 ) -> tuple[tuple[Grads, ...], ...]:
     """Per rank, each micro-batch's gradients alone, from plain autograd. Every rank's forward
     starts from rank 0's buffers (``broadcast_buffers``, DDP's default: synced by name before
-    each forward; ignored ones excepted) or from its own."""
+    each forward through the wrapper; ignored ones excepted) or from its own. A "by_hand"
+    micro-batch runs the inner module, not the wrapper: no buffers are synced before it."""
     world = s.world_size
     micro: list[list[Grads]] = [[] for _ in range(world)]
     kept = [[p.grad for p in ps] for ps in params]
-    for m in range(len(s.syncs(step))):
-        if broadcast_buffers:
+    for m, mode in enumerate(s.syncs(step)):
+        if broadcast_buffers and mode != "by_hand":
             synced = {n: b for n, b in buffers_of(models[0]).items() if n not in s.ignored}
             for model in models[1:]:
                 load_buffers(model, synced)

@@ -107,15 +107,41 @@ def synced(model: nn.Module, mode: str, where: str) -> Iterator[None]:
         setattr(model, "require_backward_grad_sync", True)  # noqa: B010
 
 
+def accumulate_by_hand(model: nn.Module, loss: Callable[[Any], Tensor], args: Any) -> None:
+    """One micro-batch accumulated by hand, past the wrapper: the forward of its inner module
+    (``model.module``, else ``model``), the gradients from ``torch.autograd.grad`` (which
+    runs no gradient-accumulation hook, so the wrapper sees nothing), each added into its
+    parameter's ``.grad`` (a new one laid out as the parameter, as autograd lays it out)."""
+    inner = getattr(model, "module", None)
+    module = inner if isinstance(inner, nn.Module) else model
+    params = [p for p in module.parameters() if p.requires_grad]
+    # None for a parameter this micro-batch leaves out (allow_unused).
+    grads: Sequence[Tensor | None] = torch.autograd.grad(
+        loss(module(*args)), params, allow_unused=True
+    )
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(g)
+            else:
+                p.grad.add_(g)
+
+
 def default_train_step(
     after_backward: Callable[[nn.Module], object] | None, set_to_none: bool
 ) -> TrainStep:
-    """``zero_grad``; per micro-batch forward, loss, backward in its sync mode, then
-    ``after_backward(model)`` after each synced one; ``optimizer.step()``."""
+    """``zero_grad``; per micro-batch forward, loss, backward in its sync mode (or
+    :func:`accumulate_by_hand`), then ``after_backward(model)`` after each synced one;
+    ``optimizer.step()``."""
 
     def train_step(model: nn.Module, optimizer: Any, batch: Batch, step: int) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
         for m, (args, mode) in enumerate(zip(batch.micro_batches, batch.syncs, strict=True)):
+            if mode == "by_hand":
+                accumulate_by_hand(model, batch.loss, args)
+                continue
             with synced(model, mode, f"step {step}, micro-batch {m}"):
                 batch.loss(model(*args)).backward()  # type: ignore[no-untyped-call]
             if mode == "sync" and after_backward is not None:

@@ -67,7 +67,10 @@ class StepGradients:
     ``before[rank]``: the gradients before the step's first backward (None after
     ``zero_grad(set_to_none=True)``, zeros otherwise); ``trains[rank]``: False for a rank
     that has run out of inputs (join: it contributes zeros); ``ignored``: indices of
-    parameters the wrapper leaves alone (each rank keeps its own gradient)."""
+    parameters the wrapper leaves alone (each rank keeps its own gradient); ``views``: the
+    wrapper keeps each ``.grad`` a view of its bucket (DDP's ``gradient_as_bucket_view``).
+    A "by_hand" micro-batch's gradients were added into ``.grad`` by the training step
+    itself, with no backward through the wrapper's hooks."""
 
     step: int
     world_size: int
@@ -77,6 +80,7 @@ class StepGradients:
     before: tuple[Grads, ...]
     trains: tuple[bool, ...]
     ignored: frozenset[int]
+    views: bool = False
 
     def accumulated(self, rank: int, upto: int | None = None) -> Grads:
         """Rank's gradients with micro-batches ``0 .. upto - 1`` added, as autograd adds."""
@@ -160,6 +164,7 @@ class _GroupAverage(Reference):
             # divides the bucket view autograd accumulated into): name -> value per rank.
             chains: dict[str, list[Tensor | None]] = {"": [s.before[r][i] for r in range(world)]}
             syncs = s.syncs.count("sync")
+            hooked: Tensor | None = None  # a gradient some backward gave since the last sync
             for m, mode in enumerate(s.syncs):
                 for values in chains.values():
                     for r in range(world):
@@ -167,18 +172,32 @@ class _GroupAverage(Reference):
                             g = s.micro[r][m][i]
                             v = values[r]
                             values[r] = v if g is None else (g.clone() if v is None else v + g)
-                if mode == "sync":
-                    chains = self._synced(chains, groups, syncs)
+                            if g is not None and mode != "by_hand":
+                                hooked = g
+                if mode != "sync":
+                    continue
+                if hooked is not None or (s.views and _held(chains)):
+                    chains = self._synced(chains, groups, syncs, hooked)
+                # Else no rank's backward gave it a gradient since the last sync: DDP
+                # leaves .grad as it is (what a rank added by hand stays its own), except
+                # that a .grad that is its bucket view is reduced in place (torch).
+                hooked = None
             for name, values in chains.items():
                 for r in range(world):
                     out[r][i][name or "local"] = values[r]
         return out
 
     def _synced(
-        self, chains: dict[str, list[Tensor | None]], groups: list[list[int]], syncs: int
+        self,
+        chains: dict[str, list[Tensor | None]],
+        groups: list[list[int]],
+        syncs: int,
+        like: Tensor | None,
     ) -> dict[str, list[Tensor | None]]:
         """Each chain averaged within each group, in each rounding (only the same rounding as
-        before where a step syncs more than 3 times: 3^k chains otherwise)."""
+        before where a step syncs more than 3 times: 3^k chains otherwise). A group none of
+        whose ranks holds a gradient reduces zeros (shaped as ``like``) where some rank of
+        the world used the parameter; where none did, it keeps none."""
         out: dict[str, list[Tensor | None]] = {}
         for name, values in chains.items():
             for rounding in self.roundings:
@@ -188,12 +207,19 @@ class _GroupAverage(Reference):
                 for group in groups:
                     column = [values[r] for r in group]
                     if all(g is None for g in column):
-                        continue  # unused on every rank: .grad is left as it was
+                        if like is None:
+                            continue  # unused on every rank: .grad is left as it was
+                        column = [torch.zeros_like(like) for _ in group]
                     avg = self._avg(rounding, column, len(group))
                     for r in group:
                         new[r] = None if avg is None else avg.clone()
                 out[f"{name} then {rounding}" if name else rounding] = new
         return out
+
+
+def _held(chains: Mapping[str, Sequence[Tensor | None]]) -> bool:
+    """Does some rank hold a gradient (in the first chain: every chain has the same Nones)?"""
+    return any(v is not None for v in next(iter(chains.values())))
 
 
 def ddp_average(
