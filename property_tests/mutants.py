@@ -54,6 +54,7 @@ import reducer.graph
 import reducer.hooks._default
 import reducer.reducer
 import reducer.testing._judge
+import reducer.testing._run
 import reducer.testing.checks
 import reducer.testing.strategies
 import reducer.tools.check
@@ -712,6 +713,22 @@ class OnlyNoSyncAccumulates(_DDP):
         return super().forward(*inputs, **kwargs)
 
 
+class HeldGradNotContributed(_DDPReducer):
+    """A parameter found unused on this rank contributes zeros, not the ``.grad`` it holds:
+    the average an earlier synced micro-batch of the step left there is dropped from the
+    next reduction (torch's DDP reduces it again)."""
+
+    _unused_contribute_held = False
+
+
+def _by_hand_forgotten(model: torch.nn.Module, loss: Any, args: Any) -> None:
+    """Accumulation by hand that forgets the unsynced micro-batch: its gradients are
+    computed past the wrapper and never added into ``.grad``."""
+    inner = getattr(model, "module", model)
+    params = [p for p in inner.parameters() if p.requires_grad]
+    torch.autograd.grad(loss(inner(*args)), params, allow_unused=True)
+
+
 _real_post_local_sgd = reducer.post_localSGD_hook
 
 
@@ -1259,6 +1276,16 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "only no_sync accumulates",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", OnlyNoSyncAccumulates),
+    ),
+    (
+        "held gradient of an unused parameter dropped",
+        "DDP wrapper",
+        _in("reducer.ddp._reducer", "DDPReducer", HeldGradNotContributed),
+    ),
+    (
+        "by-hand accumulation forgets the unsynced micro-batch",
+        "harness",
+        _in("reducer.testing._run", "accumulate_by_hand", _by_hand_forgotten),
     ),
     (
         "post-local SGD starts late",

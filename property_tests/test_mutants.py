@@ -33,6 +33,7 @@ import reducer
 from reducer.testing import TrainingScenario
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
+from reducer.testing.scenario import SYNC_MODES
 from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
 from . import test_schedules
@@ -361,6 +362,30 @@ CASES: dict[str, Case] = {
     # early, the average is the same sum in another order, so only its rounding shows it
     # (surely at three ranks, where dividing by W rounds).
     "only no_sync accumulates": Case(OUR_MICRO, check_micro_batches_ours, max_ranks=3),
+    # Two ranks, two synced micro-batches in a step, one rank leaving a branch out of the
+    # second: it must contribute the first average its .grad holds. (Shrinks to one step or
+    # two.)
+    "held gradient of an unused parameter dropped": Case(
+        wrapper_scenarios(
+            buffers=False,
+            layouts=False,
+            as_view=False,
+            dropout=False,
+            ignore=False,
+            require_optional=True,
+            micro_batches=3,
+            max_world_size=2,
+            sync_modes=SYNC_MODES[1:],
+        ),
+        check_micro_batches_ours,
+        lambda s: s.world_size == 2 and any(s.syncs(k).count("sync") >= 2 for k in range(s.steps)),
+    ),
+    # One rank is enough: a by-hand micro-batch's gradient missing from the step's sum.
+    "by-hand accumulation forgets the unsynced micro-batch": Case(
+        OUR_MICRO,
+        check_micro_batches_ours,
+        lambda s: s.world_size == 1 and "by_hand" in s.syncs(0),
+    ),
     # Two ranks, each its own subgroup, local SGD from the start: one step shows it.
     "post-local SGD starts late": Case(local_sgd_cases(), check_post_local_sgd),
     # At three ranks dividing before or after the sum rounds differently whatever the data;
