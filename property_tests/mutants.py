@@ -55,6 +55,7 @@ import reducer.hooks._default
 import reducer.reducer
 import reducer.testing._judge
 import reducer.testing._run
+import reducer.testing.algorithms
 import reducer.testing.checks
 import reducer.testing.strategies
 import reducer.tools.check
@@ -729,6 +730,15 @@ def _by_hand_forgotten(model: torch.nn.Module, loss: Any, args: Any) -> None:
     torch.autograd.grad(loss(inner(*args)), params, allow_unused=True)
 
 
+def _shard_evenly(tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """The FSDP2 reference shards with ``torch.tensor_split`` (rows spread as evenly as
+    possible), not ``torch.chunk`` as FSDP2 does (ceil(n / W) rows each, the last ranks
+    short or empty): 4 rows over 3 ranks become 2, 1, 1 instead of 2, 2, 0."""
+    if tensor.dim() == 0:
+        return tensor
+    return torch.tensor_split(tensor, world_size, dim=0)[rank]
+
+
 _real_post_local_sgd = reducer.post_localSGD_hook
 
 
@@ -1281,6 +1291,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "held gradient of an unused parameter dropped",
         "DDP wrapper",
         _in("reducer.ddp._reducer", "DDPReducer", HeldGradNotContributed),
+    ),
+    (
+        "FSDP2 reference shards rows evenly",
+        "harness",
+        _in("reducer.testing.algorithms", "fsdp2_shard", _shard_evenly),
     ),
     (
         "by-hand accumulation forgets the unsynced micro-batch",

@@ -77,11 +77,13 @@ from .test_wrappers import (
     check_buffer_hook,
     check_device_mesh,
     check_fsdp2,
+    check_fsdp2_shards,
     check_join_dividing_by_training_ranks,
     check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
+    fsdp2_shard_scenarios,
     mesh_scenarios,
     mixed_precision_configs,
     one_of_four_out,
@@ -433,6 +435,14 @@ CASES: dict[str, Case] = {
         wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=True),
         check_our_ddp,
         lambda s: s.world_size == 2,
+    ),
+    # Three ranks, a parameter of 4 rows (sharded 2, 2, 0 by FSDP2): the reference's shards
+    # have other shapes. One step shows it.
+    "FSDP2 reference shards rows evenly": Case(
+        fsdp2_shard_scenarios(st.just(3), max_steps=1),
+        check_fsdp2_shards,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
     ),
     # FSDP2 on two ranks: each gets the other's shard of the gradient.
     "reduce_scatter chunks reversed": Case(

@@ -21,7 +21,9 @@ Built in:
   during warm-up, then within each rank's subgroup (alone by default); parameters averaged
   within groups every ``period`` steps after warm-up;
 - :func:`hierarchical_averaging`: torch's ``HierarchicalModelAverager``: groups of several
-  sizes, each with its own period.
+  sizes, each with its own period;
+- :func:`fsdp2_shards`: FSDP2 (``fully_shard``): DDP's average, of which each rank holds only
+  its shard (:func:`fsdp2_shard`: dim-0 chunks), compared shard by shard on every rank.
 
 Write your own by subclassing :class:`Reference`: per rank and parameter, return what that
 rank must hold.
@@ -43,6 +45,8 @@ __all__ = [
     "Reference",
     "StepGradients",
     "ddp_average",
+    "fsdp2_shard",
+    "fsdp2_shards",
     "hierarchical_averaging",
     "periodic_averaging",
     "zero_redundancy",
@@ -105,6 +109,14 @@ class Reference:
     optimizer must see) and :meth:`parameters` (what each rank holds after its step)."""
 
     optimizer: OptimizerFactory | None = None
+    # Does each rank hold a shard of each tensor (see :meth:`local`), not the whole?
+    sharded: bool = False
+
+    def local(self, rank: int, world_size: int, tensor: Tensor) -> Tensor:
+        """What ``rank`` holds of a whole gradient or parameter ``tensor`` (its shard, for a
+        sharded algorithm): what the check compares with what the rank holds. Default: all
+        of it."""
+        return tensor
 
     def gradients(self, s: StepGradients) -> list[list[Candidates]]:
         """Per rank and parameter, the gradients its optimizer may see. Default: each
@@ -236,6 +248,46 @@ def ddp_average(
     None (the default) accepts any of them. ``average(column, world_size)``: your own
     instead. ``optimizer``: see :class:`Reference`."""
     return _GroupAverage(scaling=scaling, average=average, optimizer=optimizer)
+
+
+def fsdp2_shard(tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """``rank``'s shard of ``tensor`` as FSDP2's ``fully_shard`` lays it out over
+    ``world_size`` ranks (``Shard(0)``): ``torch.chunk`` along dim 0, so every shard has
+    ceil(n / W) rows but the last ones (FSDP2 pads those to that size in its all-gather and
+    reduce-scatter buffers; the local tensor is the unpadded rows), and a rank past the last
+    chunk holds no rows (a 0-row tensor). A 0-dim tensor is not sharded."""
+    if tensor.dim() == 0:
+        return tensor
+    chunks = torch.chunk(tensor, world_size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return tensor.new_empty((0, *tensor.shape[1:]))
+
+
+class _Sharded(_GroupAverage):
+    """DDP's average, each rank holding its FSDP2 shard of every gradient and parameter."""
+
+    sharded = True
+
+    def local(self, rank: int, world_size: int, tensor: Tensor) -> Tensor:
+        return fsdp2_shard(tensor, rank, world_size)
+
+
+def fsdp2_shards(
+    *,
+    scaling: Rounding | None = None,
+    average: Average | None = None,
+    optimizer: OptimizerFactory | None = None,
+) -> Reference:
+    """FSDP2's reference (``fully_shard`` over every rank on a one-dimensional mesh): the
+    gradients are DDP's average (:func:`ddp_average`; FSDP2's float32 reduce-scatter with
+    ``ReduceOp.AVG`` gives "sum_then_divide" on the fake world), and each rank holds only its
+    shard of each gradient and parameter (:func:`fsdp2_shard`): the check compares each
+    rank's local shard (``DTensor.to_local()``) with its shard of the reference, so a shard
+    that lands on the wrong rank, or rows shifted between shards, fail on the rank and rows
+    where they land, with no gather that could hide them. ``optimizer``: the plain optimizer
+    stepped on the whole parameters (an element-wise one gives the same bits on shards)."""
+    return _Sharded(scaling=scaling, average=average, optimizer=optimizer)
 
 
 def zero_redundancy(optimizer: OptimizerFactory, *, scaling: Rounding | None = None) -> Reference:
