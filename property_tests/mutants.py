@@ -730,6 +730,15 @@ def _by_hand_forgotten(model: torch.nn.Module, loss: Any, args: Any) -> None:
     torch.autograd.grad(loss(inner(*args)), params, allow_unused=True)
 
 
+class ReaveragesUntouchedGrad(reducer.testing.algorithms._GroupAverage):
+    """DDP's reference averages again, at a later sync of the step, a .grad no backward gave
+    anything since the last sync (it reduces wherever some rank holds a gradient): torch's
+    DDP leaves it as it is."""
+
+    def _reduces(self, hooked: bool, views: bool, chains: Any) -> bool:
+        return reducer.testing.algorithms._held(chains)
+
+
 def _shard_evenly(tensor: Tensor, rank: int, world_size: int) -> Tensor:
     """The FSDP2 reference shards with ``torch.tensor_split`` (rows spread as evenly as
     possible), not ``torch.chunk`` as FSDP2 does (ceil(n / W) rows each, the last ranks
@@ -1291,6 +1300,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "held gradient of an unused parameter dropped",
         "DDP wrapper",
         _in("reducer.ddp._reducer", "DDPReducer", HeldGradNotContributed),
+    ),
+    (
+        "reference averages an untouched .grad again",
+        "harness",
+        _in("reducer.testing.algorithms", "_GroupAverage", ReaveragesUntouchedGrad),
     ),
     (
         "FSDP2 reference shards rows evenly",

@@ -66,8 +66,10 @@ from .test_torch_equivalence import check_bucket_assignment
 from .test_training_steps import (
     OUR_MICRO,
     check_micro_batches_ours,
+    check_micro_batches_torch,
     check_post_local_sgd,
     local_sgd_cases,
+    two_synced_micro_batches,
 )
 from .test_wrappers import (
     _BUFFER_HOOKED,
@@ -381,6 +383,14 @@ CASES: dict[str, Case] = {
         ),
         check_micro_batches_ours,
         lambda s: s.world_size == 2 and any(s.syncs(k).count("sync") >= 2 for k in range(s.steps)),
+    ),
+    # Three ranks (at two, averaging an average again gives it back exactly), two synced
+    # micro-batches, a head no rank runs in the second: torch's DDP leaves it as it was.
+    "reference averages an untouched .grad again": Case(
+        two_synced_micro_batches(),
+        check_micro_batches_torch,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
     ),
     # One rank is enough: a by-hand micro-batch's gradient missing from the step's sum.
     "by-hand accumulation forgets the unsynced micro-batch": Case(

@@ -188,16 +188,22 @@ class _GroupAverage(Reference):
                                 hooked = g
                 if mode != "sync":
                     continue
-                if hooked is not None or (s.views and _held(chains)):
+                if self._reduces(hooked is not None, s.views, chains):
                     chains = self._synced(chains, groups, syncs, hooked)
-                # Else no rank's backward gave it a gradient since the last sync: DDP
-                # leaves .grad as it is (what a rank added by hand stays its own), except
-                # that a .grad that is its bucket view is reduced in place (torch).
                 hooked = None
             for name, values in chains.items():
                 for r in range(world):
                     out[r][i][name or "local"] = values[r]
         return out
+
+    def _reduces(
+        self, hooked: bool, views: bool, chains: Mapping[str, Sequence[Tensor | None]]
+    ) -> bool:
+        """Does a sync reduce the parameter? Where some rank's backward gave it a gradient
+        since the last sync (``hooked``). Otherwise DDP leaves .grad as it is (what a rank
+        added by hand stays its own), except that a .grad that is its bucket view
+        (``views``) is reduced in place, as torch's DDP does."""
+        return hooked or (views and _held(chains))
 
     def _synced(
         self,
