@@ -714,6 +714,16 @@ class OnlyNoSyncAccumulates(_DDP):
         return super().forward(*inputs, **kwargs)
 
 
+class SyncBuffersAtEveryForward(_DDP):
+    """Syncs buffers at every forward, not only after a synced one: the synced micro-batch
+    after ``no_sync()`` ones starts from rank 0's buffers, where torch's DDP leaves each
+    rank its own."""
+
+    def _sync_buffers(self, *, candidate: bool) -> None:
+        self.require_forward_param_sync = True
+        super()._sync_buffers(candidate=candidate)
+
+
 class HeldGradNotContributed(_DDPReducer):
     """A parameter found unused on this rank contributes zeros, not the ``.grad`` it holds:
     the average an earlier synced micro-batch of the step left there is dropped from the
@@ -1295,6 +1305,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "only no_sync accumulates",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", OnlyNoSyncAccumulates),
+    ),
+    (
+        "buffers synced at every forward",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", SyncBuffersAtEveryForward),
     ),
     (
         "held gradient of an unused parameter dropped",

@@ -392,6 +392,22 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 3,
         max_ranks=3,
     ),
+    # Two ranks with buffers, a no_sync() micro-batch, then a synced one: it must start from
+    # each rank's own buffers.
+    "buffers synced at every forward": Case(
+        wrapper_scenarios(
+            buffers=True,
+            layouts=False,
+            as_view=False,
+            dropout=False,
+            ignore=False,
+            micro_batches=3,
+            max_world_size=2,
+            sync_modes=SYNC_MODES[1:],
+        ),
+        check_micro_batches_ours,
+        lambda s: s.world_size == 2,
+    ),
     # One rank is enough: a by-hand micro-batch's gradient missing from the step's sum.
     "by-hand accumulation forgets the unsynced micro-batch": Case(
         OUR_MICRO,

@@ -5,9 +5,11 @@
   False`` as nanoGPT sets it, or accumulated by hand past the wrapper: the inner module's
   gradients from ``torch.autograd.grad`` added into ``.grad``), several synced ones in a
   step, steps that end unsynced, ``zero_grad`` to None or to zeros, optional branches unused
-  per rank and micro-batch, ``gradient_as_bucket_view`` drawn: at each optimizer step every
-  rank's gradients are what the reference (:func:`reducer.testing.ddp_average`) says DDP
-  gives (any of torch's roundings), and the parameters after SGD follow. The two DDPs give
+  per rank and micro-batch, ``gradient_as_bucket_view`` and buffers (one updated in place,
+  one reassigned by forward: DDP syncs them at a forward that follows a synced one) drawn:
+  at each optimizer step every rank's gradients are what the reference
+  (:func:`reducer.testing.ddp_average`) says DDP gives (any of torch's roundings), and the
+  parameters after SGD follow. The two DDPs give
   the same bits as each other on every such scenario. Where both part from the reference (a
   parameter used only in a step that ended unsynced, then ``zero_grad(set_to_none=True)``)
   is pinned at the end; the strategies leave that corner out.
@@ -48,9 +50,10 @@ from reducer.testing.scenario import SYNC_MODES
 
 from .test_wrappers import wrapper_scenarios
 
-# Accumulation in any pattern, by any of the unsynced modes.
+# Accumulation in any pattern, by any of the unsynced modes; buffers half the time (DDP
+# syncs them at a forward only after a synced one).
 _MICRO = OUR_MICRO = wrapper_scenarios(
-    buffers=False, ignore=False, micro_batches=3, max_world_size=3, sync_modes=SYNC_MODES[1:]
+    ignore=False, micro_batches=3, max_world_size=3, sync_modes=SYNC_MODES[1:]
 )
 
 

@@ -229,6 +229,9 @@ class _Plain:
         make_opt = optimizer or (lambda ps: SGD(ps, s.lr))
         self.optims = [make_opt(ps) for ps in self.params]
         self.streams = RankStreams(s.rank_seeds)
+        # Was the last forward through the wrapper synced (DDP's require_forward_param_sync:
+        # only then does the next forward sync the buffers)?
+        self.forward_synced = [True]
 
     def step_gradients(
         self, step: int, broadcast_buffers: bool, ignored: frozenset[int]
@@ -244,7 +247,9 @@ class _Plain:
             [full(p.grad) for p in params[r]] if trains[r] else _nones(len(names))
             for r in range(world)
         )
-        micro = _local_gradients(s, step, self.models, params, self.streams, broadcast_buffers)
+        micro = _local_gradients(
+            s, step, self.models, params, self.streams, broadcast_buffers, self.forward_synced
+        )
         views = bool(s.options.get("gradient_as_bucket_view", False))
         return StepGradients(
             step, world, names, micro, s.syncs(step), before, trains, ignored, views
@@ -258,16 +263,19 @@ def _local_gradients(
     params: Sequence[Sequence[Tensor]],
     streams: RankStreams,
     broadcast_buffers: bool,
+    forward_synced: list[bool],
 ) -> tuple[tuple[Grads, ...], ...]:
     """Per rank, each micro-batch's gradients alone, from plain autograd. Every rank's forward
     starts from rank 0's buffers (``broadcast_buffers``, DDP's default: synced by name before
-    each forward through the wrapper; ignored ones excepted) or from its own. A "by_hand"
-    micro-batch runs the inner module, not the wrapper: no buffers are synced before it."""
+    a forward through the wrapper whose previous one was synced, ``forward_synced[0]``, kept
+    across steps; ignored ones excepted) or from its own. A "by_hand" micro-batch runs the
+    inner module, not the wrapper: no buffers are synced before it, nor does it count."""
     world = s.world_size
     micro: list[list[Grads]] = [[] for _ in range(world)]
     kept = [[p.grad for p in ps] for ps in params]
     for m, mode in enumerate(s.syncs(step)):
-        if broadcast_buffers and mode != "by_hand":
+        through_wrapper = mode != "by_hand"
+        if broadcast_buffers and through_wrapper and forward_synced[0]:
             synced = {n: b for n, b in buffers_of(models[0]).items() if n not in s.ignored}
             for model in models[1:]:
                 load_buffers(model, synced)
@@ -280,6 +288,8 @@ def _local_gradients(
             with streams.of(r):
                 batch.loss(models[r](*batch.micro_batches[m])).backward()  # type: ignore[no-untyped-call]
             micro[r].append([full(p.grad) for p in params[r]])
+        if through_wrapper:
+            forward_synced[0] = mode == "sync"
     for ps, grads in zip(params, kept, strict=True):
         for p, g in zip(ps, grads, strict=True):
             p.grad = g

@@ -215,7 +215,8 @@ class _GroupAverage(Reference):
         """Each chain averaged within each group, in each rounding (only the same rounding as
         before where a step syncs more than 3 times: 3^k chains otherwise). A group none of
         whose ranks holds a gradient reduces zeros (shaped as ``like``) where some rank of
-        the world used the parameter; where none did, it keeps none."""
+        the world used the parameter; where none did, it keeps none, and only the ranks
+        holding a .grad (their bucket views) take the reduced value."""
         out: dict[str, list[Tensor | None]] = {}
         for name, values in chains.items():
             for rounding in self.roundings:
@@ -230,6 +231,8 @@ class _GroupAverage(Reference):
                         column = [torch.zeros_like(like) for _ in group]
                     avg = self._avg(rounding, column, len(group))
                     for r in group:
+                        if like is None and values[r] is None:
+                            continue  # reduced only as the bucket view a rank's .grad is
                         new[r] = None if avg is None else avg.clone()
                 out[f"{name} then {rounding}" if name else rounding] = new
         return out
