@@ -56,6 +56,8 @@ import reducer.graph
 import reducer.hooks._default
 import reducer.reducer
 import reducer.testing._judge
+import reducer.testing._run
+import reducer.testing.algorithms
 import reducer.testing.checks
 import reducer.testing.strategies
 import reducer.tools.check
@@ -715,6 +717,50 @@ class OnlyNoSyncAccumulates(_DDP):
         if not self._inside_no_sync:
             self.require_backward_grad_sync = True
         return super().forward(*inputs, **kwargs)
+
+
+class SyncBuffersAtEveryForward(_DDP):
+    """Syncs buffers at every forward, not only after a synced one: the synced micro-batch
+    after ``no_sync()`` ones starts from rank 0's buffers, where torch's DDP leaves each
+    rank its own."""
+
+    def _sync_buffers(self, *, candidate: bool) -> None:
+        self.require_forward_param_sync = True
+        super()._sync_buffers(candidate=candidate)
+
+
+class HeldGradNotContributed(_DDPReducer):
+    """A parameter found unused on this rank contributes zeros, not the ``.grad`` it holds:
+    the average an earlier synced micro-batch of the step left there is dropped from the
+    next reduction (torch's DDP reduces it again)."""
+
+    _unused_contribute_held = False
+
+
+def _by_hand_forgotten(model: torch.nn.Module, loss: Any, args: Any) -> None:
+    """Accumulation by hand that forgets the unsynced micro-batch: its gradients are
+    computed past the wrapper and never added into ``.grad``."""
+    inner = getattr(model, "module", model)
+    params = [p for p in inner.parameters() if p.requires_grad]
+    torch.autograd.grad(loss(inner(*args)), params, allow_unused=True)
+
+
+class ReaveragesUntouchedGrad(reducer.testing.algorithms._GroupAverage):
+    """DDP's reference averages again, at a later sync of the step, a .grad no backward gave
+    anything since the last sync (it reduces wherever some rank holds a gradient): torch's
+    DDP leaves it as it is."""
+
+    def _reduces(self, hooked: bool, views: bool, chains: Any) -> bool:
+        return reducer.testing.algorithms._held(chains)
+
+
+def _shard_evenly(tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """The FSDP2 reference shards with ``torch.tensor_split`` (rows spread as evenly as
+    possible), not ``torch.chunk`` as FSDP2 does (ceil(n / W) rows each, the last ranks
+    short or empty): 4 rows over 3 ranks become 2, 1, 1 instead of 2, 2, 0."""
+    if tensor.dim() == 0:
+        return tensor
+    return torch.tensor_split(tensor, world_size, dim=0)[rank]
 
 
 _real_post_local_sgd = reducer.post_localSGD_hook
@@ -1425,6 +1471,31 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "only no_sync accumulates",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", OnlyNoSyncAccumulates),
+    ),
+    (
+        "buffers synced at every forward",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", SyncBuffersAtEveryForward),
+    ),
+    (
+        "held gradient of an unused parameter dropped",
+        "DDP wrapper",
+        _in("reducer.ddp._reducer", "DDPReducer", HeldGradNotContributed),
+    ),
+    (
+        "reference averages an untouched .grad again",
+        "harness",
+        _in("reducer.testing.algorithms", "_GroupAverage", ReaveragesUntouchedGrad),
+    ),
+    (
+        "FSDP2 reference shards rows evenly",
+        "harness",
+        _in("reducer.testing.algorithms", "fsdp2_shard", _shard_evenly),
+    ),
+    (
+        "by-hand accumulation forgets the unsynced micro-batch",
+        "harness",
+        _in("reducer.testing._run", "accumulate_by_hand", _by_hand_forgotten),
     ),
     (
         "post-local SGD starts late",

@@ -390,7 +390,11 @@ def run_mirrors(s: DDPScenario) -> list[list[Grads]]:
                 packed = mirror(s.inputs(r, k, micro), active, s.layout)
                 backward(s.backward, s.kept(packed, active, dropped), list(mirror.parameters()))
             if micro == len(window) - 1:
-                averaged = _average(mirrors, used, s.world_size, s.hook, _scalings(s, in_view))
+                unreached = [_unreached(s.model, pattern[r]) for r in range(s.world_size)]
+                views = [s.as_view and v for v in in_view]
+                averaged = _average(
+                    mirrors, used, unreached, s.world_size, s.hook, _scalings(s, in_view), views
+                )
                 in_view = [was or now for was, now in zip(in_view, averaged, strict=True)]
                 used = [[False] * count for _ in mirrors]
             for r, mirror in enumerate(mirrors):
@@ -408,28 +412,74 @@ def _scalings(s: DDPScenario, in_view: list[bool]) -> list[Scaling]:
     return ["divide" if in_place and v else "reciprocal" for v in in_view]
 
 
+def _unreached(spec: ModelSpec, pattern: frozenset[int]) -> list[bool]:
+    """Per parameter: does the synced pass's forward leave it out of the graph on a rank
+    that runs the optional branches ``pattern`` (what the search finds unused)?"""
+    active = active_branches(spec, pattern)
+    return [not any(b in active for b in spec.users(owner)) for owner in spec.parameter_owners()]
+
+
 def _average(
     mirrors: list[GeneratedModel],
     used: list[list[bool]],
+    unreached: list[list[bool]],
     world_size: int,
     hook: str,
     scalings: list[Scaling],
+    views: list[bool],
 ) -> list[bool]:
-    """Set every used parameter's .grad to its exact average; which were averaged."""
+    """Set every used parameter's .grad to its exact average; which were averaged.
+
+    As torch's DDP: a rank that used the parameter since the last synced pass contributes
+    its .grad; so does one whose forward left it out of the graph (found unused) and that
+    holds a .grad (kept without zero_grad), untouched by this pass: divided by W where that
+    .grad is its bucket view (``views``), else multiplied by 1 / W; any other rank
+    contributes zeros. Where no rank used it, .grad stays as it is, except a bucket view
+    that contributed: that is reduced in place (see Note [Unused parameters] in
+    reducer.reducer)."""
     params = [list(m.parameters()) for m in mirrors]
     averaged = []
     for i in range(len(params[0])):
-        column = [snapshot(params[r][i].grad) if used[r][i] else None for r in range(world_size)]
+        held = [
+            not used[r][i] and unreached[r][i] and params[r][i].grad is not None
+            for r in range(world_size)
+        ]
+        column = [
+            snapshot(params[r][i].grad) if used[r][i] or held[r] else None
+            for r in range(world_size)
+        ]
+        anywhere = any(used[r][i] for r in range(world_size))
         if hook != "none":
             average = AVERAGES[hook](column, world_size)
         else:
-            average = rank_order_average(column, world_size, scaling=scalings[i])
-        averaged.append(average is not None)
+            held_scaling: Scaling = "divide" if views[i] else "reciprocal"
+            per_rank = [held_scaling if held[r] else scalings[i] for r in range(world_size)]
+            average = _rank_order_average(column, world_size, per_rank)
+        averaged.append(average is not None and anywhere)
         if average is None:
-            continue  # no rank used it since the last synced pass: .grad stays as it is
+            continue
         for r in range(world_size):
-            params[r][i].grad = average.clone()
+            # Where no rank used it, only a bucket view that contributed is written.
+            if anywhere or (held[r] and views[i]):
+                params[r][i].grad = average.clone()
     return averaged
+
+
+def _rank_order_average(
+    column: list[Tensor | None], world_size: int, scalings: list[Scaling]
+) -> Tensor | None:
+    """:func:`rank_order_average` with each rank's term scaled its own way."""
+    if all(g is None for g in column):
+        return None
+    like = next(g for g in column if g is not None)
+    total: Tensor | None = None
+    for g, scaling in zip(column, scalings, strict=True):
+        term = rank_order_average([torch.zeros_like(like) if g is None else g], world_size)
+        if g is not None:
+            term = rank_order_average([g], world_size, scaling=scaling)
+        assert term is not None
+        total = term if total is None else total + term
+    return total
 
 
 # Static graph, a head whose output rank 0 leaves out of the loss while rank 1 uses it, and

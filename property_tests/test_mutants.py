@@ -33,6 +33,7 @@ import reducer
 from reducer.testing import TrainingScenario
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
+from reducer.testing.scenario import SYNC_MODES
 from reducer.testing.strategies import bucketing_inputs, model_specs, scenarios
 
 from . import test_schedules
@@ -65,8 +66,10 @@ from .test_torch_equivalence import check_bucket_assignment
 from .test_training_steps import (
     OUR_MICRO,
     check_micro_batches_ours,
+    check_micro_batches_torch,
     check_post_local_sgd,
     local_sgd_cases,
+    two_synced_micro_batches,
 )
 from .test_wrapper_options import (
     PARAMETERS,
@@ -84,11 +87,13 @@ from .test_wrappers import (
     check_buffer_hook,
     check_device_mesh,
     check_fsdp2,
+    check_fsdp2_shards,
     check_join_dividing_by_training_ranks,
     check_mixed_precision_dtypes,
     check_our_ddp,
     check_our_join,
     fsdp2_scenarios,
+    fsdp2_shard_scenarios,
     mesh_scenarios,
     mixed_precision_configs,
     one_of_four_out,
@@ -319,11 +324,15 @@ CASES: dict[str, Case] = {
         averaging,
         lambda s: _one_step(s, ranks=1),
     ),
-    # Buckets are rebuilt after the first iteration, by the wrapper.
+    # Buckets are rebuilt after the first iteration, by the wrapper. A .grad left in the old
+    # bucket is copied into its new view at its hook, as torch's DDP copies a .grad that is
+    # not its view: multiplied by 1 / W where autograd's accumulation into the view is
+    # divided, so three ranks show it.
     "rebuilt buckets keep old views": Case(
         ddp_scenarios(min_iterations=2, mode="plain", as_view=True, hook="none"),
         check_ddp,
-        lambda s: s.world_size == 1,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
     ),
     "sparse gradient not divided": Case(
         scenarios(unused=False, model=sparse_only, **_plain()),
@@ -373,6 +382,54 @@ CASES: dict[str, Case] = {
     # early, the average is the same sum in another order, so only its rounding shows it
     # (surely at three ranks, where dividing by W rounds).
     "only no_sync accumulates": Case(OUR_MICRO, check_micro_batches_ours, max_ranks=3),
+    # Two ranks, two synced micro-batches in a step, one rank leaving a branch out of the
+    # second: it must contribute the first average its .grad holds. (Shrinks to one step or
+    # two.)
+    "held gradient of an unused parameter dropped": Case(
+        wrapper_scenarios(
+            buffers=False,
+            layouts=False,
+            as_view=False,
+            dropout=False,
+            ignore=False,
+            require_optional=True,
+            micro_batches=3,
+            max_world_size=2,
+            sync_modes=SYNC_MODES[1:],
+        ),
+        check_micro_batches_ours,
+        lambda s: s.world_size == 2 and any(s.syncs(k).count("sync") >= 2 for k in range(s.steps)),
+    ),
+    # Three ranks (at two, averaging an average again gives it back exactly), two synced
+    # micro-batches, a head no rank runs in the second: torch's DDP leaves it as it was.
+    "reference averages an untouched .grad again": Case(
+        two_synced_micro_batches(),
+        check_micro_batches_torch,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
+    ),
+    # Two ranks with buffers, a no_sync() micro-batch, then a synced one: it must start from
+    # each rank's own buffers.
+    "buffers synced at every forward": Case(
+        wrapper_scenarios(
+            buffers=True,
+            layouts=False,
+            as_view=False,
+            dropout=False,
+            ignore=False,
+            micro_batches=3,
+            max_world_size=2,
+            sync_modes=SYNC_MODES[1:],
+        ),
+        check_micro_batches_ours,
+        lambda s: s.world_size == 2,
+    ),
+    # One rank is enough: a by-hand micro-batch's gradient missing from the step's sum.
+    "by-hand accumulation forgets the unsynced micro-batch": Case(
+        OUR_MICRO,
+        check_micro_batches_ours,
+        lambda s: s.world_size == 1 and "by_hand" in s.syncs(0),
+    ),
     # Two ranks, each its own subgroup, local SGD from the start: one step shows it.
     "post-local SGD starts late": Case(local_sgd_cases(), check_post_local_sgd),
     # At three ranks dividing before or after the sum rounds differently whatever the data;
@@ -420,6 +477,14 @@ CASES: dict[str, Case] = {
         wrapper_scenarios(buffers=False, layouts=False, as_view=False, dropout=True),
         check_our_ddp,
         lambda s: s.world_size == 2,
+    ),
+    # Three ranks, a parameter of 4 rows (sharded 2, 2, 0 by FSDP2): the reference's shards
+    # have other shapes. One step shows it.
+    "FSDP2 reference shards rows evenly": Case(
+        fsdp2_shard_scenarios(st.just(3), max_steps=1),
+        check_fsdp2_shards,
+        lambda s: s.world_size == 3,
+        max_ranks=3,
     ),
     # FSDP2 on two ranks: each gets the other's shard of the gradient.
     "reduce_scatter chunks reversed": Case(

@@ -25,7 +25,9 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
   weights channels_last) and ``gradient_as_bucket_view`` or not: every ``.grad`` keeps the
   strides plain autograd gives it;
 - FSDP2's ``fully_shard``: its fp32 reduce-scatter averages with ``ReduceOp.AVG``, so the
-  full gradients equal ``(sum in rank order) / W``;
+  full gradients equal ``(sum in rank order) / W``; and on two or three ranks, each rank's
+  own shard of every gradient and parameter (dim-0 chunks, the last ranks short or empty)
+  is its shard of that reference, compared per rank and shard;
 - a user's own wrapper (:class:`NaiveDataParallel`, twelve lines): the check needs nothing
   of a wrapper but (module, process group).
 
@@ -55,6 +57,7 @@ from reducer.testing import (
     bucket_caps_mb,
     check_data_parallel,
     fsdp2,
+    fsdp2_shards,
     generated_training_scenarios,
     reducer_ddp,
     sum_then_divide,
@@ -103,6 +106,7 @@ def wrapper_scenarios(
     world_sizes: st.SearchStrategy[int] | None = None,
     micro_batches: int = 1,
     sync_last_only: bool = False,
+    sync_modes: Sequence[str] = ("no_sync", "require_backward_grad_sync"),
 ) -> st.SearchStrategy[TrainingScenario]:
     """Random models of up to 6 parameters (optional branches going unused), any bucket cap,
     the search for unused parameters on. None draws: ``buffers`` (inside ``WithBuffers``: one
@@ -122,9 +126,9 @@ def wrapper_scenarios(
     ``require_optional``: every model has a branch that can go unused; ``world_sizes``: the
     ranks (default: 1 to ``max_world_size``, three often); ``lr``: the SGD step after each
     step (0: gradients only); ``micro_batches`` > 1: gradient accumulation over up to that
-    many micro-batches per step, each synced or not (``no_sync()`` or
-    ``require_backward_grad_sync = False``; with ``sync_last_only`` only the last one synced),
-    and ``zero_grad(set_to_none=...)`` drawn."""
+    many micro-batches per step, each synced or not (one of ``sync_modes``: ``no_sync()``,
+    ``require_backward_grad_sync = False``, or "by_hand"; with ``sync_last_only`` only the
+    last one synced), and ``zero_grad(set_to_none=...)`` drawn."""
     views = st.booleans() if as_view is None else st.just(as_view)
     drawn: dict[str, st.SearchStrategy[Any]] = {"gradient_as_bucket_view": views}
     if skip_unused:
@@ -160,6 +164,7 @@ def wrapper_scenarios(
         lr=lr,
         micro_batches=micro_batches,
         sync_last_only=sync_last_only,
+        sync_modes=sync_modes,
         set_to_none=None if micro_batches > 1 else True,
     )
 
@@ -399,6 +404,61 @@ def check_fsdp2(s: TrainingScenario) -> None:
 def test_fsdp2_full_gradients_are_the_average(s: TrainingScenario) -> None:
     _note_plain(s)
     check_fsdp2(s)
+
+
+def fsdp2_shard_scenarios(
+    world_sizes: st.SearchStrategy[int] | None = None, max_steps: int = 2
+) -> st.SearchStrategy[TrainingScenario]:
+    """:func:`fsdp2_scenarios` on two or three ranks (at three, a weight of 4 rows is
+    sharded 2, 2 and none; of 7 rows, 3, 3 and 1)."""
+    model = model_specs(max_branches=2, max_params=4, allow_sparse=False, allow_unused=False)
+    return generated_training_scenarios(
+        model=model.map(_float32),
+        max_steps=max_steps,
+        world_sizes=world_sizes if world_sizes is not None else st.sampled_from([2, 3]),
+    )
+
+
+def check_fsdp2_shards(s: TrainingScenario) -> None:
+    """The property: each rank's own shard of each FSDP2 gradient at its optimizer step, and
+    of each parameter after it, is its shard of the exact average and of the parameters the
+    reference's SGD gives (:func:`reducer.testing.fsdp2_shards`), compared shard by shard
+    (no gather)."""
+    check_data_parallel(
+        fsdp2(), s, reference=fsdp2_shards(average=sum_then_divide), check_strides=False
+    )
+
+
+@settings(max_examples=max(5, settings().max_examples // 5))
+@given(fsdp2_shard_scenarios())
+def test_fsdp2_shards_are_each_ranks_shard_of_the_average(s: TrainingScenario) -> None:
+    _note_plain(s)
+    check_fsdp2_shards(s)
+
+
+def _uneven_rows() -> nn.Module:
+    generator = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 7))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_shards_of_rows_that_do_not_divide(world_size: int) -> None:
+    # 4 and 7 rows: at two ranks 2 + 2 and 4 + 3; at three 2 + 2 + none and 3 + 3 + 1.
+    def x(rank: int, step: int) -> tuple[Tensor]:
+        return (torch.randn(3, 2, generator=torch.Generator().manual_seed(10 * step + rank)),)
+
+    inputs = tuple(tuple(x(r, k) for r in range(world_size)) for k in range(2))
+    report = check_data_parallel(
+        fsdp2(),
+        TrainingScenario(_uneven_rows, inputs),
+        reference=fsdp2_shards(),
+        check_strides=False,
+    )
+    assert "sum_then_divide" in report.roundings
 
 
 def _note_plain(s: TrainingScenario) -> None:

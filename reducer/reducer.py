@@ -39,6 +39,11 @@ graph's record in reducer.static_graph; the error messages in reducer.errors.
 # local accumulation since the last synced step (see Note [Locally used]). When every rank
 # found it unused, its ``.grad`` is left exactly as it was: the ranks agree on that through
 # an allreduce of the per-parameter "locally used" map, issued after the last bucket.
+# torch's DDP differs (``_unused_contribute_held``, set by reducer.ddp): a parameter the
+# search found unused here contributes whatever ``.grad`` it holds (the average of an
+# earlier synced pass of the same step, a gradient the user accumulated by hand, one kept
+# without zero_grad), scaled like any other; and with gradient_as_bucket_view a .grad that
+# is its bucket view is reduced in place even where every rank found it unused.
 
 # Note [Ready order]
 # ``_hook_order`` lists the parameters of replica 0 in the order their hooks made them ready
@@ -140,6 +145,13 @@ class Reducer:
     accumulate locally. An error during an iteration fails the reducer for good (``_fail``).
     """
 
+    # A parameter found unused here contributes the .grad it holds (torch's DDP), not zeros
+    # (DESIGN's contract for this class). See Note [Unused parameters].
+    _unused_contribute_held = False
+    # With gradient_as_bucket_view, a .grad that user code replaced by another tensor is
+    # copied into its view at its next hook (torch's DDP), not refused before the iteration.
+    _adopt_replaced_grads = False
+
     def __init__(
         self,
         replicas: list[list[Tensor]],
@@ -237,7 +249,7 @@ class Reducer:
                 )
                 raise self._fail(error)
             outputs = check_outputs(outputs)
-            if self._as_view:
+            if self._as_view and not self._adopt_replaced_grads:
                 self._views.check_kept(self._buckets)
             self._expect_autograd_hooks = True
             self._next_bucket = 0
@@ -408,7 +420,7 @@ class Reducer:
             key = (replica_index, index)
             fresh = key in self._views.fresh  # copied in while accumulating locally
             self._views.fresh.discard(key)
-            if not self._used[replica_index][index]:
+            if not self._contributes(replica_index, index, param):
                 self._views.set_aside(key, param, view)  # zeros: any scaling keeps them
             elif param.grad is not view:
                 grad = self._contribution(replica_index, index, param)
@@ -464,11 +476,23 @@ class Reducer:
         """``view = grad``, scaled on the way in. See Note [Gradient scaling]."""
         scale_into(grad, view, self._divisor, self._scaling)
 
+    def _contributes(self, replica_index: int, index: int, param: Tensor) -> bool:
+        """Does ``param`` contribute its ``.grad`` (used here since the last synced step,
+        or found unused and holding one where ``_unused_contribute_held``)? See Note [Unused
+        parameters]."""
+        if self._used[replica_index][index]:
+            return True
+        return (
+            self._unused_contribute_held
+            and param.grad is not None
+            and (replica_index, index) in self._unused_set
+        )
+
     def _contribution(self, replica_index: int, index: int, param: Tensor) -> Tensor | None:
         """The dense gradient ``param`` contributes, or None where it contributes zeros
         (no gradient, or unused here: see Note [Unused parameters])."""
         grad = param.grad
-        if grad is None or not self._used[replica_index][index]:
+        if grad is None or not self._contributes(replica_index, index, param):
             return None
         if grad.layout != torch.strided:
             raise self._fail(self._layout_error(replica_index, index, expected="dense"))
@@ -680,7 +704,7 @@ class Reducer:
                     "initialize_buckets was called after prepare_for_backward and before "
                     "backward finished; change the bucket assignment between iterations"
                 )
-            if self._as_view and self._buckets:
+            if self._as_view and self._buckets and not self._adopt_replaced_grads:
                 # Moving the gradients into new views would adopt a replaced .grad silently.
                 self._views.check_kept(self._buckets)
             indices = validate_bucket_indices(bucket_indices, len(self._replicas[0]), self._names)

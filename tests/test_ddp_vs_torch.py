@@ -524,3 +524,36 @@ def test_set_static_graph_after_construction_matches_torch(late: bool) -> None:
         for step in range(STEPS):
             for i, (a, b) in enumerate(zip(ours[step][0], theirs[step][0], strict=True)):
                 compare(a, b, f"grad {i}, rank {rank}, step {step}")
+
+
+@pytest.mark.parametrize("replaced", ["halved", "after set_to_none"])
+def test_a_bucket_view_grad_replaced_by_another_tensor_is_reduced_as_torch_does(
+    replaced: str,
+) -> None:
+    """With gradient_as_bucket_view, a .grad the user replaced by a tensor of their own
+    (scaled out of place, or accumulated by hand after ``zero_grad(set_to_none=True)``) is
+    copied into its bucket view, scaled, at its next hook and reduced, as torch's DDP does
+    (the bare Reducer refuses it: tests/test_reducer.py)."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[Tensor | None]]:
+        out = []
+        for make in (
+            lambda m: reducer.DistributedDataParallel(m, pg, gradient_as_bucket_view=True),
+            lambda m: nn.parallel.DistributedDataParallel(m, gradient_as_bucket_view=True),
+        ):
+            model = build()
+            ddp = make(model)
+            ddp(rank_input(pg.rank(), (4, 6), 0), True).pow(2).sum().backward()
+            head = model.heads[1]
+            if replaced == "halved":
+                head.weight.grad = head.weight.grad * 0.5  # a new tensor, not the view
+            else:
+                model.zero_grad(set_to_none=True)
+                head.weight.grad = torch.ones_like(head.weight) * (pg.rank() + 1)
+            ddp(rank_input(pg.rank(), (4, 6), 1), True).pow(2).sum().backward()
+            out.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        return out
+
+    for rank, (ours, theirs) in enumerate(fakepg.run_torch(fn, 3, timeout=30.0)):
+        for i, (o, t) in enumerate(zip(ours, theirs, strict=True)):
+            compare(o, t, f"rank {rank}, parameter {i}")

@@ -277,3 +277,38 @@ def test_hypothesis_explanations_leave_the_library_lines_out() -> None:
     assert hidden.search(reducer.testing.checks.__file__.replace("\\", "/"))
     assert hidden.search(f"{reducer.__file__.rsplit('/', 1)[0]}/_averages.py")
     assert not hidden.search(__file__)  # the user's own lines stay
+
+
+def test_fsdp2_shard_is_fsdp2s_dim0_chunk() -> None:
+    from reducer.testing import fsdp2_shard
+
+    rows = torch.arange(8.0).reshape(4, 2)
+    # ceil(4 / 3) = 2 rows each: the last rank holds none (FSDP2 pads it in its buffers).
+    assert [fsdp2_shard(rows, r, 3).shape[0] for r in range(3)] == [2, 2, 0]
+    assert torch.equal(fsdp2_shard(rows, 1, 3), rows[2:4])
+    assert fsdp2_shard(rows, 2, 3).shape == (0, 2)
+    assert [fsdp2_shard(torch.ones(7), r, 3).numel() for r in range(3)] == [3, 3, 1]
+    scalar = torch.tensor(2.0)
+    assert fsdp2_shard(scalar, 1, 2) is scalar
+
+
+def test_fsdp2_shards_name_the_rank_and_shard_that_differs() -> None:
+    # FSDP2 checked against a reference that wants the sum, not the average: rank 0's own
+    # shard fails, named as such.
+    def x(rank: int, step: int) -> tuple[Tensor]:
+        return (torch.randn(3, 2, generator=torch.Generator().manual_seed(10 * step + rank)),)
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 2))
+
+    def total(column: Any, world_size: int) -> Tensor:
+        return sum(column[1:], column[0])  # type: ignore[no-any-return]
+
+    s = TrainingScenario(model, (tuple(x(r, 0) for r in range(2)),))
+    wrong = reducer.testing.fsdp2_shards(average=total)
+    with pytest.raises(
+        AssertionError,
+        match=r"rank 0, step 0, parameter 0 \('0.weight'\), rank 0's shard, gradient: not bitwise",
+    ):
+        check_data_parallel(fsdp2(), s, reference=wrong, check_strides=False)

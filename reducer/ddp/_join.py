@@ -98,6 +98,8 @@ class JoiningWrapper(Protocol):
 
     def _rebuild_buckets(self) -> None: ...
 
+    require_forward_param_sync: bool
+
     def _sync_buffers(self, *, candidate: bool) -> None: ...
 
     def _sync_final_model(self, is_last_joiner: bool) -> None: ...
@@ -184,6 +186,7 @@ class DDPJoinHook(JoinHook):
         if synced and ddp._should_rebuild():
             ddp._rebuild_buckets()
         ddp._sync_buffers(candidate=False)
+        ddp.require_forward_param_sync = synced  # as a training rank's forward sets it
         if not synced:
             return
         first = ddp.reducer.iterations + ddp._shadowed == 0

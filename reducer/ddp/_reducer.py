@@ -33,7 +33,15 @@ _SKIP = 2  # unused, and nothing accumulated: this rank alone would skip it
 
 
 class DDPReducer(Reducer):
-    """A :class:`reducer.Reducer` with the calls torch's DDP reducer offers its callers."""
+    """A :class:`reducer.Reducer` with the calls torch's DDP reducer offers its callers, and
+    torch's rules for gradients the reducer did not put there: a parameter found unused on
+    this rank contributes the ``.grad`` it holds (see Note [Unused parameters] in
+    reducer.reducer), and with ``gradient_as_bucket_view`` a ``.grad`` replaced by another
+    tensor (a gradient accumulated by hand) is copied into its view at its next hook, as
+    torch copies it, rather than refused."""
+
+    _unused_contribute_held = True
+    _adopt_replaced_grads = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -239,6 +239,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.forward_sync_buffers = init_buffers = default
         # Toggled directly by training scripts (nanoGPT) for gradient accumulation.
         self.require_backward_grad_sync = True
+        # See Note [Buffers synced after a synced forward].
+        self.require_forward_param_sync = True
 
         named = [(n, p) for n, p in synced if p.requires_grad]
         self._param_names = [n for n, _ in named]
@@ -352,6 +354,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_ns = time.perf_counter_ns() - start
         if self._buffer_hook_at(_BufferCommHookLocation.POST_FORWARD):
             self._sync_buffers(candidate=True)
+        self.require_forward_param_sync = synced  # See Note [Buffers synced after a synced forward]
         training = self._world_size if notified is None else _join.training_ranks(notified)
         if not synced:
             return output  # no_sync / eval: gradients accumulate locally
@@ -512,10 +515,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         wanted = _BufferCommHookLocation.PRE_FORWARD if hook is None else hook.location
         return location == wanted
 
+    # Note [Buffers synced after a synced forward]
+    # As torch's DDP, a forward syncs the buffers only where the forward before it (through
+    # this wrapper, the first one excepted) was synced: grad enabled and
+    # require_backward_grad_sync (``require_forward_param_sync``, set at the end of each
+    # forward, and by a joined rank's shadow of each iteration). So the synced micro-batch
+    # after no_sync() ones starts from each rank's own buffers, and the first micro-batch of
+    # the next step from rank 0's.
+
     def _sync_buffers(self, *, candidate: bool) -> None:
         """Broadcast buffers from rank 0; under join, from the highest rank still training
-        (``candidate``: this rank is one). A buffer comm hook replaces the broadcast."""
-        if not self.forward_sync_buffers:
+        (``candidate``: this rank is one). A buffer comm hook replaces the broadcast. Only
+        after a synced forward: see Note [Buffers synced after a synced forward]."""
+        if not self.forward_sync_buffers or not self.require_forward_param_sync:
             return
         buffers = read_buffers(self._buffer_slots)
         if not buffers:
@@ -756,6 +768,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self.__dict__.setdefault("require_forward_param_sync", True)  # an older pickle
         self._group, self._torch_group = resolve_process_group(None)
         self.process_group = self._torch_group
         self._world_size = self._group.size()

@@ -18,7 +18,8 @@ Hypothesis and pytest). It holds what the project's own property suite is built 
   values that ``training_scenarios`` draws from your model factory and inputs; a mismatch
   is diagnosed (:mod:`reducer._averages`, shared with ``launch``'s replica check);
 - :mod:`~reducer.testing.algorithms`: references as algorithms: what each rank must hold
-  after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, your own);
+  after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, FSDP2's shards
+  per rank, your own);
 - :mod:`~reducer.testing.schedule`: races made repeatable: ``schedules`` draws the fake
   world's schedule for the checks' ``schedule=``, ``race_report`` prints it as a timeline.
 
@@ -32,6 +33,8 @@ from .algorithms import (
     Reference,
     StepGradients,
     ddp_average,
+    fsdp2_shard,
+    fsdp2_shards,
     hierarchical_averaging,
     periodic_averaging,
     zero_redundancy,
@@ -66,6 +69,8 @@ __all__ = [
     "StepGradients",
     "ddp_average",
     "zero_redundancy",
+    "fsdp2_shards",
+    "fsdp2_shard",
     "periodic_averaging",
     "hierarchical_averaging",
     "training_scenarios",

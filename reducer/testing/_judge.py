@@ -106,28 +106,30 @@ def judge(
         trains = sg.trains
         expected = reference.gradients(sg)
         _validate(reference, expected, step, params, names, "gradient")
+        found_at: list[list[list[str]]] = [[[] for _ in names] for _ in range(world)]
         for r in range(world):
             if not trains[r]:
                 continue
             got = runs[r].grads[step]
+            mine = _held_by(reference, expected[r], r, world)
             for i, name in enumerate(names):
-                where = f"rank {r}, step {step}, parameter {i} ({name!r})"
-                found = _judge_one(
-                    got[i], expected[r][i], f"{where}, gradient", bounds, check_strides
+                where = f"rank {r}, step {step}, parameter {i} ({name!r})" + _shard_of(
+                    reference, r, world
                 )
+                found = _judge_one(got[i], mine[i], f"{where}, gradient", bounds, check_strides)
                 if found is None:
                     raise AssertionError(
-                        _mismatch(got[i], expected, r, i, sg, runs[r], f"{where}, gradient")
+                        _mismatch(got[i], mine, r, i, sg, runs[r], f"{where}, gradient", reference)
                     )
                 compared += got[i] is not None
                 if bounds.exact and got[i] is not None:
                     matched.update(found)
-                adopt = expected[r][i][found[0]] if found else None
-                params[r][i].grad = None if adopt is None else adopt.clone()
+                found_at[r][i] = found
             if not bounds.exact:
                 _bucket_bounds(got, expected[r], runs[r], step, bounds, names, r)
             if bounds.cumulative_atol is not None:
                 _running_sums(got, expected[r], sums, r, step, names, bounds.cumulative_atol)
+        _adopt(reference, expected, found_at, trains, params, step, names)
         for r in range(world):
             if trains[r]:
                 optims[r].step()
@@ -139,26 +141,79 @@ def judge(
             if not trains[r]:
                 continue
             for i, name in enumerate(names):
-                where = f"rank {r}, step {step}, parameter {i} ({name!r}), after the step"
+                where = (
+                    f"rank {r}, step {step}, parameter {i} ({name!r})"
+                    + _shard_of(reference, r, world)
+                    + ", after the step"
+                )
                 got_p = runs[r].params[step][i]
                 cands: Candidates = (
                     {"plain": params[r][i].detach()} if after is None else after[r][i]
                 )
-                found = _judge_one(got_p, cands, where, Bounds(), False)
+                found = _judge_one(
+                    got_p, _held_by(reference, [cands], r, world)[0], where, Bounds(), False
+                )
                 if not found:
-                    want = next(iter(cands.values()))
-                    assert want is not None
+                    want = reference.local(r, world, next(iter(cands.values())))  # type: ignore[arg-type]
+                    mine_stepped = [[reference.local(r, world, p) for p in ps] for ps in stepped]
                     raise AssertionError(
                         f"{where}: not bitwise equal to the reference "
                         f"{type(reference).__name__.lstrip('_')}: differs by up to "
                         f"{max_diff(got_p, want):.3g}"
-                        + _what_params_are(got_p, r, i, stepped, trains)
+                        + _what_params_are(got_p, r, i, mine_stepped, trains)
                     )
                 with torch.no_grad():
                     params[r][i].copy_(cands[found[0]])  # type: ignore[arg-type]
             _compare_buffers(runs[r].buffers[step], buffers_of(models[r]), r, step)
-    _final(s, runs, params, plain.streams)
+    _final(s, runs, params, plain.streams, reference)
     return CheckReport(s.steps, compared, dict(matched), bounds.exact)
+
+
+def _adopt(
+    reference: Reference,
+    expected: Sequence[Sequence[Candidates]],
+    found_at: Sequence[Sequence[list[str]]],
+    trains: Sequence[bool],
+    params: Sequence[Sequence[Tensor]],
+    step: int,
+    names: Sequence[str],
+) -> None:
+    """Give each plain model the gradient its rank matched, so that the next step starts
+    from the same bits on both sides. With shards, one value for every rank: the first
+    candidate every rank's shard matched (a rank's shard alone, an empty one above all, may
+    match a rounding the whole gradient does not)."""
+    ranks = [r for r in range(len(trains)) if trains[r]]
+    for i, name in enumerate(names):
+        chosen = {r: found_at[r][i] for r in ranks}
+        if reference.sharded and ranks:
+            common = [n for n in chosen[ranks[0]] if all(n in chosen[r] for r in ranks)]
+            if any(chosen.values()) and not common:
+                seen = "; ".join(f"rank {r}: {', '.join(chosen[r])}" for r in ranks)
+                raise AssertionError(
+                    f"step {step}, parameter {i} ({name!r}): each rank's shard of the gradient "
+                    f"matches the reference, but no one value matches every shard ({seen}): "
+                    "the shards were reduced with different roundings"
+                )
+            chosen = dict.fromkeys(ranks, common)
+        for r in ranks:
+            adopt = expected[r][i][chosen[r][0]] if chosen[r] else None
+            params[r][i].grad = None if adopt is None else adopt.clone()
+
+
+def _held_by(
+    reference: Reference, expected: Sequence[Candidates], rank: int, world_size: int
+) -> list[Candidates]:
+    """The candidates as ``rank`` holds them (its shards, for a sharded reference)."""
+    if not reference.sharded:
+        return list(expected)
+    return [
+        {n: None if w is None else reference.local(rank, world_size, w) for n, w in c.items()}
+        for c in expected
+    ]
+
+
+def _shard_of(reference: Reference, rank: int, world_size: int) -> str:
+    return f", rank {rank}'s shard" if reference.sharded else ""
 
 
 class _Plain:
@@ -174,6 +229,9 @@ class _Plain:
         make_opt = optimizer or (lambda ps: SGD(ps, s.lr))
         self.optims = [make_opt(ps) for ps in self.params]
         self.streams = RankStreams(s.rank_seeds)
+        # Was the last forward through the wrapper synced (DDP's require_forward_param_sync:
+        # only then does the next forward sync the buffers)?
+        self.forward_synced = [True]
 
     def step_gradients(
         self, step: int, broadcast_buffers: bool, ignored: frozenset[int]
@@ -189,8 +247,13 @@ class _Plain:
             [full(p.grad) for p in params[r]] if trains[r] else _nones(len(names))
             for r in range(world)
         )
-        micro = _local_gradients(s, step, self.models, params, self.streams, broadcast_buffers)
-        return StepGradients(step, world, names, micro, s.syncs(step), before, trains, ignored)
+        micro = _local_gradients(
+            s, step, self.models, params, self.streams, broadcast_buffers, self.forward_synced
+        )
+        views = bool(s.options.get("gradient_as_bucket_view", False))
+        return StepGradients(
+            step, world, names, micro, s.syncs(step), before, trains, ignored, views
+        )
 
 
 def _local_gradients(
@@ -200,15 +263,19 @@ def _local_gradients(
     params: Sequence[Sequence[Tensor]],
     streams: RankStreams,
     broadcast_buffers: bool,
+    forward_synced: list[bool],
 ) -> tuple[tuple[Grads, ...], ...]:
     """Per rank, each micro-batch's gradients alone, from plain autograd. Every rank's forward
     starts from rank 0's buffers (``broadcast_buffers``, DDP's default: synced by name before
-    each forward; ignored ones excepted) or from its own."""
+    a forward through the wrapper whose previous one was synced, ``forward_synced[0]``, kept
+    across steps; ignored ones excepted) or from its own. A "by_hand" micro-batch runs the
+    inner module, not the wrapper: no buffers are synced before it, nor does it count."""
     world = s.world_size
     micro: list[list[Grads]] = [[] for _ in range(world)]
     kept = [[p.grad for p in ps] for ps in params]
-    for m in range(len(s.syncs(step))):
-        if broadcast_buffers:
+    for m, mode in enumerate(s.syncs(step)):
+        through_wrapper = mode != "by_hand"
+        if broadcast_buffers and through_wrapper and forward_synced[0]:
             synced = {n: b for n, b in buffers_of(models[0]).items() if n not in s.ignored}
             for model in models[1:]:
                 load_buffers(model, synced)
@@ -221,6 +288,8 @@ def _local_gradients(
             with streams.of(r):
                 batch.loss(models[r](*batch.micro_batches[m])).backward()  # type: ignore[no-untyped-call]
             micro[r].append([full(p.grad) for p in params[r]])
+        if through_wrapper:
+            forward_synced[0] = mode == "sync"
     for ps, grads in zip(params, kept, strict=True):
         for p, g in zip(ps, grads, strict=True):
             p.grad = g
@@ -327,15 +396,17 @@ def _overflow(got: Tensor, want: Tensor) -> str:
 
 def _mismatch(
     got: Tensor | None,
-    expected: Sequence[Sequence[Candidates]],
+    expected: Sequence[Candidates],
     r: int,
     i: int,
     s: StepGradients,
     run: RankTrace,
     where: str,
+    reference: Reference,
 ) -> str:
-    """The failure message: where, by how much, and what ``got`` looks like instead."""
-    cands = expected[r][i]
+    """The failure message: where, by how much, and what ``got`` looks like instead
+    (``expected``: rank r's candidates per parameter, as it holds them)."""
+    cands = expected[i]
     if got is None:
         return f"{where}: expected a gradient, got None"
     want = next(w for w in cands.values() if w is not None)
@@ -348,10 +419,13 @@ def _mismatch(
         f"{want[index].item()!r} (abs difference {diff.max().item():.3g})"
     )
     accepted = tuple(n for n in cands if n in ROUNDINGS) or ROUNDINGS
-    column = [s.accumulated(q)[i] if s.trains[q] else None for q in range(s.world_size)]
+    column = [
+        _mine(reference, r, s.world_size, s.accumulated(q)[i]) if s.trains[q] else None
+        for q in range(s.world_size)
+    ]
     cause = explain(got, column, s.world_size, accepted=accepted)
     if cause is None or cause.startswith("it differs"):
-        shifted = _shifted(got, expected[r], i, s.names)
+        shifted = _shifted(got, expected, i, s.names)
         cause = shifted or cause
     if cause is not None and "local gradient: nothing was reduced" in cause:
         mine = set(run.param_storages[s.step]) - {0}
@@ -361,6 +435,10 @@ def _mismatch(
                 "storage: parameter values were averaged instead of gradients"
             )
     return head + (f".\n  Diagnosis: {cause}." if cause else "")
+
+
+def _mine(reference: Reference, rank: int, world_size: int, t: Tensor | None) -> Tensor | None:
+    return None if t is None else reference.local(rank, world_size, t)
 
 
 def _shifted(
@@ -509,6 +587,7 @@ def _final(
     runs: Sequence[RankTrace],
     params: Sequence[Sequence[Tensor]],
     streams: RankStreams,
+    reference: Reference,
 ) -> None:
     """Each rank's random stream is its own; under join, every rank ends with the parameters
     of the highest rank of those that trained longest (join's final sync takes its model)."""
@@ -529,7 +608,7 @@ def _final(
     last = max(range(s.world_size), key=lambda r: (sum(s.trains(k, r) for k in range(s.steps)), r))
     for rank, run in enumerate(runs):
         for i, name in enumerate(run.names):
-            want = params[last][i].detach()
+            want = reference.local(rank, s.world_size, params[last][i].detach())
             if not _same(run.final[i], want):
                 raise AssertionError(
                     f"rank {rank}, parameter {i} ({name!r}), after join (the last joiner's): "

@@ -49,6 +49,16 @@ def full(t: Tensor | None) -> Tensor | None:
     return whole.detach().clone(memory_format=torch.preserve_format)
 
 
+def local(t: Tensor | None) -> Tensor | None:
+    """A copy of what this rank holds of ``t``: its local shard if it is a DTensor (no
+    collective), else all of it."""
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    mine = to_local() if to_local is not None else t
+    return mine.detach().clone(memory_format=torch.preserve_format)
+
+
 class SGD:
     """``p.add_(p.grad, alpha=-lr)`` one parameter at a time: torch.optim.SGD's update without
     momentum (foreach=False), the same bits on a whole tensor and on a shard of it; lr = 0
@@ -107,15 +117,41 @@ def synced(model: nn.Module, mode: str, where: str) -> Iterator[None]:
         setattr(model, "require_backward_grad_sync", True)  # noqa: B010
 
 
+def accumulate_by_hand(model: nn.Module, loss: Callable[[Any], Tensor], args: Any) -> None:
+    """One micro-batch accumulated by hand, past the wrapper: the forward of its inner module
+    (``model.module``, else ``model``), the gradients from ``torch.autograd.grad`` (which
+    runs no gradient-accumulation hook, so the wrapper sees nothing), each added into its
+    parameter's ``.grad`` (a new one laid out as the parameter, as autograd lays it out)."""
+    inner = getattr(model, "module", None)
+    module = inner if isinstance(inner, nn.Module) else model
+    params = [p for p in module.parameters() if p.requires_grad]
+    # None for a parameter this micro-batch leaves out (allow_unused).
+    grads: Sequence[Tensor | None] = torch.autograd.grad(
+        loss(module(*args)), params, allow_unused=True
+    )
+    with torch.no_grad():
+        for p, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(g)
+            else:
+                p.grad.add_(g)
+
+
 def default_train_step(
     after_backward: Callable[[nn.Module], object] | None, set_to_none: bool
 ) -> TrainStep:
-    """``zero_grad``; per micro-batch forward, loss, backward in its sync mode, then
-    ``after_backward(model)`` after each synced one; ``optimizer.step()``."""
+    """``zero_grad``; per micro-batch forward, loss, backward in its sync mode (or
+    :func:`accumulate_by_hand`), then ``after_backward(model)`` after each synced one;
+    ``optimizer.step()``."""
 
     def train_step(model: nn.Module, optimizer: Any, batch: Batch, step: int) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
         for m, (args, mode) in enumerate(zip(batch.micro_batches, batch.syncs, strict=True)):
+            if mode == "by_hand":
+                accumulate_by_hand(model, batch.loss, args)
+                continue
             with synced(model, mode, f"step {step}, micro-batch {m}"):
                 batch.loss(model(*args)).backward()  # type: ignore[no-untyped-call]
             if mode == "sync" and after_backward is not None:
@@ -152,15 +188,20 @@ def _storage(t: Tensor) -> int:
         return 0
 
 
-def _record_steps(optimizer: Any, trace: RankTrace, params: Callable[[], Sequence[Tensor]]) -> None:
+def _record_steps(
+    optimizer: Any,
+    trace: RankTrace,
+    params: Callable[[], Sequence[Tensor]],
+    take: Callable[[Tensor | None], Tensor | None],
+) -> None:
     """Wrap ``optimizer.step`` (on the instance) so that each call records the gradients it
-    sees and counts itself."""
+    sees (as ``take`` copies them) and counts itself."""
     original = optimizer.step
 
     def step(*args: Any, **kwargs: Any) -> Any:
         trace.stepped += 1
         if trace.stepped == 1:
-            trace.grads.append([full(p.grad) for p in params()])
+            trace.grads.append([take(p.grad) for p in params()])
         return original(*args, **kwargs)
 
     optimizer.step = step
@@ -176,8 +217,12 @@ def play(
     after_backward: Callable[[nn.Module], object] | None,
     timeout: float,
     schedule: fakepg.Schedule | None = None,
+    shards: bool = False,
 ) -> list[RankTrace]:
-    """Every rank's trace, in rank order; [] where every rank refused as ``s.refusal`` says."""
+    """Every rank's trace, in rank order; [] where every rank refused as ``s.refusal`` says.
+    With ``shards``, what each rank holds of a sharded (DTensor) gradient or parameter is
+    recorded (its local shard), not the gathered whole."""
+    take = local if shards else full
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()  # guards errors: each rank thread records its own failure
     step_fn = train_step or default_train_step(after_backward, s.set_to_none)
@@ -197,7 +242,7 @@ def play(
             params = list(model.parameters())
             opt = optimizer(params) if optimizer is not None else SGD(params, s.lr)
             held = [params]  # the parameters now (a reload replaces them)
-            _record_steps(opt, trace, lambda: held[0])
+            _record_steps(opt, trace, lambda: held[0], take)
             if s.rank_seeds is not None:
                 torch.manual_seed(s.rank_seeds[rank])  # this rank thread's own generator
             joined = wrapper.join() if s.uneven else contextlib.nullcontext()  # type: ignore[operator]
@@ -216,15 +261,15 @@ def play(
                             "the optimizer sees and what each rank holds after it, so a "
                             "training step must call it exactly once"
                         )
-                    trace.params.append([full(p) for p in params])  # type: ignore[misc]
+                    trace.params.append([take(p) for p in params])  # type: ignore[misc]
                     trace.buffers.append(buffers_of(model))
                     if step == s.reload_after:
                         wrapper = _reloaded(wrapper)
                         model = wrapper.module  # type: ignore[assignment]
                         params = held[0] = list(model.parameters())
                         opt = SGD(params, s.lr)
-                        _record_steps(opt, trace, lambda: held[0])
-            trace.final.extend(full(p) for p in params)  # type: ignore[misc]
+                        _record_steps(opt, trace, lambda: held[0], take)
+            trace.final.extend(take(p) for p in params)  # type: ignore[misc]
             if s.rank_seeds is not None:
                 trace.rng.append(torch.get_rng_state())  # this rank thread's generator
         except Exception as exc:

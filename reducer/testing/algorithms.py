@@ -21,7 +21,9 @@ Built in:
   during warm-up, then within each rank's subgroup (alone by default); parameters averaged
   within groups every ``period`` steps after warm-up;
 - :func:`hierarchical_averaging`: torch's ``HierarchicalModelAverager``: groups of several
-  sizes, each with its own period.
+  sizes, each with its own period;
+- :func:`fsdp2_shards`: FSDP2 (``fully_shard``): DDP's average, of which each rank holds only
+  its shard (:func:`fsdp2_shard`: dim-0 chunks), compared shard by shard on every rank.
 
 Write your own by subclassing :class:`Reference`: per rank and parameter, return what that
 rank must hold.
@@ -43,6 +45,8 @@ __all__ = [
     "Reference",
     "StepGradients",
     "ddp_average",
+    "fsdp2_shard",
+    "fsdp2_shards",
     "hierarchical_averaging",
     "periodic_averaging",
     "zero_redundancy",
@@ -67,7 +71,10 @@ class StepGradients:
     ``before[rank]``: the gradients before the step's first backward (None after
     ``zero_grad(set_to_none=True)``, zeros otherwise); ``trains[rank]``: False for a rank
     that has run out of inputs (join: it contributes zeros); ``ignored``: indices of
-    parameters the wrapper leaves alone (each rank keeps its own gradient)."""
+    parameters the wrapper leaves alone (each rank keeps its own gradient); ``views``: the
+    wrapper keeps each ``.grad`` a view of its bucket (DDP's ``gradient_as_bucket_view``).
+    A "by_hand" micro-batch's gradients were added into ``.grad`` by the training step
+    itself, with no backward through the wrapper's hooks."""
 
     step: int
     world_size: int
@@ -77,6 +84,7 @@ class StepGradients:
     before: tuple[Grads, ...]
     trains: tuple[bool, ...]
     ignored: frozenset[int]
+    views: bool = False
 
     def accumulated(self, rank: int, upto: int | None = None) -> Grads:
         """Rank's gradients with micro-batches ``0 .. upto - 1`` added, as autograd adds."""
@@ -101,6 +109,14 @@ class Reference:
     optimizer must see) and :meth:`parameters` (what each rank holds after its step)."""
 
     optimizer: OptimizerFactory | None = None
+    # Does each rank hold a shard of each tensor (see :meth:`local`), not the whole?
+    sharded: bool = False
+
+    def local(self, rank: int, world_size: int, tensor: Tensor) -> Tensor:
+        """What ``rank`` holds of a whole gradient or parameter ``tensor`` (its shard, for a
+        sharded algorithm): what the check compares with what the rank holds. Default: all
+        of it."""
+        return tensor
 
     def gradients(self, s: StepGradients) -> list[list[Candidates]]:
         """Per rank and parameter, the gradients its optimizer may see. Default: each
@@ -160,6 +176,7 @@ class _GroupAverage(Reference):
             # divides the bucket view autograd accumulated into): name -> value per rank.
             chains: dict[str, list[Tensor | None]] = {"": [s.before[r][i] for r in range(world)]}
             syncs = s.syncs.count("sync")
+            hooked: Tensor | None = None  # a gradient some backward gave since the last sync
             for m, mode in enumerate(s.syncs):
                 for values in chains.values():
                     for r in range(world):
@@ -167,18 +184,39 @@ class _GroupAverage(Reference):
                             g = s.micro[r][m][i]
                             v = values[r]
                             values[r] = v if g is None else (g.clone() if v is None else v + g)
-                if mode == "sync":
-                    chains = self._synced(chains, groups, syncs)
+                            if g is not None and mode != "by_hand":
+                                hooked = g
+                if mode != "sync":
+                    continue
+                if self._reduces(hooked is not None, s.views, chains):
+                    chains = self._synced(chains, groups, syncs, hooked)
+                hooked = None
             for name, values in chains.items():
                 for r in range(world):
                     out[r][i][name or "local"] = values[r]
         return out
 
+    def _reduces(
+        self, hooked: bool, views: bool, chains: Mapping[str, Sequence[Tensor | None]]
+    ) -> bool:
+        """Does a sync reduce the parameter? Where some rank's backward gave it a gradient
+        since the last sync (``hooked``). Otherwise DDP leaves .grad as it is (what a rank
+        added by hand stays its own), except that a .grad that is its bucket view
+        (``views``) is reduced in place, as torch's DDP does."""
+        return hooked or (views and _held(chains))
+
     def _synced(
-        self, chains: dict[str, list[Tensor | None]], groups: list[list[int]], syncs: int
+        self,
+        chains: dict[str, list[Tensor | None]],
+        groups: list[list[int]],
+        syncs: int,
+        like: Tensor | None,
     ) -> dict[str, list[Tensor | None]]:
         """Each chain averaged within each group, in each rounding (only the same rounding as
-        before where a step syncs more than 3 times: 3^k chains otherwise)."""
+        before where a step syncs more than 3 times: 3^k chains otherwise). A group none of
+        whose ranks holds a gradient reduces zeros (shaped as ``like``) where some rank of
+        the world used the parameter; where none did, it keeps none, and only the ranks
+        holding a .grad (their bucket views) take the reduced value."""
         out: dict[str, list[Tensor | None]] = {}
         for name, values in chains.items():
             for rounding in self.roundings:
@@ -188,12 +226,21 @@ class _GroupAverage(Reference):
                 for group in groups:
                     column = [values[r] for r in group]
                     if all(g is None for g in column):
-                        continue  # unused on every rank: .grad is left as it was
+                        if like is None:
+                            continue  # unused on every rank: .grad is left as it was
+                        column = [torch.zeros_like(like) for _ in group]
                     avg = self._avg(rounding, column, len(group))
                     for r in group:
+                        if like is None and values[r] is None:
+                            continue  # reduced only as the bucket view a rank's .grad is
                         new[r] = None if avg is None else avg.clone()
                 out[f"{name} then {rounding}" if name else rounding] = new
         return out
+
+
+def _held(chains: Mapping[str, Sequence[Tensor | None]]) -> bool:
+    """Does some rank hold a gradient (in the first chain: every chain has the same Nones)?"""
+    return any(v is not None for v in next(iter(chains.values())))
 
 
 def ddp_average(
@@ -210,6 +257,46 @@ def ddp_average(
     None (the default) accepts any of them. ``average(column, world_size)``: your own
     instead. ``optimizer``: see :class:`Reference`."""
     return _GroupAverage(scaling=scaling, average=average, optimizer=optimizer)
+
+
+def fsdp2_shard(tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """``rank``'s shard of ``tensor`` as FSDP2's ``fully_shard`` lays it out over
+    ``world_size`` ranks (``Shard(0)``): ``torch.chunk`` along dim 0, so every shard has
+    ceil(n / W) rows but the last ones (FSDP2 pads those to that size in its all-gather and
+    reduce-scatter buffers; the local tensor is the unpadded rows), and a rank past the last
+    chunk holds no rows (a 0-row tensor). A 0-dim tensor is not sharded."""
+    if tensor.dim() == 0:
+        return tensor
+    chunks = torch.chunk(tensor, world_size, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return tensor.new_empty((0, *tensor.shape[1:]))
+
+
+class _Sharded(_GroupAverage):
+    """DDP's average, each rank holding its FSDP2 shard of every gradient and parameter."""
+
+    sharded = True
+
+    def local(self, rank: int, world_size: int, tensor: Tensor) -> Tensor:
+        return fsdp2_shard(tensor, rank, world_size)
+
+
+def fsdp2_shards(
+    *,
+    scaling: Rounding | None = None,
+    average: Average | None = None,
+    optimizer: OptimizerFactory | None = None,
+) -> Reference:
+    """FSDP2's reference (``fully_shard`` over every rank on a one-dimensional mesh): the
+    gradients are DDP's average (:func:`ddp_average`; FSDP2's float32 reduce-scatter with
+    ``ReduceOp.AVG`` gives "sum_then_divide" on the fake world), and each rank holds only its
+    shard of each gradient and parameter (:func:`fsdp2_shard`): the check compares each
+    rank's local shard (``DTensor.to_local()``) with its shard of the reference, so a shard
+    that lands on the wrong rank, or rows shifted between shards, fail on the rank and rows
+    where they land, with no gather that could hide them. ``optimizer``: the plain optimizer
+    stepped on the whole parameters (an element-wise one gives the same bits on shards)."""
+    return _Sharded(scaling=scaling, average=average, optimizer=optimizer)
 
 
 def zero_redundancy(optimizer: OptimizerFactory, *, scaling: Rounding | None = None) -> Reference:

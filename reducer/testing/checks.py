@@ -211,6 +211,7 @@ def check_data_parallel(
             after_backward=after_backward,
             timeout=timeout,
             schedule=schedule,
+            shards=ref.sharded,
         )
     if s.refusal is not None:
         if runs:

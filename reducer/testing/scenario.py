@@ -15,8 +15,11 @@ __all__ = ["SYNC_MODES", "Batch", "TrainingScenario", "sum_of_squares"]
 
 # How a micro-batch's backward is told (not) to reduce: "sync" reduces; "no_sync" runs its
 # forward and backward inside ``wrapper.no_sync()``; "require_backward_grad_sync" sets that
-# attribute to False around them (what nanoGPT's train.py does).
-SYNC_MODES = ("sync", "no_sync", "require_backward_grad_sync")
+# attribute to False around them (what nanoGPT's train.py does); "by_hand" bypasses the
+# wrapper: the forward of its inner module (``wrapper.module``), the gradients from
+# ``torch.autograd.grad`` (no backward through the wrapper's hooks), added into each
+# ``.grad`` by the step itself (accumulation written by hand).
+SYNC_MODES = ("sync", "no_sync", "require_backward_grad_sync", "by_hand")
 
 
 def sum_of_squares(output: Any) -> Tensor:
