@@ -168,8 +168,6 @@ class Reducer:
         # ready. Plain: expecting hooks in an iteration with no special case (_autograd_hook).
         self._expect_autograd_hooks = False
         self._plain_iteration = False
-        # See Note [One frame per plain hook].
-        self._inline_ready = type(self)._mark_variable_ready is Reducer._mark_variable_ready
         # Some parameter was marked ready: finalize must run before the next iteration.
         self._require_finalize = False
         # The first bucket not yet launched. See Note [Buckets launch in index order].
@@ -320,22 +318,7 @@ class Reducer:
                 self._used[replica_index][index] = True  # See Note [Locally used]
                 if replica_index == 0:
                     self._hook_order.append(index)  # See Note [Ready order]
-                if not self._inline_ready:
-                    self._mark_variable_ready(replica_index, index)
-                    return
-                # _mark_variable_ready, inlined: see Note [One frame per plain hook].
-                ready = self._ready[replica_index]
-                if ready[index]:
-                    raise self._fail(self._marked_twice_error(replica_index, index))
-                ready[index] = True
-                self._backward_stats[replica_index][index] = _now_ns() - self._backward_stats_base
-                self._require_finalize = True
-                bucket, replica, intra = self._slots[replica_index][index]
-                if bucket.expect_sparse_gradient or self._as_view or replica.fused[intra]:
-                    self._settle_at_hook(replica_index, index, bucket, replica, intra)
-                replica.pending -= 1
-                if replica.pending == 0:
-                    self._replica_ready(replica_index, bucket, replica)
+                self._mark_variable_ready(replica_index, index)
                 return
             # A hook call without a gradient happens only in a synced backward; the set is
             # that iteration's, and must not hide the real gradients of later no_sync passes.
@@ -378,13 +361,6 @@ class Reducer:
                 self._hook_order.append(index)  # See Note [Ready order]
             self._mark_variable_ready(replica_index, index)
 
-    # Note [One frame per plain hook]
-    # A Python frame costs about a quarter of a microsecond, and a model of many small
-    # parameters calls the hook hundreds of times a step: in a plain iteration,
-    # ``_autograd_hook`` runs ``_mark_variable_ready``'s steps itself (the same steps, in the
-    # same order), unless a subclass overrides ``_mark_variable_ready`` (``_inline_ready`` is
-    # False then, and the override is called).
-
     def _mark_variable_ready(self, replica_index: int, index: int) -> None:
         ready = self._ready[replica_index]
         if ready[index]:
@@ -399,26 +375,22 @@ class Reducer:
         # [Copies batched per bucket replica].
         replica.pending -= 1
         if replica.pending == 0:
-            self._replica_ready(replica_index, bucket, replica)
-
-    def _replica_ready(self, replica_index: int, bucket: Bucket, replica: BucketReplica) -> None:
-        """A bucket replica's last gradient is ready: copy, scale, and launch what can."""
-        if not (bucket.expect_sparse_gradient or self._as_view):
-            self._copy_replica(replica_index, bucket, replica)
-        # The replica's last gradient: finish prescaling, so that the sum over ranks is
-        # the average. See Note [Division fused into the copy] in reducer.buckets.
-        if self._prescale:
-            self._scale_replica(replica)
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._mark_bucket_ready(bucket.index)
-            # Buckets launch only here: the last launch is seen here too.
-            if self._next_bucket == len(self._buckets) and not self._all_launched:
-                self._all_launched = True
-                if self._find_unused:
-                    self._launch_used_map()
-                if not self._static.recording:  # the recording iteration finalizes itself
-                    at_backward_end(self._finalize_from_engine)
+            if not (bucket.expect_sparse_gradient or self._as_view):
+                self._copy_replica(replica_index, bucket, replica)
+            # The replica's last gradient: finish prescaling, so that the sum over ranks is
+            # the average. See Note [Division fused into the copy] in reducer.buckets.
+            if self._prescale:
+                self._scale_replica(replica)
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._mark_bucket_ready(bucket.index)
+                # Buckets launch only here: the last launch is seen here too.
+                if self._next_bucket == len(self._buckets) and not self._all_launched:
+                    self._all_launched = True
+                    if self._find_unused:
+                        self._launch_used_map()
+                    if not self._static.recording:  # the recording iteration finalizes itself
+                        at_backward_end(self._finalize_from_engine)
 
     def _settle_at_hook(
         self, replica_index: int, index: int, bucket: Bucket, replica: BucketReplica, intra: int

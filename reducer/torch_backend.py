@@ -80,7 +80,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.overrides import has_torch_function
 
 from . import collectives as _args
 from .errors import InvalidArgument, ReductionError
@@ -232,7 +231,7 @@ class TorchProcessGroup:
                     _COMBINE[op](first, t.to(first.device), out=first)
                 if stage is not None:
                     target.copy_(first)
-            return [self._all_reduce(target, torch_op)]
+            return [_issued(dist.all_reduce(target, torch_op, group=self._pg, async_op=True))]
 
         what = ("allreduce", op, tensors, "")
         # One tensor, reduced where it is, nothing to divide: nothing to do on completion.
@@ -240,17 +239,6 @@ class TorchProcessGroup:
         return self._issue(
             what, issue, tensors, None if plain else finish, None if stage is None else settle
         )
-
-    def _all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType) -> dist.Work:
-        """``dist.all_reduce(tensor, op, group, async_op=True)``. See Note [The group's own
-        allreduce]."""
-        if _group_call_is_all_reduce(tensor):
-            options = dist.AllreduceOptions()
-            options.reduceOp = op  # type: ignore[assignment]  # as dist.all_reduce assigns it
-            if hasattr(options, "asyncOp"):  # newer torch reads it; older builds lack it
-                options.asyncOp = True
-            return self._pg.allreduce([tensor], options)
-        return _issued(dist.all_reduce(tensor, op, group=self._pg, async_op=True))
 
     def _sparse_allreduce(self, tensors: list[Tensor], op: ReduceOp) -> TorchWork:
         count = len(tensors)
@@ -415,25 +403,6 @@ class TorchProcessGroup:
 
     def __repr__(self) -> str:
         return f"<reducer.TorchProcessGroup {self._backend} rank={self._rank} size={self._size}>"
-
-
-# Note [The group's own allreduce]
-# Every bucket goes through dist.all_reduce, whose Python costs tens of microseconds a call
-# (argument checks, torch-function dispatch, the coalescing check, an exception-logging
-# wrapper) before it calls ``group.allreduce([tensor], options)``, the call torch's C++ DDP
-# makes directly. Where none of what the wrapper handles applies (a plain tensor, no
-# torch-function mode, not complex, no coalescing manager open on any group, a group this
-# rank is in: the constructor's check), this calls the group the same way; otherwise it goes
-# through dist.all_reduce. Same collective, same options, same work.
-
-
-def _group_call_is_all_reduce(tensor: Tensor) -> bool:
-    """Whether ``group.allreduce([tensor], options)`` is all dist.all_reduce would do."""
-    if has_torch_function((tensor,)) or tensor.is_complex():
-        return False
-    world = getattr(dist.distributed_c10d, "_world", None)
-    coalescing = getattr(world, "pg_coalesce_state", None)
-    return isinstance(coalescing, dict) and not coalescing
 
 
 def _issued(work: dist.Work | None) -> dist.Work:

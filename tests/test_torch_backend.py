@@ -545,40 +545,6 @@ def test_lists_with_a_native_avg_divide_by_every_contribution() -> None:
         assert values == [[8.25, 8.25], [8.25, 8.25], [2.0], [2.0]]
 
 
-def test_a_plain_tensor_goes_to_the_group_and_a_torch_function_mode_to_dist_all_reduce(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """See Note [The group's own allreduce]: the same sums either way; dist.all_reduce (and
-    so what it handles, here a torch-function mode) only where the direct call would skip it."""
-    calls: list[int] = []
-    original = dist.all_reduce
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(dist.get_rank())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(reducer.torch_backend.dist, "all_reduce", counted)
-
-    class Seen(torch.overrides.TorchFunctionMode):
-        def __torch_function__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            return func(*args, **(kwargs or {}))
-
-    def fn(pg: reducer.TorchProcessGroup) -> tuple[list[float], list[float]]:
-        direct = torch.full((3,), pg.rank() + 1.0)
-        pg.allreduce([direct]).wait()
-        with Seen():
-            wrapped = torch.full((3,), 10.0 * (pg.rank() + 1))
-            work = pg.allreduce([wrapped])
-        work.wait()
-        return direct.tolist(), wrapped.tolist()
-
-    for direct, wrapped in on_fakepg(fn):
-        assert direct == [3.0] * 3 and wrapped == [30.0] * 3
-    assert sorted(calls) == [0, 1]  # the collective under the mode only, once per rank
-
-
 def test_sparse_allreduce_on_a_backend_that_reduces_in_place() -> None:
     def fn(pg: reducer.TorchProcessGroup) -> list[list[float]]:
         r = pg.rank()
