@@ -22,8 +22,19 @@ both ranks and prints rank 0's functions by own time, and where its steps went (
 the reducer's iteration stats: the last gradient ready, each bucket's launch and completion,
 finalize), all from the reducer's prepare_for_backward.
 
+``--phases N`` then runs N more steps of the plain step, torch's DDP and this DDP (default
+settings), interleaved, and prints the median CPU time of the rank's thread per step in each
+phase: forward, backward, and within this DDP's backward the reducer's parts (copies into
+the buckets, scaling, launching the allreduces, finalize: waits and the copy back into
+``.grad``), each timed by a wrapper around the reducer's method on that instance; what is
+left of the backward over the plain one is the per-parameter hooks (and the wrappers' own
+few microseconds). For the Python stacks themselves, run it under py-spy:
+``py-spy record --subprocesses -r 1000 -f raw -o ddp.txt -- python
+benchmarks/ddp_vs_torch.py --steps 0 --phases 400``.
+
     python benchmarks/ddp_vs_torch.py [--steps 60] [--batch 32] [--bucket-cap-mb 25] [--threads N]
     python benchmarks/ddp_vs_torch.py --steps 0 --profile 100
+    python benchmarks/ddp_vs_torch.py --steps 0 --phases 100
 """
 
 from __future__ import annotations
@@ -83,6 +94,8 @@ def measure(name: str, args: argparse.Namespace, rank: int) -> list[list[object]
         red.close()
     if args.profile:
         _profile(name, variants["this DDP"], wrappers[0], x, args.profile, rank)
+    if args.phases:
+        _phases(name, variants, wrappers[0], x, args.phases, rank)
     for ddp in wrappers:
         ddp.close()
     if not samples:
@@ -159,6 +172,89 @@ def _profile(
     print("\n".join(lines[start:]) + "\n", flush=True)
 
 
+# The reducer's methods timed by --phases, and what each is reported as.
+PHASES = {
+    "_copy_replica": "copy into buckets (small gradients, per bucket)",
+    "_settle_at_hook": "copy into buckets, scaled (large gradients, at their hooks)",
+    "_scale_replica": "scale (runs of small gradients)",
+    "_launch": "launch the allreduces",
+    "_finalize_backward": "finalize (waits, copy back into .grad)",
+}
+
+
+def _phases(
+    name: str,
+    variants: dict[str, Variant],
+    ddp: reducer.DistributedDataParallel,
+    x: torch.Tensor,
+    steps: int,
+    rank: int,
+) -> None:
+    """``steps`` interleaved steps of the plain step, torch's DDP and ``ddp`` (this DDP,
+    default settings); rank 0 prints the median CPU ms of each phase per step."""
+    red = ddp.reducer
+    spent: dict[str, float] = {}
+
+    def timed(method: str) -> None:
+        inner = getattr(red, method)
+
+        def wrapper(*args: object) -> object:
+            c0 = time.thread_time()
+            try:
+                return inner(*args)
+            finally:
+                spent[method] = spent.get(method, 0.0) + time.thread_time() - c0
+
+        setattr(red, method, wrapper)  # on this instance only: self.<method> finds it first
+
+    for method in PHASES:
+        timed(method)
+    chosen = {k: variants[k] for k in ("plain (local)", "torch DDP", "this DDP")}
+    samples: dict[str, list[float]] = {}
+
+    def step(index: int, variant: Variant) -> float:
+        model, forward, prepare = variant
+        label = next(k for k, v in chosen.items() if v is variant)
+        model.zero_grad(set_to_none=False)
+        dist.barrier()
+        spent.clear()
+        c0 = time.thread_time()
+        loss = forward(x).sum()
+        c1 = time.thread_time()
+        prepare()
+        loss.backward()
+        c2 = time.thread_time()
+        if index >= _gloo.WARMUP:
+            for key, value in ((f"{label}|forward", c1 - c0), (f"{label}|backward", c2 - c1)):
+                samples.setdefault(key, []).append(value)
+            if label == "this DDP":
+                for method in PHASES:
+                    samples.setdefault(method, []).append(spent.get(method, 0.0))
+        return c2 - c0
+
+    _gloo.interleave(chosen, steps, _gloo.WARMUP, step)
+    for method in PHASES:
+        delattr(red, method)
+    if rank != 0:
+        return
+    med = {key: statistics.median(v) * 1e3 for key, v in samples.items()}
+    plain_bwd = med["plain (local)|backward"]
+    print(f"## where this DDP's CPU time goes, {name}: {steps} steps, rank thread, median ms")
+    print("| phase | plain | torch DDP | this DDP |\n|---|---|---|---|")
+    for part in ("forward", "backward"):
+        cells = [f"{med[f'{label}|{part}']:.2f}" for label in chosen]
+        print(f"| {part} | {' | '.join(cells)} |")
+    plain_step = med["plain (local)|forward"] + plain_bwd
+    over = [med[f"{k}|forward"] + med[f"{k}|backward"] - plain_step for k in chosen]
+    print(f"| step over plain | | {over[1]:.2f} | {over[2]:.2f} |")
+    parts = 0.0
+    for method, what in PHASES.items():
+        parts += med[method]
+        print(f"| this DDP backward: {what} | | | {med[method]:.2f} |")
+    hooks = med["this DDP|backward"] - plain_bwd - parts
+    print(f"| this DDP backward: the rest (per-parameter hooks) | | | {hooks:.2f} |\n", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     headers = [
         "model",
@@ -181,7 +277,11 @@ def main(argv: list[str] | None = None) -> None:
             (
                 ("--profile",),
                 {"type": int, "default": 0, "help": "steps of this DDP to profile (0: none)"},
-            )
+            ),
+            (
+                ("--phases",),
+                {"type": int, "default": 0, "help": "steps to time phase by phase (0: none)"},
+            ),
         ],
     )
 

@@ -19,9 +19,12 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # combined into a scratch accumulator that stays in the core's cache, every further
 # contribution is added to it, and the accumulator is then copied to every target. Each
 # input byte is read once and each output byte written once, so a W-rank allreduce moves the
-# same bytes as one copy of W tensors, the memory-bandwidth floor. NumPy runs the element
-# loops (a ufunc call costs far less than a torch op and releases the GIL, so parts run in
-# parallel); dtypes NumPy lacks (bfloat16) and non-CPU tensors use the same loop in torch.
+# same bytes as one copy of W tensors, the memory-bandwidth floor. Where there is one target
+# and it overlaps no contribution (reduce_scatter, a reduce into a separate buffer), the
+# target's own block is the accumulator: no scratch, no copy after the last addition. NumPy
+# runs the element loops (a ufunc call costs far less than a torch op and releases the GIL, so
+# parts run in parallel); dtypes NumPy lacks (bfloat16) and non-CPU tensors use the same loop
+# in torch.
 """
 
 from __future__ import annotations
@@ -159,23 +162,37 @@ def dense_reduce_tasks(
         # x op nothing is x, bit for bit, for every op (x / 1 == x for AVG too).
         copies = [t for t in targets if t is not contributions[0]]
         return [_copy_task(contributions[0], copies)] if copies else []
+    in_place = len(targets) == 1 and not any(_overlap(targets[0], t) for t in contributions)
     arrays = [_as_numpy(t) for t in [*contributions, *targets]]
     if all(a is not None for a in arrays):
         np_arrays = [a for a in arrays if a is not None]
         inputs, outputs = np_arrays[:count], np_arrays[count:]
         block = max(1, _BLOCK_BYTES // np_arrays[0].itemsize)
         return [
-            _numpy_part(inputs, outputs, lo, hi, block, op, count)
+            _numpy_part(inputs, outputs, lo, hi, block, op, count, in_place)
             for lo, hi in _parts(numel, max_parts)
         ]
     flats = [t.detach().view(-1) for t in contributions]
     outs = [t.detach().view(-1) for t in targets]
     if flats[0].device.type != "cpu":
-        return [_torch_part(flats, outs, 0, numel, numel, op, count)]  # one kernel per step
+        # One kernel per step.
+        return [_torch_part(flats, outs, 0, numel, numel, op, count, in_place)]
     block = max(1, _BLOCK_BYTES // flats[0].element_size())
     return [
-        _torch_part(flats, outs, lo, hi, block, op, count) for lo, hi in _parts(numel, max_parts)
+        _torch_part(flats, outs, lo, hi, block, op, count, in_place)
+        for lo, hi in _parts(numel, max_parts)
     ]
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether the memory of contiguous ``a`` and ``b`` may overlap (byte ranges; storages
+    compared first, so tensors on different storages never do)."""
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    a_hi = a_lo + a.numel() * a.element_size()
+    b_hi = b_lo + b.numel() * b.element_size()
+    return a_lo < b_hi and b_lo < a_hi
 
 
 _Flat = TypeVar("_Flat", np.ndarray, Tensor)
@@ -188,7 +205,7 @@ def _reduce_blocks(
     lo: int,
     hi: int,
     block: int,
-    scratch: _Flat,
+    scratch: _Flat | None,
     combine: Callable[..., object],
     average: Callable[[_Flat], None] | None,
     assign: Callable[[_Flat, _Flat], object],
@@ -199,18 +216,20 @@ def _reduce_blocks(
     The one loop of both element paths (NumPy and torch), so that both add in the same order:
     see Note [Deterministic reduction order] and Note [Cache-blocked reduction]. ``scratch``
     (at least ``min(block, hi - lo)`` long) holds the accumulator; ``assign(dst, src)`` copies
-    it into each target.
+    it into each target. ``scratch=None`` (one target that overlaps no contribution, as in
+    reduce_scatter): the accumulator is the target's block itself, so no copy follows.
     """
     for start in range(lo, hi, block):
         end = min(start + block, hi)
-        acc = scratch[: end - start]
+        acc = targets[0][start:end] if scratch is None else scratch[: end - start]
         combine(flats[0][start:end], flats[1][start:end], out=acc)
         for f in flats[2:]:
             combine(acc, f[start:end], out=acc)
         if average is not None:
             average(acc)
-        for f in targets:
-            assign(f[start:end], acc)
+        if scratch is not None:
+            for f in targets:
+                assign(f[start:end], acc)
 
 
 def _numpy_part(
@@ -221,6 +240,7 @@ def _numpy_part(
     block: int,
     op: ReduceOp,
     count: int,
+    in_place: bool,
 ) -> Task:
     combine = _NUMPY_OPS[op]
 
@@ -230,7 +250,7 @@ def _numpy_part(
     average = divide if op == ReduceOp.AVG else None
 
     def run() -> None:
-        scratch = np.empty(min(block, hi - lo), dtype=arrays[0].dtype)
+        scratch = None if in_place else np.empty(min(block, hi - lo), dtype=arrays[0].dtype)
         _reduce_blocks(arrays, targets, lo, hi, block, scratch, combine, average, _np_copy)
 
     return run
@@ -244,6 +264,7 @@ def _torch_part(
     block: int,
     op: ReduceOp,
     count: int,
+    in_place: bool,
 ) -> Task:
     combine = _TORCH_OPS[op]
 
@@ -254,7 +275,11 @@ def _torch_part(
 
     def run() -> None:
         with torch.no_grad():
-            scratch = torch.empty(min(block, hi - lo), dtype=flats[0].dtype, device=flats[0].device)
+            scratch = (
+                None
+                if in_place
+                else torch.empty(min(block, hi - lo), dtype=flats[0].dtype, device=flats[0].device)
+            )
             _reduce_blocks(flats, targets, lo, hi, block, scratch, combine, average, Tensor.copy_)
 
     return run

@@ -127,6 +127,34 @@ def test_reduce_scatter_tensor_is_bitwise_however_many_workers_split_it() -> Non
         assert torch.equal(results[0][dst], want) and torch.equal(results[1][dst], want)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_reduce_scatter_into_its_own_input_is_bitwise(threads: int) -> None:
+    """An output that is the rank's own chunk of its input (as FSDP's in-place form passes it)
+    is written only after every block it holds has been read: the kernel accumulates in the
+    output only when the output overlaps no input. Large enough for several cache blocks."""
+    world_size, numel = 3, 200_003
+    gen = torch.Generator().manual_seed(1)
+    originals = [random_tensor((world_size * numel,), torch.float32, gen) for _ in range(3)]
+    inputs = [t.clone() for t in originals]
+    lists = [list(t.clone().chunk(world_size)) for t in originals]
+
+    def call(pg: FakeProcessGroup) -> fakepg.Work:
+        r = pg.rank()
+        return pg.reduce_scatter_tensor(inputs[r].chunk(world_size)[r], inputs[r])
+
+    def call_list(pg: FakeProcessGroup) -> fakepg.Work:
+        r = pg.rank()
+        return pg.reduce_scatter(lists[r][r], lists[r])
+
+    with fakepg.World(world_size, threads=threads) as world:
+        issue_in_order(world, [1, 2, 0], call)
+        issue_in_order(world, [2, 0, 1], call_list)
+    for dst in range(world_size):
+        want = rank_order_reference([t.chunk(world_size)[dst] for t in originals], ReduceOp.SUM)
+        assert torch.equal(inputs[dst].chunk(world_size)[dst], want), f"tensor form, rank {dst}"
+        assert torch.equal(lists[dst][dst], want), f"list form, rank {dst}"
+
+
 def test_coalesced_forms_are_one_collective_each() -> None:
     def fn(pg: FakeProcessGroup) -> tuple[int, list[torch.Tensor], int]:
         r = pg.rank()
