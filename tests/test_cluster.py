@@ -146,6 +146,8 @@ def test_a_host_cost_per_call_must_be_a_time(bad: float) -> None:
         VirtualGroup(8, _Fixed(1.0), _Clock(), host_call_s=bad)
     with pytest.raises(ValueError, match="host_call_s"):
         ClusterConfig("resnet50", 2, None, gpu=V100, host_call_s=bad).check()
+    with pytest.raises(ValueError, match=r"host_hook_s .*gradient hook"):
+        ClusterConfig("resnet50", 2, None, gpu=V100, host_hook_s=bad).check()
 
 
 def test_busy_time_is_the_union_of_the_collectives_in_flight() -> None:
@@ -301,6 +303,20 @@ def test_the_hosts_cost_per_call_adds_once_per_collective_on_shared_cores() -> N
         calls = len(paid.collectives)
         assert calls == len(without.collectives) > 0
         assert paid.step_s - without.step_s == pytest.approx(calls * 3e-4, rel=1e-9)
+        # And per gradient hook of DDP: once per parameter, in the synchronised backward.
+        hooked = predict(dataclasses.replace(base, host_hook_s=2e-4))
+        assert hooked.step_s - without.step_s == pytest.approx(len(named) * 2e-4, rel=1e-9)
+    # Under no_sync the hooks of the unsynchronised micro-batches are not charged; without
+    # DDP there are no hooks; without shared cores the host runs ahead.
+    base = ClusterConfig("resnet50", 2, link, profile=profile, shared_cores=True)
+    for config in (
+        dataclasses.replace(base, no_sync_every=2),
+        dataclasses.replace(base, ddp=False),
+        dataclasses.replace(base, shared_cores=False),
+    ):
+        hooked = predict(dataclasses.replace(config, host_hook_s=2e-4))
+        extra = len(named) * 2e-4 if config.no_sync_every == 2 else 0.0
+        assert hooked.step_s - predict(config).step_s == pytest.approx(extra, abs=1e-12)
 
 
 def _profile_json(tmp_path: Path) -> dict[str, object]:
