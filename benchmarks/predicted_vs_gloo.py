@@ -1,7 +1,11 @@
 """Predicted against measured: ResNet50 on two real gloo processes here, per bucket cap.
 
-1. Fit the link: the two gloo processes time allreduces of 4 KiB to 64 MiB; a least-squares
-   line gives the alpha-beta model of a 2-rank ring (as benchmarks/whatif_vs_gloo.py does).
+1. Measure the link: the two gloo processes time allreduces of 4 KiB to 64 MiB (median per
+   size). The prediction costs an allreduce by interpolating these times (log-log, between
+   the measured sizes; linear in size beyond the largest): a straight alpha-beta line
+   through them (as benchmarks/whatif_vs_gloo.py fits) misses loopback gloo's regimes by up
+   to 2x (too fast for the largest sizes, too slow in between); the line still costs the
+   other kinds (the forward's buffer broadcasts).
 2. Measure the compute on the gloo ranks themselves, in plain steps (no DDP) interleaved with
    the DDP steps, so that they run under the same load: per-parameter gradient-ready times,
    forward and optimizer time, medians over the steps (the profile ``--profile`` takes).
@@ -44,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import math
 import statistics
 import sys
 import time
@@ -162,6 +168,32 @@ def measure_gloo(
     )
 
 
+class MeasuredLink:
+    """A 2-rank allreduce costed from measured (bytes, seconds) medians, interpolated; the
+    other kinds by the alpha-beta ``line`` (see the module's docstring, step 1)."""
+
+    def __init__(self, points: list[tuple[int, float]], line: fakepg.AlphaBeta) -> None:
+        self.points = sorted(points)
+        self.line = line
+
+    def collective_time_s(self, kind: str, nbytes: int, world_size: int) -> float:
+        if kind != "allreduce" or world_size != 2:
+            return self.line.collective_time_s(kind, nbytes, world_size)
+        sizes = [n for n, _ in self.points]
+        if nbytes <= sizes[0]:
+            return self.points[0][1]
+        for (n0, t0), (n1, t1) in itertools.pairwise(self.points):
+            if nbytes <= n1:  # log-log between the measured neighbours
+                w = math.log(nbytes / n0) / math.log(n1 / n0)
+                return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+        (n0, t0), (n1, t1) = self.points[-2:]
+        return t1 + (nbytes - n1) * (t1 - t0) / (n1 - n0)
+
+    def __str__(self) -> str:
+        table = ", ".join(f"{n >> 10} KiB {t * 1e6:.0f} us" for n, t in self.points)
+        return f"allreduce as measured ({table}), interpolated"
+
+
 CALL_PARAMS, CALL_NUMEL = 64, 256  # 64 parameters of 1 KiB
 
 
@@ -179,7 +211,7 @@ class _Many(torch.nn.Module):
         return sum((p * x).sum() for p in self.params)  # type: ignore[return-value]
 
 
-def measure_host_costs(steps: int, link: fakepg.AlphaBeta) -> tuple[float, float]:
+def measure_host_costs(steps: int, link: MeasuredLink) -> tuple[float, float]:
     """Seconds of the host's own work per collective call and per gradient hook (see the
     module's docstring)."""
     pg = reducer.TorchProcessGroup(dist.group.WORLD)  # type: ignore[arg-type]
@@ -237,7 +269,8 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
     global _now
     _now = CLOCKS[args.clock]
     alpha, bandwidth, points = fit_link(args.repeats, _now)
-    link = fakepg.AlphaBeta(alpha, bandwidth, "ring", "gloo loopback (fitted)")
+    line = fakepg.AlphaBeta(alpha, bandwidth, "ring", "gloo loopback (fitted)")
+    link = MeasuredLink(points, line)
     call_s, hook_s = measure_host_costs(args.call_steps, link)
     core = measure_core()
     measured, profile, quickest = measure_gloo(args, rank)
@@ -247,7 +280,7 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
     print(f"# {args.model}, batch {args.batch_size} per rank, 2 gloo processes, 1 thread each")
     clock = "wall" if args.clock == "wall" else "CPU time of the process (user + system)"
     print(f"# every time below, measured and predicted from measurements, is {clock}")
-    print(f"# link fitted from {len(points)} sizes: {link}")
+    print(f"# link: {link}; other kinds: the line fitted through it, {line}")
     print(
         f"# this core: copies at {core.memory_Bps / 1e9:.2f} GB/s (read + write), "
         f"{core.kernel_s * 1e6:.2f} us per operation, {core.fp32_flops / 1e9:.1f} GFLOP/s"
