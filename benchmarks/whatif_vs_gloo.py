@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +45,21 @@ WARMUP = 3
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
-def fit_link(repeats: int) -> tuple[float, float, list[tuple[int, float]]]:
-    """On rank 0 and 1: median allreduce time per size; least-squares (alpha, B)."""
+def fit_link(
+    repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float, list[tuple[int, float]]]:
+    """On rank 0 and 1: median allreduce time per size (by ``clock``); least-squares
+    (alpha, B)."""
     medians = []
     for nbytes in SIZES:
         t = torch.zeros(nbytes // 4)
         samples = []
         for i in range(repeats + WARMUP):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock()
             dist.all_reduce(t)
             if i >= WARMUP:
-                samples.append(time.perf_counter() - t0)
+                samples.append(clock() - t0)
         medians.append((nbytes, statistics.median(samples)))
     # Weighted least squares, weights 1 / t^2: relative errors count, so that the small
     # sizes (latency) weigh as much as the large ones (bandwidth).

@@ -175,6 +175,25 @@ class NcclModel:
         assert best is not None
         return best[0], best[1], best[2] + self.launch_s
 
+    def time_s(
+        self, kind: str, nbytes: int, world_size: int, algorithm: str, protocol: str
+    ) -> float:
+        """Seconds of one call with ``algorithm`` ("ring" or "tree") and ``protocol`` ("LL",
+        "LL128", "Simple") forced, as NCCL_ALGO and NCCL_PROTO force them (no launch cost):
+        to read what a protocol costs beside the one the tuner picks."""
+        _check_call("NcclModel", kind, nbytes, world_size)
+        if algorithm not in ("ring", "tree") or protocol not in _PROTOCOLS:
+            raise ValueError(
+                f"NcclModel.time_s: algorithm must be 'ring' or 'tree' and protocol one of "
+                f"{', '.join(_PROTOCOLS)}, got {algorithm!r}, {protocol!r}"
+            )
+        if algorithm == "tree" and kind != "allreduce":
+            raise ValueError(f"NcclModel.time_s: NCCL's tree serves allreduce only, not {kind!r}")
+        if world_size == 1:
+            return 0.0
+        nodes = self.topology.nodes(world_size)
+        return self._time(kind, nbytes, world_size, nodes, algorithm, _PROTOCOLS.index(protocol))
+
     def _time(self, kind: str, nbytes: int, n: int, nodes: int, algorithm: str, p: int) -> float:
         bus = self.topology.bus_Bps(n)
         intra = _HW_LAT_US[("nvlink", algorithm)][p]

@@ -121,6 +121,35 @@ def test_shared_cores_run_each_collective_on_the_compute_clock() -> None:
     assert (clock.now_s, group.stolen_s) == (3.0, 2.0)
 
 
+def test_on_shared_cores_each_call_first_pays_the_hosts_cost() -> None:
+    clock = _Clock()
+    group = VirtualGroup(8, _Fixed(1.0), clock, shared_cores=True, host_call_s=0.25)
+    group.in_backward = True
+    _launch(group, 0.5)
+    _launch(group, 2.0).wait()
+    # Each call: 0.25 s of the host's own work on the cores, then the collective on them.
+    assert [(r.launch_s, r.start_s, r.done_s) for r in group.records] == [
+        (0.75, 0.75, 1.75),
+        (2.25, 2.25, 3.25),
+    ]
+    assert (clock.now_s, group.stolen_s) == (3.25, 2.5)
+    # With a GPU the host runs ahead of the stream: its cost is not on the clock.
+    gpu_clock = _Clock()
+    ahead = VirtualGroup(8, _Fixed(1.0), gpu_clock, host_call_s=0.25)
+    _launch(ahead, 0.5).wait()
+    assert (ahead.records[0].start_s, gpu_clock.now_s) == (0.5, 1.5)
+
+
+@pytest.mark.parametrize("bad", [-1e-6, math.inf, math.nan])
+def test_a_host_cost_per_call_must_be_a_time(bad: float) -> None:
+    with pytest.raises(ValueError, match="host_call_s"):
+        VirtualGroup(8, _Fixed(1.0), _Clock(), host_call_s=bad)
+    with pytest.raises(ValueError, match="host_call_s"):
+        ClusterConfig("resnet50", 2, None, gpu=V100, host_call_s=bad).check()
+    with pytest.raises(ValueError, match=r"host_hook_s .*gradient hook"):
+        ClusterConfig("resnet50", 2, None, gpu=V100, host_hook_s=bad).check()
+
+
 def test_busy_time_is_the_union_of_the_collectives_in_flight() -> None:
     clock = _Clock()
     group = VirtualGroup(8, _Fixed(1.0), clock)
@@ -256,6 +285,38 @@ def test_a_profile_sets_when_each_gradient_is_ready(tmp_path: Path) -> None:
     broadcasts = [r for r in shared.collectives if r.kind == "broadcast"]
     comm += sum(link.collective_time_s("broadcast", r.nbytes, 2) for r in broadcasts)
     assert shared.step_s > alone.step_s + 0.9 * comm
+
+
+def test_the_hosts_cost_per_call_adds_once_per_collective_on_shared_cores() -> None:
+    net = shapes.build("resnet50")
+    named = list(net.named_parameters())
+    ready = [(len(named) - i) * 0.5 for i in range(len(named))]
+    profile = Profile(
+        "resnet50", "made up", 32, 30.0, 2.0,
+        tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), tuple(ready),
+    )  # fmt: skip
+    link = fakepg.AlphaBeta(1e-4, 1e9)
+    for cap in (0.0, 25.0):
+        base = ClusterConfig("resnet50", 2, link, cap, profile=profile, shared_cores=True)
+        without = predict(base)
+        paid = predict(dataclasses.replace(base, host_call_s=3e-4))
+        calls = len(paid.collectives)
+        assert calls == len(without.collectives) > 0
+        assert paid.step_s - without.step_s == pytest.approx(calls * 3e-4, rel=1e-9)
+        # And per gradient hook of DDP: once per parameter, in the synchronised backward.
+        hooked = predict(dataclasses.replace(base, host_hook_s=2e-4))
+        assert hooked.step_s - without.step_s == pytest.approx(len(named) * 2e-4, rel=1e-9)
+    # Under no_sync the hooks of the unsynchronised micro-batches are not charged; without
+    # DDP there are no hooks; without shared cores the host runs ahead.
+    base = ClusterConfig("resnet50", 2, link, profile=profile, shared_cores=True)
+    for config in (
+        dataclasses.replace(base, no_sync_every=2),
+        dataclasses.replace(base, ddp=False),
+        dataclasses.replace(base, shared_cores=False),
+    ):
+        hooked = predict(dataclasses.replace(config, host_hook_s=2e-4))
+        extra = len(named) * 2e-4 if config.no_sync_every == 2 else 0.0
+        assert hooked.step_s - predict(config).step_s == pytest.approx(extra, abs=1e-12)
 
 
 def _profile_json(tmp_path: Path) -> dict[str, object]:

@@ -121,3 +121,35 @@ def test_presets_parse_and_name_their_machines() -> None:
         assert model.collective_time_s("allreduce", 25 * MIB, 32) > 0
     with pytest.raises(ValueError, match="nccl-dgx1-v100"):
         parse_network("nccl-dgx9")
+
+
+def test_a_forced_protocol_costs_what_the_tuner_would_pick_it_at() -> None:
+    nccl = NcclModel(NODE)
+    # 16 ranks on two nodes, Simple ring: base 8.4 us + 28 NVLink steps of 3.4 us + 2 network
+    # steps of 14 us (tuning.cc), 4 bytes at the 50 GB/s of the node's NICs.
+    latency = (8.4 + 28 * 3.4 + 2 * 14.0) * 1e-6
+    assert nccl.time_s("allreduce", 4, 16, "ring", "Simple") == pytest.approx(
+        latency + 2 * 15 / 16 * 4 / 50e9, rel=1e-12
+    )
+    # The tuner's pick is the cheapest of the forced ones.
+    algorithm, protocol, seconds = nccl.choice("allreduce", MIB, 16)
+    forced = {(a, p): nccl.time_s("allreduce", MIB, 16, a, p)
+              for a in ("ring", "tree") for p in ("LL", "LL128", "Simple")}  # fmt: skip
+    assert seconds == min(forced.values()) == forced[(algorithm, protocol)]
+    assert nccl.time_s("allreduce", MIB, 1, "ring", "LL") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "algorithm", "protocol", "match"),
+    [
+        ("allreduce", "ring", "LL64", "protocol"),
+        ("allreduce", "nvls", "LL", "algorithm"),
+        ("allgather", "tree", "LL", "tree serves allreduce only"),
+        ("gossip", "ring", "LL", "unknown collective kind"),
+    ],
+)
+def test_a_forced_protocol_names_what_is_wrong(
+    kind: str, algorithm: str, protocol: str, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        NcclModel(NODE).time_s(kind, MIB, 16, algorithm, protocol)

@@ -22,7 +22,7 @@ OPTIONS = [
     "--world-size", "--model", "--steps", "--bucket-cap-mb", "--find-unused", "--unused-pattern",
     "--no-sync-every", "--comm-hook", "--network", "--trace", "--seed", "--sweep-bucket-cap",
     "--device", "--predict", "--gpu", "--profile", "--save-profile", "--overlap",
-    "--process-groups", "--shared-cores",
+    "--process-groups", "--shared-cores", "--host-call-us", "--host-hook-us",
 ]  # fmt: skip
 
 
@@ -332,6 +332,28 @@ def test_predict_sweeps_a_real_model_on_a_cluster(
     assert re.search(r"best: --bucket-cap-mb (0|25) \(predicted", out)
 
 
+def test_predict_on_shared_cores_pays_the_hosts_cost_per_call(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    steps = {}
+    for host in ("0", "1000"):
+        code, out, err = run_cli(
+            capsys, "--predict", "--model", "resnet50", "--world-size", "2", "--network",
+            "10gbe", "--shared-cores", "--host-call-us", host, "--bucket-cap-mb", "25",
+            "--host-hook-us", "0" if host == "0" else "10",
+        )  # fmt: skip
+        assert code == 0, err
+        row = re.search(r"│\s+25\s+│\s+(\d+)\s+│.*│\s+([0-9.]+)\s+│\n", out)
+        assert row is not None, out
+        steps[host] = (int(row.group(1)), float(row.group(2)))
+    assert "host's cost per collective call: 1000 us (on the cores that compute)" in out
+    assert "host's cost per gradient hook: 10 us (on the cores that compute)" in out
+    buckets = steps["0"][0]
+    # One call per bucket in backward and the forward's buffer broadcasts: at least one ms
+    # more per bucket, and 10 us for each of the 161 gradient hooks.
+    assert steps["1000"][1] - steps["0"][1] >= buckets * 1.0 + 1.61 - 1e-6
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -350,6 +372,9 @@ def test_predict_sweeps_a_real_model_on_a_cluster(
         ),
         (["--predict", "--model", "resnet50", "--gpu", "tpu"], "unknown GPU 'tpu'"),
         (["--predict", "--model", "resnet50", "--process-groups", "0"], "--process-groups"),
+        (["--predict", "--model", "resnet50", "--host-call-us", "-5"], "--host-call-us takes"),
+        (["--predict", "--model", "resnet50", "--host-call-us", "nan"], "--host-call-us takes"),
+        (["--predict", "--model", "resnet50", "--host-hook-us", "-1"], "--host-hook-us takes"),
         (
             ["--predict", "--model", "resnet50", "--profile", "/nonexistent.json"],
             "cannot read it as JSON",

@@ -23,7 +23,13 @@ times, forward and optimizer time).
 # backward) moves the clock to its completion. With overlap off, no collective starts
 # before backward has ended (the first wait of the step). With shared cores (gloo on CPU
 # tensors, a core per rank), a collective's work is done by the cores that compute: it runs
-# when launched and the compute clock waits for it, so nothing overlaps.
+# when launched and the compute clock waits for it, so nothing overlaps. There the host's
+# own cost of each collective call (``host_call_s``: the reducer's work to launch a bucket
+# and the process group's call, measured where the job runs) is on the same cores too, and
+# the clock pays it before the collective; so is the reducer's own cost per gradient hook
+# (``host_hook_s``), paid at each hook of a synchronised backward. With a GPU the host is
+# taken to run ahead of the stream, so neither is charged (see Note [Communication slowing
+# compute] in fakepg.clusternet for what a collective does cost the GPU).
 """
 
 from __future__ import annotations
@@ -108,13 +114,16 @@ class VirtualGroup:
         groups: int = 1,
         overlap: bool = True,
         shared_cores: bool = False,
+        host_call_s: float = 0.0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if groups < 1:
             raise ValueError(f"process_groups must be >= 1, got {groups}")
+        _check_host_call(host_call_s)
         self.world_size, self.network, self.clock = world_size, network, clock
         self.groups, self.overlap, self.shared_cores = groups, overlap, shared_cores
+        self.host_call_s = host_call_s
         self.stolen_s = 0.0  # compute time the collectives took (shared cores)
         self.records: list[CollectiveRecord] = []
         self._issued = 0
@@ -140,6 +149,9 @@ class VirtualGroup:
         self._issued += 1
         self.records.append(record)
         if self.shared_cores:  # See Note [The virtual clock]
+            self.clock.now_s += self.host_call_s
+            self.stolen_s += self.host_call_s
+            record.launch_s = self.clock.now_s
             cost = self._cost_s(record)
             record.start_s, record.done_s = self.clock.now_s, self.clock.now_s + cost
             self.clock.now_s += cost
@@ -231,6 +243,16 @@ class VirtualGroup:
                 free[g] = now
                 heads[g] += 1
                 del remaining[g]
+
+
+def _check_host_call(
+    seconds: float, name: str = "host_call_s", what: str = "collective call"
+) -> None:
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"{name} must be a finite number of seconds >= 0 (the host's cost of one {what}), "
+            f"got {seconds!r}"
+        )
 
 
 # -------------------------------------------------------------------------------------------
@@ -371,6 +393,8 @@ class ClusterConfig:
     find_unused: bool = False
     ddp: bool = True
     shared_cores: bool = False  # see Note [The virtual clock]
+    host_call_s: float = 0.0  # charged on shared cores only: see Note [The virtual clock]
+    host_hook_s: float = 0.0  # the same, per gradient hook of DDP
 
     def check(self) -> None:
         if self.model not in shapes.SHAPE_MODELS:
@@ -389,6 +413,8 @@ class ClusterConfig:
                 "find_unused: not predicted: finalize reads the all-reduced map of used "
                 "parameters, data a model on the meta device does not have; predict without it"
             )
+        _check_host_call(self.host_call_s)
+        _check_host_call(self.host_hook_s, "host_hook_s", "gradient hook of DDP")
         if self.gpu is None and self.profile is None:
             raise ValueError("compute: give a GPU to estimate from or a measured profile")
         topology = getattr(self.network, "topology", None)
@@ -419,6 +445,7 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
         groups=config.process_groups,
         overlap=config.overlap,
         shared_cores=config.shared_cores,
+        host_call_s=config.host_call_s,
     )
     net = shapes.build(config.model).to(config.dtype)
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
@@ -428,7 +455,8 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
     batch = config.batch_size or (
         profile.batch_size if profile else shapes.SHAPE_MODELS[config.model].batch_size
     )
-    marks = _Marks(clock, group, profile)
+    hook_s = config.host_hook_s if (config.shared_cores and config.ddp) else 0.0
+    marks = _Marks(clock, group, profile, hook_s)
     marks.install(named)  # before DDP's hooks, so that they run first
     if config.ddp:
         with warnings.catch_warnings():
@@ -502,8 +530,12 @@ class _Marks:
     measured time and only the reducer's own work (between the hooks around DDP's) is
     estimated; without one, every kernel is."""
 
-    def __init__(self, clock: OpClock, group: VirtualGroup, profile: Profile | None) -> None:
+    def __init__(
+        self, clock: OpClock, group: VirtualGroup, profile: Profile | None, hook_s: float = 0.0
+    ) -> None:
         self.clock, self.group, self.profile = clock, group, profile
+        self.hook_s = hook_s  # the host's cost of DDP's gradient hook, on shared cores
+        self.synced = True
         self.handles: list[Any] = []
         self.forward_s = 0.0
         self.backward_start_s = 0.0
@@ -531,6 +563,9 @@ class _Marks:
         return grad
 
     def _charge_on(self, _param: Tensor) -> None:
+        if self.hook_s and self.synced:  # See Note [The virtual clock]: shared cores
+            self.clock.now_s += self.hook_s
+            self.group.stolen_s += self.hook_s
         if self.profile is not None:
             self.clock.charging = True
 
@@ -542,6 +577,7 @@ class _Marks:
         self, model: nn.Module, x: Tensor, y: Tensor, net: nn.Module, synced: bool
     ) -> None:
         """Forward and backward of one micro-batch (under no_sync unless ``synced``)."""
+        self.synced = synced
         no_sync = getattr(model, "no_sync", None)
         context = no_sync() if (not synced and no_sync is not None) else contextlib.nullcontext()
         with context:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -63,6 +64,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --predict: collectives run on the cores that compute (gloo on CPU "
         "tensors, one core per rank), so none overlaps compute",
+    )
+    add(
+        "--host-call-us",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="with --predict --shared-cores: the host's cost of one collective call in "
+        "microseconds (the reducer's work per bucket and the process group's call), measured "
+        "where the job runs; paid on the cores that compute (default 0)",
+    )
+    add(
+        "--host-hook-us",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="with --predict --shared-cores: the reducer's host cost per gradient hook in "
+        "microseconds, measured where the job runs; paid on the cores that compute (default 0)",
     )
     add(
         "--process-groups",
@@ -146,8 +164,23 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
         raise ValueError(f"--process-groups must be >= 1, got {args.process_groups}")
     if args.world_size < 1 or args.no_sync_every < 1:
         raise ValueError("--world-size and --no-sync-every must be >= 1")
+    for flag, value, what in (
+        ("--host-call-us", args.host_call_us, "one collective call"),
+        ("--host-hook-us", args.host_hook_us, "one gradient hook of DDP"),
+    ):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(
+                f"{flag} takes the host's cost of {what} in microseconds, >= 0, got {value!r}"
+            )
     network = fakepg.parse_network(args.network)
     notes = []
+    where = "on the cores that compute" if args.shared_cores else (
+        "not charged: without --shared-cores the host runs ahead of the GPU stream"
+    )  # fmt: skip
+    if args.host_call_us:
+        notes.append(f"host's cost per collective call: {args.host_call_us:g} us ({where})")
+    if args.host_hook_us:
+        notes.append(f"host's cost per gradient hook: {args.host_hook_us:g} us ({where})")
     profile = None
     device = torch.device(args.device)
     if args.profile is not None:
@@ -199,6 +232,8 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
             profile=profile,
             find_unused=args.find_unused,
             shared_cores=args.shared_cores,
+            host_call_s=args.host_call_us * 1e-6,
+            host_hook_s=args.host_hook_us * 1e-6,
         )
         for cap in caps
     ]
