@@ -22,13 +22,34 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
 from .actors import OUTSIDE, RUNNING, Actor
 from .probe import Sample, asleep, stalled
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+
+class Scheduler(Protocol):
+    """What the monitor reads and calls of its scheduler (fakepg._schedule.scheduler), named
+    here so that the scheduler imports the monitor and not the other way round."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def holder(self) -> Actor | None: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def serves(self, run: int) -> bool: ...
+
+    def actors(self) -> Iterator[Actor]: ...
+
+    def taken_outside_locked(self, holder: Actor) -> None: ...
+
+    def decide_for_outside(self) -> None: ...
+
 
 _FIRST_LOOK_S = 0.0001
 _CONFIRM_S = 0.0001
