@@ -26,7 +26,10 @@ timing. See Note [Per-rank generators].
 #     real default one) gets the rank's; nn.init, samplers and user code reach them;
 # (3) the few that draw inside C++ without taking one (dropout and its variants, RNN dropout,
 #     scaled dot-product attention, the fused transformer and attention kernels) are wrapped
-#     to run, on a rank thread, under a dispatch mode that does (2) to the aten ops they reach.
+#     to run, on a rank thread, under a dispatch mode that does (2) to the aten ops they reach;
+#     except plain dropout of a CPU tensor, the common case, which the wrapper computes as
+#     torch's C++ does, with the rank's generator, sparing each of its ops a pass through
+#     Python (see _dropout).
 # The wrappers are installed once, process-wide and for good (like the per-thread group state of
 # fakepg.torch_backend), and cost a thread-local lookup per call outside rank threads. They are
 # found through the module and class attributes callers look up (torch's own modules that
