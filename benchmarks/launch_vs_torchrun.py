@@ -67,12 +67,18 @@ class Run:
     blocked: float
 
 
-def run(command: list[str]) -> Run:
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{command} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+def run(command: list[str], attempts: int = 3) -> Run:
+    # torchrun's gloo workers abort now and then on a loaded machine ("terminate called
+    # without an active exception"): a failed run is run again, and said so.
+    for attempt in range(1, attempts + 1):
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode == 0:
+            break
+        if attempt == attempts:
+            raise SystemExit(f"{command} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+        print(f"(run again: {' '.join(command[-12:])} exited with {done.returncode})")
     clocks: dict[int, dict[int, tuple[float, float, float]]] = {}
     for line in done.stdout.splitlines():
         fields = line.split("timing ", 1)[-1].split() if "timing " in line else []
