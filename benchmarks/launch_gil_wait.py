@@ -61,11 +61,22 @@ def classify(frames: list[str]) -> str:
     return "running"
 
 
-def shares(raw: str) -> tuple[int, Counter[str], Counter[str]]:
-    """The rank threads' samples in the training loop: count, per class, and the innermost
-    Python frame of the GIL waits."""
+def gil_caller(frames: list[str]) -> str:
+    """The frame that needed the GIL: the caller of the innermost GIL-taking frame
+    (``c10d::PyProcessGroup::PyWork::getFuture``: C++ calling the Python backend)."""
+    waits = [i for i, f in enumerate(frames) if f.startswith("pthread_cond")]
+    inner = waits[-1] - 1 if waits else len(frames) - 1
+    while inner > 0 and any(name in frames[inner] for name in _GIL_TAKERS):
+        inner -= 1
+    return frames[inner].split(" (")[0]
+
+
+def shares(raw: str) -> tuple[int, Counter[str], Counter[str], Counter[str]]:
+    """The rank threads' samples in the training loop: count, per class, and of the GIL
+    waits, the innermost Python frame and the frame that needed the GIL."""
     classes: Counter[str] = Counter()
     gil_at: Counter[str] = Counter()
+    gil_for: Counter[str] = Counter()
     for line in raw.splitlines():
         match = _RANK.match(line)
         if match is None or "main (nanogpt_train.py" not in match.group(1):
@@ -76,7 +87,8 @@ def shares(raw: str) -> tuple[int, Counter[str], Counter[str]]:
         if kind == "gil":
             python = [f for f in frames if ".py:" in f]
             gil_at[python[-1] if python else "?"] += count
-    return sum(classes.values()), classes, gil_at
+            gil_for[gil_caller(frames)] += count
+    return sum(classes.values()), classes, gil_at, gil_for
 
 
 def sample(nproc: int, steps: int, rate: int) -> str:
@@ -102,9 +114,9 @@ def main() -> None:
         print("launch_gil_wait: skipped: py-spy is not installed (pip install py-spy)")
         return
     print(f"machine: {machine()}")
-    rows, where = [], []
+    rows, where, needs = [], [], []
     for nproc in (int(n) for n in args.nprocs.split(",")):
-        total, classes, gil_at = shares(sample(nproc, args.steps, args.rate))
+        total, classes, gil_at, gil_for = shares(sample(nproc, args.steps, args.rate))
         if total == 0:
             raise SystemExit(f"N = {nproc}: no rank-thread samples in the training loop")
         rows.append(
@@ -112,10 +124,14 @@ def main() -> None:
         )
         for frame, count in gil_at.most_common(3):
             where.append([nproc, frame, f"{count / total:.1%}"])
+        for frame, count in gil_for.most_common(5):
+            needs.append([nproc, frame[:90], f"{count / total:.1%}"])
     header = ["N", "samples", "waiting for the GIL", "blocked (peers, locks)", "running"]
     print(table(header, rows))
     print()
     print(table(["N", "where the GIL waits are (innermost Python frame)", "share"], where))
+    print()
+    print(table(["N", "what needed the GIL (the frame that took it)", "share"], needs))
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ def test_launch_gil_wait_tells_the_waits_apart() -> None:
             "thread (8): fakepg-rank-1;Thread.run (threading.py:982);build (x.py:1) 9",
         ]
     )
-    total, classes, gil_at = module.shares(raw)
+    total, classes, gil_at, gil_for = module.shares(raw)
     assert total == 10
     assert classes == {"gil": 3, "blocked": 3, "running": 4}
     assert gil_at == {"Linear.forward (linear.py:134)": 3}
+    assert gil_for == {"Linear.forward": 3}
