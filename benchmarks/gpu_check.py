@@ -138,7 +138,8 @@ def steps(python: str = sys.executable, *, pytest_workers: int | None = 4) -> li
         ),
         Step(
             "ddp-differential-cuda",
-            "torch's DDP against this one, bitwise: NCCL at W = 1, the fake world at W = 2, 3, 4",
+            "torch's DDP against this one, bitwise: NCCL at W = 1, the fake world at W = 2, 3, 4; "
+            "the fake world's collectives wait for the stream that wrote their input",
             (*pytest, "tests/test_gpu.py", "-k", "cuda"),
             70,
             modules=("pytest", "hypothesis", "numpy"),

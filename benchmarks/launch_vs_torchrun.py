@@ -13,6 +13,10 @@ waiting for the GIL or for its peers in a collective (a torchrun process, for it
 
     python benchmarks/launch_vs_torchrun.py                 # N = 2, 4
     python benchmarks/launch_vs_torchrun.py --nprocs 2 --repeats 3 --steps 22
+
+``--base DIR`` adds ``launch --no-check`` run with another checkout's code (``PYTHONPATH=DIR``,
+e.g. ``git worktree add /tmp/base main``), interleaved with the rest: a before and after in
+one run. ``--skip-check`` leaves out the launch with the check.
 """
 
 from __future__ import annotations
@@ -35,16 +39,23 @@ SCRIPT = ROOT / "tests" / "scripts" / "nanogpt_train.py"
 WARMUP = 2  # steps left out of the steady state
 
 
-def commands(nproc: int, steps: int) -> dict[str, list[str]]:
+def commands(
+    nproc: int, steps: int, *, base: str | None = None, check: bool = True
+) -> dict[str, list[str]]:
     script = [str(SCRIPT), "--backend", "gloo", "--grad-accum", "8", "--steps", str(steps)]
     script.append("--timing")
     launch = [sys.executable, "-m", "reducer", "launch", "--nproc", str(nproc)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return {
+    found = {
         "torchrun": [*torchrun, "--nproc-per-node", str(nproc), *script],
         "launch --no-check": [*launch, "--no-check", *script],
-        "launch": [*launch, *script],
     }
+    if base is not None:
+        found["launch --no-check (base)"] = ["env", f"PYTHONPATH={base}", *launch, "--no-check"]
+        found["launch --no-check (base)"] += script
+    if check:
+        found["launch"] = [*launch, *script]
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +67,18 @@ class Run:
     blocked: float
 
 
-def run(command: list[str]) -> Run:
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"{command} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+def run(command: list[str], attempts: int = 3) -> Run:
+    # torchrun's gloo workers abort now and then on a loaded machine ("terminate called
+    # without an active exception"): a failed run is run again, and said so.
+    for attempt in range(1, attempts + 1):
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if done.returncode == 0:
+            break
+        if attempt == attempts:
+            raise SystemExit(f"{command} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+        print(f"(run again: {' '.join(command[-12:])} exited with {done.returncode})")
     clocks: dict[int, dict[int, tuple[float, float, float]]] = {}
     for line in done.stdout.splitlines():
         fields = line.split("timing ", 1)[-1].split() if "timing " in line else []
@@ -97,11 +114,13 @@ def main() -> None:
     parser.add_argument("--nprocs", default="2,4")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=22, help="optimizer steps per run")
+    parser.add_argument("--base", default=None, help="another checkout to run launch from too")
+    parser.add_argument("--skip-check", action="store_true", help="leave out launch's check")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     rows = []
     for nproc in (int(n) for n in args.nprocs.split(",")):
-        variants = commands(nproc, args.steps)
+        variants = commands(nproc, args.steps, base=args.base, check=not args.skip_check)
         runs: dict[str, list[Run]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, command in variants.items():  # interleaved: drift hits all alike

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .completion import Completions, Lane
     from .executor import Executor, Timer
     from .schedule import _Scheduler
+    from .streams import StreamOrder
 
 __all__ = ["Work"]
 
@@ -112,6 +113,11 @@ class Collective:
         # Ranks inside Work.wait: they have deadlines of their own, so the world's watchdog
         # leaves the collective to them (see Note [Every collective has a deadline]).
         self.waiters = 0
+        # CUDA tensors only (see Note [Stream order of a collective] in fakepg.streams): each
+        # rank's (device, ready event), guarded by the world's lock; and the order its parts
+        # run in, set before they start.
+        self.ready: list[tuple[torch.device, Any]] = []
+        self.stream_order: StreamOrder | None = None
 
     def describe(self) -> str:
         """``allreduce #3 (op=SUM)``, ``broadcast #0 (root=1) in group [0, 2]``, ``send/recv
@@ -158,11 +164,11 @@ class Collective:
                 task()
             except BaseException as exc:
                 self.finish(_internal_error(self, exc))
-        self.finish(None)
+        self._finish_ok()
 
     def _submit(self, tasks: list[Task]) -> None:
         if not tasks:
-            self.finish(None)
+            self._finish_ok()
             return
         with self._lock:
             self._parts_left = len(tasks)
@@ -187,7 +193,18 @@ class Collective:
             self._parts_left -= 1
             last = self._parts_left == 0
         if last:
-            self.finish(None)
+            self._finish_ok()
+
+    def _finish_ok(self) -> None:
+        """Finish once every part has run (their kernels queued, on CUDA)."""
+        order = self.stream_order
+        if order is not None and not self.failed:
+            try:
+                order.record_done()
+            except BaseException as exc:
+                self.finish(_internal_error(self, exc))
+                return
+        self.finish(None)
 
     def finish(self, error_for: ErrorFactory | None) -> bool:
         """End the collective (with an error if ``error_for``); False if it had already ended.
@@ -275,6 +292,8 @@ class Work:
         error = c.error_for(self._rank)
         if error is not None:
             raise error
+        if c.stream_order is not None:  # CUDA: this thread's stream waits, not the host
+            c.stream_order.wait_done()
 
     def is_completed(self) -> bool:
         return self._collective.done.is_set()
@@ -302,6 +321,8 @@ class Work:
                 # torch's stub types the argument as the result type; it takes an exception.
                 future.set_exception(error)  # type: ignore[arg-type]
             else:
+                if self._collective.stream_order is not None:  # CUDA, as in wait()
+                    self._collective.stream_order.wait_done()
                 future.set_result(self.result())
 
         self._collective.add_done_callback(self._rank, complete)

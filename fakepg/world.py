@@ -102,6 +102,7 @@ from torch import Tensor
 
 from . import collectives as _c
 from . import rng as _rng
+from . import streams as _streams
 from .completion import Completions
 from .executor import Executor, Timer, default_thread_count
 from .faults import (
@@ -181,6 +182,8 @@ class World:
             )
         name = f"fakepg-{id(self):x}"
         self.executor = Executor(threads or default_thread_count(), name=name)
+        # CUDA only, at first use: see Note [Stream order of a collective] in fakepg.streams.
+        self.side_streams = _streams.SideStreams()
         self.timer = Timer(name=name)
         # Each rank's done-callbacks run on threads of its own; the handler holds the world
         # weakly (a finalizer's arguments must not keep the world alive).
@@ -334,6 +337,8 @@ class World:
             scheduler.check_thread(_describe(fingerprint, channel.next_seq[rank], channel))
         for observer in self._observers:
             observer(rank, fingerprint.kind, channel.members, outputs, nbytes)
+        # CUDA tensors only: see Note [Stream order of a collective] in fakepg.streams.
+        ready = _streams.record_ready(fingerprint.specs)
         now = time.perf_counter_ns()
         # Issued from a callback on a completion lane? See Note [Completion lanes].
         lane = self.completions.current_lane()
@@ -352,6 +357,8 @@ class World:
             collective.payloads[rank] = payload
             collective.launched_ns[rank] = now
             collective.levels[rank] = 0 if lane is None else lane.level + 1
+            if ready:
+                collective.ready.extend(ready)
             if lane is not None:
                 with self.completions.lock:
                     if not collective.done.is_set():
@@ -373,6 +380,10 @@ class World:
             except _c.Disagreement as exc:
                 collective.finish(_disagree(collective, str(exc)))
             else:
+                if collective.ready:  # CUDA tensors: the parts run on the side streams
+                    order = _streams.StreamOrder(self.side_streams, collective.ready)
+                    collective.stream_order = order
+                    tasks = [order.wrap(task) for task in tasks]
                 if scheduler is None:
                     collective.start(tasks, lands_at_ns)
                 else:

@@ -81,3 +81,34 @@ def test_schedule_throughput_measures_every_workload() -> None:
     rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
     counts = [row[2].strip() for row in rows[2:]]  # after the header and its rule
     assert counts == ["2"] * 4, out
+
+
+def test_launch_gil_wait_tells_the_waits_apart() -> None:
+    """Its classification of py-spy's native samples (py-spy itself is not a test
+    dependency): a GIL wait, a collective's wait, C++ waiting, running."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launch_gil_wait", ROOT / "benchmarks" / "launch_gil_wait.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loop = "thread (7): fakepg-rank-0;Thread.run (threading.py:982);main (nanogpt_train.py:134)"
+    raw = "\n".join(
+        [
+            f"{loop};Linear.forward (linear.py:134);PyEval_RestoreThread (libpython3.11.so);"
+            "pthread_cond_timedwait (libc.so.6) 3",
+            f"{loop};_engine_run_backward (graph.py:979);c10d::Reducer::finalize_backward "
+            "(libtorch_cpu.so);std::condition_variable::wait (libstdc++.so);"
+            "pthread_cond_wait (libc.so.6) 2",
+            f"{loop};Event.wait (threading.py:629);PyThread_acquire_lock_timed (libpython) 1",
+            f"{loop};Linear.forward (linear.py:134);at::native::addmm (libtorch_cpu.so) 4",
+            "thread (8): fakepg-rank-1;Thread.run (threading.py:982);build (x.py:1) 9",
+        ]
+    )
+    total, classes, gil_at, gil_for = module.shares(raw)
+    assert total == 10
+    assert classes == {"gil": 3, "blocked": 3, "running": 4}
+    assert gil_at == {"Linear.forward (linear.py:134)": 3}
+    assert gil_for == {"Linear.forward": 3}

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fakepg
-from fakepg import FakeProcessGroup
+from fakepg import FakeProcessGroup, rng
 
 WORLD = 4
 
@@ -75,6 +75,35 @@ def test_dropout_masks_and_initialization_follow_the_ranks_seed() -> None:
         want_params, want_dropped = alone(7 * rank, build_and_drop)  # type: ignore[misc]
         assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
         assert torch.equal(dropped, want_dropped), rank
+
+
+def test_a_ranks_cpu_dropout_is_torchs_own_values_gradient_and_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """F.dropout of a CPU tensor on a rank thread is computed without the dispatch mode (it
+    would raise here) and still gives what a process of its own gets: the values, the
+    gradient, and the generator's next draws."""
+    seeded = threading.Barrier(WORLD)
+
+    def step() -> list[torch.Tensor]:
+        x = torch.linspace(-1, 1, 64).reshape(8, 8).requires_grad_()
+        y = nn.functional.dropout(x, 0.3) * torch.arange(64.0).reshape(8, 8)
+        y.sum().backward()
+        assert x.grad is not None
+        return [y.detach(), x.grad, torch.rand(3)]
+
+    def fn(pg: FakeProcessGroup) -> list[torch.Tensor]:
+        torch.manual_seed(11 + pg.rank())
+        seeded.wait(10)
+        return step()
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the dispatch mode ran for a CPU dropout")
+
+    monkeypatch.setattr(rng._InjectGenerator, "__init__", refuse)
+    for rank, got in enumerate(fakepg.run(fn, WORLD)):
+        want = alone(11 + rank, step)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), rank  # type: ignore[call-overload]
 
 
 def test_checkpoint_replays_each_ranks_own_dropout_mask() -> None:

@@ -166,7 +166,7 @@ def test_the_api_is_exactly_what_init_exports() -> None:
     public = {name for name in dir(fakepg) if not name.startswith("_") and name.isidentifier()}
     modules = {
         "clusternet", "collectives", "completion", "executor", "faults", "group", "netmodel", "rng",
-        "schedule",
+        "schedule", "streams",
         "torch_backend", "work", "world", "annotations",
     }  # fmt: skip
     assert set(fakepg.__all__) == public - modules

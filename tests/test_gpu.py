@@ -165,6 +165,30 @@ def test_four_ranks_on_one_device_average_exactly(device: str) -> None:
         assert all(d.type == device for _, d in allreduces)
 
 
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_collective_waits_for_the_stream_that_wrote_its_input(device: str) -> None:
+    """NCCL's stream order (Note [Stream order of a collective] in fakepg.streams): each
+    rank writes its input on a stream of its own behind a kernel that sleeps (the host runs
+    ahead of it), issues an allreduce and waits for it there, and copies the result on that
+    stream. Without the order, the world's kernel reads the input before it is written, or
+    the copy runs before the reduction; either way a rank would not see 1 + 2 + 3."""
+
+    def fn(pg: fakepg.FakeProcessGroup) -> Tensor:
+        x = torch.zeros(1 << 20, device=device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the zeros before anything on it
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU cycles before the write
+            x.fill_(float(pg.rank() + 1))
+            pg.allreduce([x]).wait()
+            result = x.clone()
+        stream.synchronize()
+        return result
+
+    for rank, result in enumerate(fakepg.run(fn, 3, timeout=30.0)):
+        assert torch.equal(result, torch.full_like(result, 6.0)), f"rank {rank}"
+
+
 # -------------------------------------------------------------------------------------------
 # Against torch's DDP.
 

@@ -37,15 +37,26 @@ def test_an_accelerate_script_is_bitwise_with_torchrun(
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in state.iterdir()}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    done = subprocess.run(
-        [*torchrun, "--nproc-per-node", "2", str(SCRIPT), "--out", str(tmp_path / "torchrun.pt")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    launched, reference = torch.load(tmp_path / "launch.pt"), torch.load(tmp_path / "torchrun.pt")
+    reference_out = tmp_path / "torchrun.pt"
+    for _ in range(3):
+        reference_out.unlink(missing_ok=True)
+        done = subprocess.run(
+            [*torchrun, "--nproc-per-node", "2", str(SCRIPT), "--out", str(reference_out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+            check=False,
+        )
+        # torch's gloo worker aborts now and then at interpreter shutdown, after the script
+        # has ended (1 torchrun run in 5 or 8 on this CPU build): torchrun then fails, and
+        # may stop the other worker before it wrote its output. Only that abort is forgiven:
+        # with the output complete it is the reference, else torchrun runs again.
+        ended = all(f"rank {r} of 2: params" in done.stdout for r in range(2))
+        if done.returncode == 0 or (ended and reference_out.exists()):
+            break
+        assert "terminate called without an active exception" in done.stderr, done.stderr
+    assert reference_out.exists(), done.stderr
+    launched, reference = torch.load(tmp_path / "launch.pt"), torch.load(reference_out)
     assert all(torch.equal(a, b) for a, b in zip(launched, reference, strict=True))

@@ -1,12 +1,15 @@
 """``python -m reducer launch``: an import anywhere in a script is safe on rank threads.
 
 tests/scripts/lazypkg resolves its names lazily and fails whenever two threads resolve one at
-once (the race is forced: the first thread waits for the second). Imported inside a function
-on every rank together, it must work; and so must transformers, where it is installed.
+once (the race is forced: the first thread waits for the second). tests/scripts/replacingpkg
+puts another module in its place in sys.modules, as transformers does, while the other ranks
+wait at their import statement (forced too). Imported inside a function on every rank
+together, both must work; and so must transformers, where it is installed.
 """
 
 from __future__ import annotations
 
+import builtins
 import subprocess
 import sys
 import threading
@@ -24,17 +27,26 @@ SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parent.parent
 
 
-@pytest.fixture
-def fresh_lazypkg() -> Iterator[None]:
-    """lazypkg not imported yet (its race happens at the first resolution only)."""
+def _forgetting(*packages: str) -> Iterator[None]:
+    """``packages`` not imported yet (their races happen at the first import only)."""
 
     def forget() -> None:
-        for name in [m for m in sys.modules if m == "lazypkg" or m.startswith("lazypkg.")]:
+        for name in [m for m in sys.modules if m.split(".")[0] in packages]:
             del sys.modules[name]
 
     forget()
     yield
     forget()
+
+
+@pytest.fixture
+def fresh_lazypkg() -> Iterator[None]:
+    yield from _forgetting("lazypkg")
+
+
+@pytest.fixture
+def fresh_replacingpkg() -> Iterator[None]:
+    yield from _forgetting("replacingpkg", "importrace")
 
 
 def test_a_lazy_import_inside_a_function_on_every_rank_at_once(
@@ -57,22 +69,51 @@ def test_without_serialised_imports_the_forced_race_fails(
     assert "from partially initialized module 'lazypkg." in capsys.readouterr().err
 
 
+def test_a_package_replacing_itself_while_the_other_ranks_wait_at_its_import(
+    fresh_replacingpkg: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        ["launch", "--nproc", "3", "--no-check", str(SCRIPTS / "self_replacing_in_function.py")]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for rank in range(3):
+        assert f"[rank{rank}]: rank {rank}: Config" in captured.out
+
+
+def test_without_serialised_import_statements_the_waiting_ranks_get_the_replaced_module(
+    fresh_replacingpkg: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The race is real: with module loads and lazy attributes serialised but import
+    statements left to Python, the ranks that waited get the module object replaced."""
+    monkeypatch.setattr(imports, "_serialise_statements", lambda timeout: lambda: None)
+    code = cli.main(
+        ["launch", "--nproc", "3", "--no-check", str(SCRIPTS / "self_replacing_in_function.py")]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "[rank1]: ImportError: cannot import name 'Config' from 'replacingpkg'" in err
+    assert "[rank2]: ImportError: cannot import name 'Config' from 'replacingpkg'" in err
+
+
 def test_serialise_puts_everything_back(tmp_path: Path) -> None:
     lazy = ModuleType("lazy_for_serialise")
     original = lambda name: name.upper()  # noqa: E731
     lazy.__getattr__ = original  # type: ignore[method-assign]
     sys.modules[lazy.__name__] = lazy
     bootstrap = sys.modules["_frozen_importlib"]
-    find = bootstrap._find_and_load
+    find, import_ = bootstrap._find_and_load, builtins.__import__
     try:
         restore = imports.serialise(timeout=5.0)
         assert bootstrap._find_and_load is not find
+        assert builtins.__import__ is not import_
         assert vars(lazy)["__getattr__"] is not original
         assert lazy.abc == "ABC"  # resolved through the lock
         restore()
     finally:
         del sys.modules[lazy.__name__]
     assert bootstrap._find_and_load is find
+    assert builtins.__import__ is import_
     assert vars(lazy)["__getattr__"] is original
 
 
@@ -121,3 +162,27 @@ def test_transformers_imported_in_a_function_on_four_ranks() -> None:
         assert done.returncode == 0, done.stderr
         for rank in range(4):
             assert f"[rank{rank}]: rank {rank}: BertConfig" in done.stdout
+
+
+def test_a_lazy_module_class_is_wrapped_when_its_module_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not at its first instance's load: a thread could read an attribute in between."""
+    (tmp_path / "defines_lazy_class.py").write_text(
+        "import types\n\n"
+        "class Lazy(types.ModuleType):\n"
+        "    def __getattr__(self, name):\n"
+        "        return name.upper()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    restore = imports.serialise(timeout=5.0)
+    try:
+        import defines_lazy_class  # type: ignore[import-not-found]
+
+        wrapped = vars(defines_lazy_class.Lazy)["__getattr__"]
+        assert wrapped.__wrapped__ is not None
+        assert defines_lazy_class.Lazy("m").abc == "ABC"
+    finally:
+        restore()
+        sys.modules.pop("defines_lazy_class", None)
+    assert not hasattr(vars(defines_lazy_class.Lazy)["__getattr__"], "__wrapped__")

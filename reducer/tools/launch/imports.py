@@ -29,7 +29,7 @@ import builtins
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import CodeType, ModuleType
 from typing import Any
@@ -135,8 +135,26 @@ def _touch(module: ModuleType, chain: list[str]) -> None:
 # is private importlib API (stable since Python 3.3), the one point every load passes.
 # A thread that waits longer than the launch allows (an import at whose top the ranks meet in
 # a collective would otherwise deadlock) goes on without the lock, as Python alone would.
+#
+# Two gaps remain with these two hooks alone, both met by transformers on every launch at W = 4:
+# (3) An import statement that finds its module in sys.modules while another thread still runs
+# it waits for that module's own lock and then returns the module object it found, not the one
+# in sys.modules at the end: a package that replaces itself in sys.modules (transformers puts a
+# _LazyModule there) hands the waiting thread the plain, empty module ("cannot import name
+# 'BertConfig' from 'transformers'"). So builtins.__import__ is wrapped too: an import statement
+# takes the lock unless its module is already loaded and no thread is loading one (a dict read
+# and an int test, so the imports on the training path stay cheap); with the lock it calls
+# Python's import after the loader has finished, and finds what sys.modules holds then.
+# (4) A module class with a lazy __getattr__ is wrapped where it is defined, when its module
+# loads, not when its first instance is loaded: a thread can read an attribute of that instance
+# between the load and the wrap.
 
+# Protocol: any thread; re-entrant (an import runs imports); held while a module loads, while a
+# lazy attribute resolves, and for a whole import statement that met a module being loaded.
 _LOCK = threading.RLock()
+# How many loads are in progress under _LOCK (written only by the thread holding it): while one
+# is, every import statement takes the lock (see (3) in the note above).
+_loading = 0
 
 
 @contextmanager
@@ -204,18 +222,28 @@ def serialise(timeout: float) -> Callable[[], None]:
                 wrap_class(type(module))
             else:
                 wrap_module(module)
+            for value in list(vars(module).values()):  # (4) in the note: lazy module classes
+                # type(value), not isinstance: that reads __class__, which some objects warn on.
+                if issubclass(type(value), type) and ModuleType in value.__mro__:
+                    wrap_class(value)
         except (TypeError, AttributeError):  # an odd module object: left as it is
             pass
 
     def find_and_load(name: str, import_: Any) -> Any:
+        global _loading
         with _one_at_a_time(timeout):
-            module = real_find(name, import_)
-            guard(module)
+            _loading += 1
+            try:
+                module = real_find(name, import_)
+                guard(module)
+            finally:
+                _loading -= 1
         return module
 
     for module in list(sys.modules.values()):
         guard(module)
     bootstrap._find_and_load = find_and_load
+    undo.append(_serialise_statements(timeout))
 
     def restore() -> None:
         bootstrap._find_and_load = real_find
@@ -223,3 +251,36 @@ def serialise(timeout: float) -> Callable[[], None]:
             undo.pop()()
 
     return restore
+
+
+def _serialise_statements(timeout: float) -> Callable[[], None]:
+    """Wrap ``builtins.__import__`` as (3) in Note [One import at a time] says; return the
+    function that puts it back."""
+    real_import = builtins.__import__
+
+    def import_(
+        name: str,
+        globals: Mapping[str, object] | None = None,
+        locals: Mapping[str, object] | None = None,
+        fromlist: Sequence[str] | None = (),
+        level: int = 0,
+    ) -> ModuleType:
+        if level == 0 and not _loading and _loaded(name):
+            return real_import(name, globals, locals, fromlist, level)
+        with _one_at_a_time(timeout):  # after whoever is loading a module has finished
+            return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = import_
+
+    def restore() -> None:
+        if builtins.__import__ is import_:
+            builtins.__import__ = real_import
+
+    return restore
+
+
+def _loaded(name: str) -> bool:
+    """Whether ``sys.modules`` holds ``name`` and no thread is still running it."""
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
