@@ -3,19 +3,37 @@ roofline. (The gloo run itself is the benchmark; these are its pieces, without g
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
+import fakepg
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import predicted_vs_gloo  # noqa: E402  (benchmarks/ is not a package)
 
-import fakepg  # noqa: E402
+def _benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package), leaving neither
+    benchmarks/ on sys.path nor its helpers (``_common``) in sys.modules: a script launched in
+    this process would import them in place of its own modules of the same name."""
+    where = str(ROOT / "benchmarks")
+    before, path = set(sys.modules), list(sys.path)
+    sys.path.insert(0, where)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = path  # the script puts benchmarks/ there too
+        for added in set(sys.modules) - before - {name}:
+            if (getattr(sys.modules[added], "__file__", None) or "").startswith(where):
+                del sys.modules[added]
+
+
+predicted_vs_gloo = _benchmark("predicted_vs_gloo")
 
 POINTS = [(4096, 100e-6), (65536, 200e-6), (1 << 20, 1e-3), (16 << 20, 8e-3)]
 LINE = fakepg.AlphaBeta(50e-6, 4e9)
