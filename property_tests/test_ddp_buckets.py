@@ -24,6 +24,7 @@ bytes, or 1, 5, 25 MiB) or ``bucket_cap_mb_list``; ``find_unused_parameters``;
 
 from __future__ import annotations
 
+import io
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +148,21 @@ def _use_head(s: BucketScenario, rank: int, step: int) -> bool:
 Record = list[list[tuple[int, list[int]]]]  # per iteration: (index, parameters) per hook call
 
 
+def _record_buckets(ddp: Any, model: nn.Module) -> Record:
+    """Register a comm hook on ``ddp`` that records, per iteration, the buckets it sees;
+    each iteration starts with ``record.append([])``."""
+    index_of = {id(p): i for i, p in enumerate(model.parameters())}
+    record: Record = []
+
+    def hook(state: object, bucket: dist.GradBucket) -> Any:
+        record[-1].append((bucket.index(), [index_of[id(p)] for p in bucket.parameters()]))
+        return default_hooks.allreduce_hook(state, bucket)  # type: ignore[arg-type]
+
+    hook.__annotations__ = {}  # torch's DDP reads them: none to check
+    ddp.register_comm_hook(None, hook)
+    return record
+
+
 def _run(s: BucketScenario) -> list[tuple[Record, Record]]:
     """Per rank: what this project's wrapper's hook saw, then what torch's saw."""
 
@@ -160,21 +176,7 @@ def _run(s: BucketScenario) -> list[tuple[Record, Record]]:
             ddp: Any = cls(model, **s.options)
             if s.static == "set":
                 ddp._set_static_graph()
-            index_of = {id(p): i for i, p in enumerate(model.parameters())}
-            record: Record = []
-
-            def hook(
-                state: object,
-                bucket: dist.GradBucket,
-                record: Record = record,
-                index_of: dict[int, int] = index_of,
-            ) -> Any:
-                params = [index_of[id(p)] for p in bucket.parameters()]
-                record[-1].append((bucket.index(), params))
-                return default_hooks.allreduce_hook(state, bucket)  # type: ignore[arg-type]
-
-            hook.__annotations__ = {}  # torch's DDP reads them: none to check
-            ddp.register_comm_hook(None, hook)
+            record = _record_buckets(ddp, model)
             for step in range(STEPS):
                 record.append([])
                 seed = torch.Generator().manual_seed(10 * step + rank)
@@ -207,3 +209,33 @@ def test_comm_hooks_see_torchs_buckets_in_every_iteration(s: BucketScenario) -> 
     event(f"caps: {s.caps and s.caps[0]}, find_unused: {s.find_unused}, static: {s.static}")
     event(f"{len({x.double for x in s.layers})} dtype(s), sparse: {s.embedding}")
     check_buckets(s)
+
+
+def test_a_reloaded_static_graph_starts_from_torchs_buckets() -> None:
+    """A wrapper searching for unused parameters, made static by ``_set_static_graph()``
+    after construction (buckets by the cap), pickled and reloaded: torch builds the new
+    reducer knowing the static graph (one bucket until the rebuild), and so does this one."""
+    s = BucketScenario(
+        1, (Layer(4, True, False),), False, False, ("bucket_cap_mb", 0.0), True, "set"
+    )
+
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Record]:
+        records = []
+        for cls in (reducer.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+            with _BUILD:
+                torch.manual_seed(0)
+                ddp: Any = cls(_Net(s), **s.options)
+            ddp._set_static_graph()
+            buffer = io.BytesIO()
+            torch.save(ddp, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=False)
+            record = _record_buckets(loaded, loaded.module)
+            for _ in range(STEPS):
+                record.append([])
+                loaded(torch.randn(2, 3), torch.zeros(2, 2, dtype=torch.long), False).backward()
+            records.append([[params for _, params in calls] for calls in record])
+        return records
+
+    ((ours, theirs),) = fakepg.run_torch(fn, 1, timeout=30.0)
+    assert ours == theirs == [[[0, 1]], [[0, 1]], [[1], [0]]]

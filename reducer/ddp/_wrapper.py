@@ -73,6 +73,7 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 import weakref
@@ -783,6 +784,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = self._torch_group
         self._world_size = self._group.size()
         self._buckets_rebuilt, self._shadowed, self._timings = False, 0, Timings()
+        if self.static_graph and not self.bucket_bytes_cap_list:
+            # torch buckets the reloaded wrapper knowing its static graph, even one set by
+            # _set_static_graph() after construction: one bucket until the rebuild.
+            self._initial_limits = [sys.maxsize]
         self._build_reducer()  # a new reducer, as torch's: buckets rebuilt after its first step
         if self.static_graph:
             self.reducer._set_static_graph()
