@@ -42,7 +42,8 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # As torch's: the state pickles without the process group and the reducer (neither can be
 # pickled), which only works for a wrapper over torch.distributed's default group; loading
 # it takes the default group again and builds a new reducer on the loaded parameters, with
-# torch's initial buckets (rebuilt after its first iteration), without collectives.
+# torch's initial buckets for the static graph known now (see Note [Rebuilding buckets]),
+# rebuilt as after construction, without collectives.
 
 # Note [Rebuilding buckets]
 # The buckets are torch 2.13's, in every iteration, so that comm hooks see the same
