@@ -51,6 +51,7 @@ import reducer.buckets
 import reducer.ddp._join
 import reducer.ddp._mixed_precision
 import reducer.ddp._reducer
+import reducer.ddp._setup
 import reducer.ddp._wrapper
 import reducer.graph
 import reducer.hooks._default
@@ -76,7 +77,7 @@ _read_buffers = reducer.ddp._wrapper.read_buffers
 _synced_parameters = reducer.ddp._wrapper.synced_parameters
 _named_buffers = reducer.ddp._wrapper.named_buffers
 _mesh_group = reducer.ddp._wrapper.mesh_group
-_bucket_limits = reducer.ddp._wrapper.bucket_limits
+_bucket_limits = reducer.ddp._setup.bucket_limits
 _ReplicaCheck = reducer.tools.check.ReplicaCheck
 _waste = reducer.tools.check._audit._waste
 _same = reducer.testing._judge._same
@@ -785,13 +786,57 @@ class RebuildFromOwnOrder(_DDP):
 
     def _rebuild_buckets(self) -> None:
         ready_order = self.reducer.ready_order
-        in_order = _assign(
-            [self._params[i] for i in ready_order],
-            self._rebuild_limits,
-            [self._sparse[i] for i in ready_order],
+        rebuilt = _assign(
+            [self._params[i] for i in ready_order], self._rebuild_limits, self._sparse, ready_order
         )
-        self.reducer.initialize_buckets([[ready_order[j] for j in b] for b in in_order])
+        self.reducer.initialize_buckets(rebuilt)
         self._buckets_rebuilt = True
+
+
+def _first_iteration_by_cap(
+    bucket_cap_mb: float | None,
+    bucket_cap_mb_list: Sequence[float] | None,
+    *,
+    static_graph: bool,
+    find_unused_parameters: bool,
+) -> tuple[float, list[int], list[int]]:
+    """Buckets the first iteration by the caps, as after the rebuild, even where torch holds
+    every parameter in one bucket until then (no search for unused parameters, or a static
+    graph)."""
+    cap, _, rebuild = _bucket_limits(
+        bucket_cap_mb,
+        bucket_cap_mb_list,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters,
+    )
+    return cap, rebuild, rebuild
+
+
+def _rebuilt_sorted(
+    tensors: Sequence[Tensor],
+    limits: Sequence[int],
+    sparse: Sequence[bool] | None = None,
+    tensor_indices: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Sorts the rebuilt buckets by their first ready parameter, where torch keeps them as
+    they come out (the open ones last, in its hash map's order)."""
+    buckets = _assign(tensors, limits, sparse, tensor_indices)
+    if tensor_indices is None:
+        return buckets
+    position = {index: i for i, index in enumerate(tensor_indices)}
+    return sorted(buckets, key=lambda bucket: min(position[i] for i in bucket))
+
+
+class StaticRebuiltAfterFirst(_DDP):
+    """Rebuilds a static graph's buckets after its first iteration, which records no ready
+    order (torch rebuilds after the second)."""
+
+    def _should_rebuild(self) -> bool:
+        return (
+            not self._buckets_rebuilt
+            and self.reducer.iterations + self._shadowed >= 1
+            and (self.static_graph or not self.find_unused_parameters)
+        )
 
 
 class ReloadReducesIgnored(_DDP):
@@ -1133,20 +1178,20 @@ class ForwardSyncAsBroadcast(_DDP):
 
 
 def _cap_ignored(
-    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None, **graph: bool
 ) -> tuple[float, list[int], list[int]]:
     """Ignores ``bucket_cap_mb``: every wrapper buckets by torch's default 25 MiB."""
-    return _bucket_limits(None, bucket_cap_mb_list)
+    return _bucket_limits(None, bucket_cap_mb_list, **graph)
 
 
 def _caps_list_as_largest(
-    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None, **graph: bool
 ) -> tuple[float, list[int], list[int]]:
     """Takes ``bucket_cap_mb_list`` as one cap, its largest (what torch reports as the
     effective ``bucket_cap_mb``), for every bucket."""
     if bucket_cap_mb_list:
-        return _bucket_limits(max(bucket_cap_mb_list), None)
-    return _bucket_limits(bucket_cap_mb, None)
+        return _bucket_limits(max(bucket_cap_mb_list), None, **graph)
+    return _bucket_limits(bucket_cap_mb, None, **graph)
 
 
 class BuiltinHookAlwaysAllreduce(_DDP):
@@ -1531,6 +1576,21 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "rebuild from own ready order",
         "DDP wrapper",
         _in("reducer", "DistributedDataParallel", RebuildFromOwnOrder),
+    ),
+    (
+        "first iteration bucketed by cap",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "bucket_limits", _first_iteration_by_cap),
+    ),
+    (
+        "rebuilt buckets sorted",
+        "DDP wrapper",
+        _in("reducer.ddp._wrapper", "compute_bucket_assignment_by_size", _rebuilt_sorted),
+    ),
+    (
+        "static graph rebuilt after its first iteration",
+        "DDP wrapper",
+        _in("reducer", "DistributedDataParallel", StaticRebuiltAfterFirst),
     ),
     (
         "reloaded wrapper reduces ignored parameters",

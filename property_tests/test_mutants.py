@@ -43,6 +43,7 @@ from .test_check_strictness import (
     check_one_ulp_is_caught,
     strictness_scenarios,
 )
+from .test_ddp_buckets import BucketScenario, bucket_scenarios, check_buckets
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
     check_invalid_buckets,
@@ -157,6 +158,8 @@ def _size(example: Any) -> tuple[int, int]:
         return 0, 1
     if isinstance(example, CheckScenario):  # a Linear layer or two, a frozen one, a head
         return example.parameters, example.world_size
+    if isinstance(example, BucketScenario):
+        return example.parameter_count, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -579,6 +582,26 @@ CASES: dict[str, Case] = {
         ddp_scenarios(model=dense_optional, min_iterations=2, mode="static_graph", hook="none"),
         check_ddp,
         lambda s: s.world_size == 2,
+    ),
+    # Two parameters, one rank: torch reduces them in one bucket first, the mutant in two.
+    "first iteration bucketed by cap": Case(
+        bucket_scenarios(find_unused=False, static=(None,)),
+        check_buckets,
+        lambda s: s.parameter_count == 2 and s.world_size == 1,
+    ),
+    # Two dtypes: a float64 bucket that closes after a float32 bucket left open, or a sparse
+    # parameter's bucket, come out ahead of the open one; sorted, they would not.
+    "rebuilt buckets sorted": Case(
+        bucket_scenarios(find_unused=False, static=(None,)),
+        check_buckets,
+        lambda s: s.parameter_count <= 3 and s.world_size == 1,
+    ),
+    # A static graph, one rank: the rebuild one iteration early changes the second
+    # iteration's buckets.
+    "static graph rebuilt after its first iteration": Case(
+        bucket_scenarios(static=("constructor", "set")),
+        check_buckets,
+        lambda s: s.world_size == 1,
     ),
     # Two ranks, a static graph, one runs out: its shadow issues a used map the other does not.
     "joined rank shadows a static graph's used map": Case(

@@ -10,8 +10,7 @@ ones no other property draws:
 - ``broadcast_buffers`` or ``forward_sync_buffers`` (a buffer forward updates from the rank's
   own data, and the gradients depend on it): synced from rank 0 at every forward, or not;
 - ``bucket_cap_mb`` or ``bucket_cap_mb_list`` (a cap per bucket, the last repeating): the
-  buckets the wrapper is built with, as torch's logging data reports them (see Note [The
-  first iteration's buckets]);
+  buckets the wrapper is built with, as torch's logging data reports them;
 - ``_register_builtin_comm_hook`` (ALLREDUCE or FP16_COMPRESS), against the Python hooks
   torch's built-in ones compute the same as;
 - ``static_graph=True`` or ``_set_static_graph()`` after construction, with a head no rank
@@ -244,18 +243,9 @@ def check_options(s: OptionScenario) -> None:
                     _same(x, y, f"{kind} of {name}, {where}")
             for x, y in zip(mine[2], torchs[2], strict=True):
                 _same(x, y, f"buffer mean, {where}")
-        if s.find_unused:  # See Note [The first iteration's buckets].
-            assert our_sizes == their_sizes, (
-                f"rank {rank}: buckets {our_sizes}, torch's {their_sizes}"
-            )
-
-
-# Note [The first iteration's buckets]
-# torch 2.13 builds its first iteration's buckets as one bucket of every parameter where it
-# does not search for unused parameters (or has a static graph), whatever the caps, and
-# rebuilds them after it; this wrapper builds them by the caps from the start (the same
-# gradients either way: the average is elementwise). So the sizes are compared where torch
-# buckets by the caps. Its logging data reports the buckets it was built with only.
+        # (Both report the buckets they were built with: see property_tests/test_ddp_buckets.py
+        # for the buckets of every iteration, as comm hooks see them.)
+        assert our_sizes == their_sizes, f"rank {rank}: buckets {our_sizes}, torch's {their_sizes}"
 
 
 @pytest.mark.parametrize("focus", FOCUSES)

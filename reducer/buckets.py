@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ._map_order import unordered_map_order
 from .errors import BucketAssignmentError, InvalidArgument, MixedBucketError, describe_param
 from .process_group import Work
 
@@ -39,6 +40,7 @@ def compute_bucket_assignment_by_size(
     tensors: Sequence[Tensor] | Tensor,
     bucket_size_limits: Sequence[int],
     expect_sparse_gradient: Sequence[bool] | None = None,
+    tensor_indices: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group ``tensors`` (indices into it) into buckets of about ``bucket_size_limits`` bytes.
 
@@ -48,6 +50,11 @@ def compute_bucket_assignment_by_size(
     A tensor expecting a sparse gradient gets a bucket of its own. The result is sorted by the
     smallest index in each bucket: parameters come in forward order, so buckets become ready
     in index order during backward.
+
+    ``tensor_indices`` (torch's argument, used by its bucket rebuild) names each tensor's
+    index: ``tensors`` are then the parameters in the order their gradients became ready, the
+    buckets hold ``tensor_indices[i]`` for ``tensors[i]`` (``expect_sparse_gradient`` is
+    indexed by it too), and they are not sorted: see Note [Rebuilt buckets are not sorted].
     """
     if isinstance(tensors, Tensor) or not tensors:
         raise InvalidArgument("compute_bucket_assignment_by_size: pass a non-empty list of tensors")
@@ -67,6 +74,7 @@ def compute_bucket_assignment_by_size(
             "tensor or none"
         )
     sparse = list(expect_sparse_gradient or [False] * len(tensors))
+    index_of = _tensor_indices(tensor_indices, len(tensors))
 
     result: list[list[int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
@@ -77,12 +85,12 @@ def compute_bucket_assignment_by_size(
                 f"compute_bucket_assignment_by_size: tensor {i} is sparse; bucket the "
                 "parameters (dense), and mark sparse gradients with expect_sparse_gradient"
             )
-        if sparse[i]:
-            result.append([i])
+        if sparse[index_of[i]]:
+            result.append([index_of[i]])
             continue
         key = (tensor.dtype, tensor.device)
         indices, size = open_buckets.get(key, ([], 0))
-        indices.append(i)
+        indices.append(index_of[i])
         size += tensor.numel() * tensor.element_size()
         current = limit_index.setdefault(key, 0)
         if size >= limits[current]:
@@ -91,9 +99,40 @@ def compute_bucket_assignment_by_size(
             limit_index[key] = min(current + 1, len(limits) - 1)
         else:
             open_buckets[key] = (indices, size)
-    result.extend(indices for indices, _ in open_buckets.values() if indices)
-    result.sort(key=min)
+    if tensor_indices is None:
+        result.extend(indices for indices, _ in open_buckets.values() if indices)
+        result.sort(key=min)
+        return result
+    # See Note [Rebuilt buckets are not sorted]: the open buckets in torch's hash-map order.
+    for key in unordered_map_order(list(open_buckets)):
+        if open_buckets[key][0]:
+            result.append(open_buckets[key][0])
     return result
+
+
+# Note [Rebuilt buckets are not sorted]
+# torch's rebuild (Reducer::rebuild_buckets) buckets the parameters in the order their
+# gradients became ready, passing their indices as ``tensor_indices``, and keeps the buckets
+# in the order they come out: each bucket as it closes (a sparse one where its parameter
+# comes), then the buckets still open at the end, one per (dtype, device) key, in the order
+# its C++ hash map iterates the keys (reducer._map_order; for a few float dtypes on one
+# device: the last key seen first). tests/test_buckets.py checks it against torch's
+# ``_compute_bucket_assignment_by_size``. So a bucket left
+# open (the last of its key) is reduced after every bucket that closed, even one whose
+# gradients became ready later; sorting would reorder what torch's comm hooks see.
+
+
+def _tensor_indices(tensor_indices: Sequence[int] | None, count: int) -> list[int]:
+    """Each tensor's index (its position where ``tensor_indices`` is None), checked."""
+    if tensor_indices is None:
+        return list(range(count))
+    indices = [int(i) for i in tensor_indices]
+    if sorted(indices) != list(range(count)):
+        raise InvalidArgument(
+            f"compute_bucket_assignment_by_size: tensor_indices must order the {count} "
+            f"tensors' indices 0 to {count - 1}, each once, got {list(tensor_indices)!r}"
+        )
+    return indices
 
 
 def ddp_bucket_assignment(
@@ -111,8 +150,9 @@ def ddp_bucket_assignment(
     bucket, holding the first layers, is reduced last: little communication is left once
     backward ends. This is ``torch.distributed._compute_bucket_assignment_by_size`` followed
     by ``reversed``, exactly as ``torch.nn.parallel.DistributedDataParallel`` builds its
-    reducer (with ``find_unused_parameters=True``; without it, recent torch versions start
-    with one bucket for the whole model).
+    reducer with ``find_unused_parameters=True`` and no static graph (torch 2.13 passes a
+    first bucket smaller than the cap only for the default cap; without the search, or with
+    a static graph, it starts with one bucket per dtype and device for the whole model).
     """
     if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
         raise InvalidArgument(

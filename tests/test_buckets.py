@@ -62,6 +62,37 @@ def test_ddp_assignment_is_torchs_ddp_rule(
     assert ours == [list(b) for b in reversed(theirs)]
 
 
+# Every key torch's hash map may hold here, so that keys share its hash buckets.
+ALL_KEYS = [
+    (dtype, device)
+    for dtype in (*DTYPES, torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64)
+    for device in ("cpu", "meta")
+]
+
+
+@given(st.data())
+def test_assignment_in_ready_order_equals_torchs_rebuild(data: st.DataObject) -> None:
+    """With ``tensor_indices`` (torch's rebuild): the same buckets in the same order, the
+    open ones last in torch's hash-map order (see Note [Rebuilt buckets are not sorted])."""
+    keys = data.draw(st.lists(st.sampled_from(ALL_KEYS), min_size=1, max_size=14, unique=True))
+    count = data.draw(st.integers(1, 24))
+    tensors = [
+        torch.empty(data.draw(st.integers(0, 600)), dtype=dtype, device=device)
+        for dtype, device in (data.draw(st.sampled_from(keys)) for _ in range(count))
+    ]
+    limits = data.draw(st.lists(st.integers(0, 3000), min_size=1, max_size=3))
+    sparse = data.draw(st.lists(st.booleans(), min_size=count, max_size=count))
+    order = data.draw(st.permutations(range(count)))
+    ours = reducer.compute_bucket_assignment_by_size(tensors, limits, sparse, order)
+    theirs = dist._compute_bucket_assignment_by_size(tensors, limits, sparse, order)[0]
+    assert ours == [list(b) for b in theirs]
+
+
+def test_tensor_indices_must_order_every_tensor() -> None:
+    with pytest.raises(reducer.InvalidArgument, match="tensor_indices must order the 2"):
+        reducer.compute_bucket_assignment_by_size([torch.empty(2)] * 2, [10], None, [1, 1])
+
+
 def test_limits_advance_per_key_and_the_last_repeats() -> None:
     f32 = [torch.empty(10) for _ in range(6)]  # 40 bytes each
     # First bucket closes at >= 40 bytes, later ones at >= 80.

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fakepg
 import reducer
+from reducer.ddp._setup import bucket_limits
 from reducer.testing.reference import rank_order_average
 
 DDP = reducer.DistributedDataParallel
@@ -158,19 +159,55 @@ def test_parameters_and_buffers_come_from_rank_0() -> None:
             assert torch.equal(state[key], value), key
 
 
-def test_initial_buckets_are_torchs_first_bucket_1_mib_then_the_cap_in_reverse() -> None:
+def test_initial_buckets_are_torchs_by_cap_only_where_unused_parameters_are_searched() -> None:
+    """torch 2.13: searching for unused parameters, the first bucket holds 1 MiB where
+    bucket_cap_mb is left at its default and the cap where it is given, the others the cap,
+    and the list is reversed; otherwise one bucket holds every parameter."""
     model = seeded(lambda: nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]))
     params = list(model.parameters())  # weights 256 KiB, biases 1 KiB
 
-    def fn(pg: fakepg.FakeProcessGroup) -> list[list[int]]:
-        return DDP(model, pg, bucket_cap_mb=2).reducer.bucket_indices
+    def fn(pg: fakepg.FakeProcessGroup) -> list[list[list[int]]]:
+        return [
+            DDP(model, pg, **options).reducer.bucket_indices  # type: ignore[arg-type]
+            for options in (
+                {"find_unused_parameters": True},
+                {"find_unused_parameters": True, "bucket_cap_mb": 2},
+                {"bucket_cap_mb": 2},
+                {"find_unused_parameters": True, "static_graph": True},
+            )
+        ]
 
-    got = run_ranks(fn, 1)[0]
+    default, given, not_searching, static = run_ranks(fn, 1)[0]
     # In parameter order the first bucket closes once it holds 1 MiB: four weights and three
     # biases; the last bias starts the next one. Reversed: reduced first is the last bias.
-    assert got == [[7], [0, 1, 2, 3, 4, 5, 6]]
-    theirs = dist._compute_bucket_assignment_by_size(params, [1 << 20, 2 << 20])[0]
-    assert got == [list(b) for b in reversed(theirs)]
+    assert default == [[7], [0, 1, 2, 3, 4, 5, 6]]
+    theirs = dist._compute_bucket_assignment_by_size(params, [1 << 20, 25 << 20])[0]
+    assert default == [list(b) for b in reversed(theirs)]
+    assert given == not_searching == static == [list(range(8))]  # 2 MiB holds the model
+
+
+@pytest.mark.parametrize("cap", [None, 0, 0.001, 1, 5, 25, [0.001, 2.0, 0.5]])
+@pytest.mark.parametrize(
+    ("find_unused", "static_graph"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_bucket_limits_are_torchs(
+    cap: float | list[float] | None, find_unused: bool, static_graph: bool
+) -> None:
+    """The byte limits of the initial and the rebuilt buckets are those torch's
+    ``_BucketCapacityConfig`` gives (an empty rebuild list: its reducer's [first, cap])."""
+    config_type = getattr(nn.parallel.distributed, "_BucketCapacityConfig", None)
+    if config_type is None:
+        pytest.skip("this torch has no _BucketCapacityConfig")
+    listed = cap if isinstance(cap, list) else None
+    single = None if isinstance(cap, list) else cap
+    config = config_type.create(single, listed, False)
+    initial, rebuild = config.compute_bucket_size_limits(static_graph, find_unused)
+    if not rebuild:
+        rebuild = [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+    _, our_initial, our_rebuild = bucket_limits(
+        single, listed, static_graph=static_graph, find_unused_parameters=find_unused
+    )
+    assert (our_initial, our_rebuild) == (initial, rebuild)
 
 
 def test_invalid_arguments() -> None:
@@ -180,8 +217,11 @@ def test_invalid_arguments() -> None:
             DDP(torch.ones(2), pg)  # type: ignore[arg-type]
         with pytest.raises(reducer.InvalidArgument, match="bucket_cap_mb must be"):
             DDP(nn.Linear(2, 2), pg, bucket_cap_mb=-1)
-        # 0, as torch takes it: one parameter per bucket.
-        assert DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0).reducer.bucket_indices == [[1], [0]]
+        # 0, as torch takes it: one parameter per bucket (from the start where unused
+        # parameters are searched for; otherwise one bucket until the rebuild).
+        searching = DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0, find_unused_parameters=True)
+        assert searching.reducer.bucket_indices == [[1], [0]]
+        assert DDP(nn.Linear(2, 2), pg, bucket_cap_mb=0).reducer.bucket_indices == [[0, 1]]
         with pytest.raises(reducer.InvalidArgument, match=r"implement reducer\.ProcessGroup"):
             DDP(nn.Linear(2, 2), object())  # type: ignore[arg-type]
         frozen = nn.Linear(2, 2).requires_grad_(False)
@@ -535,7 +575,9 @@ def test_buckets_are_rebuilt_once_in_rank_0s_ready_order() -> None:
 
     records = run_ranks(fn, world_size)
     zero = records[0]
-    assert zero["initial"] == [[3], [2], [1], [0]]  # reverse parameter order
+    # torch 2.13 without find_unused_parameters: every parameter in one bucket, whatever the
+    # cap, until the rebuild.
+    assert zero["initial"] == [[0, 1, 2, 3]]
     assert zero["ready"] == zero["hooked"]
     assert zero["ready"][:2] == [2, 3] or zero["ready"][:2] == [3, 2]  # b's first
     assert records[1]["ready"][:2] in ([0, 1], [1, 0]), "rank 1 should see a's first"
@@ -547,14 +589,17 @@ def test_buckets_are_rebuilt_once_in_rank_0s_ready_order() -> None:
 
 
 @pytest.mark.parametrize(
-    ("find_unused", "static_graph", "rebuilt"),
-    [(False, False, True), (True, False, False), (True, True, True), (False, True, True)],
+    ("find_unused", "static_graph", "rebuilt_at"),
+    [(False, False, 1), (True, False, None), (True, True, 2), (False, True, 2)],
 )
-def test_when_buckets_are_rebuilt(find_unused: bool, static_graph: bool, rebuilt: bool) -> None:
+def test_when_buckets_are_rebuilt(
+    find_unused: bool, static_graph: bool, rebuilt_at: int | None
+) -> None:
     """Like torch: never while searching for unused parameters (the order may change every
-    iteration); with static_graph, from the order recorded in the first iteration."""
+    iteration); at the second forward otherwise; with static_graph at the third, from the
+    order recorded in the second iteration (the first records none)."""
 
-    def fn(pg: fakepg.FakeProcessGroup) -> tuple[bool, list[list[int]]]:
+    def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[bool], list[list[int]]]:
         model = seeded(TwoTowers)
         ddp = DDP(
             model,
@@ -563,14 +608,16 @@ def test_when_buckets_are_rebuilt(find_unused: bool, static_graph: bool, rebuilt
             find_unused_parameters=find_unused,
             static_graph=static_graph,
         )
-        for _ in range(2):
+        rebuilt = []
+        for _ in range(3):
             ddp(x_of(pg.rank())[:, :3], True).backward()
-        return ddp.logging_data().buckets_rebuilt, ddp.reducer.bucket_indices
+            rebuilt.append(ddp.logging_data().buckets_rebuilt)
+        return rebuilt, ddp.reducer.bucket_indices
 
     got_rebuilt, buckets = run_ranks(fn, 2)[0]
-    assert got_rebuilt == rebuilt
+    assert got_rebuilt == [rebuilt_at is not None and i >= rebuilt_at for i in range(3)]
     # a then b in forward: b's gradients first, so the rebuilt buckets start with b's.
-    assert (buckets[0][0] in (2, 3)) if rebuilt else buckets == [[3], [2], [1], [0]]
+    assert (buckets[0][0] in (2, 3)) if rebuilt_at else buckets == [[3], [2], [1], [0]]
 
 
 # -------------------------------------------------------------------------------------------
@@ -1188,8 +1235,9 @@ def test_bucket_view_grads_stay_the_same_objects_across_iterations(static_graph:
             sometimes_loss(ddp(x_of(pg.rank(), step)[:, :4]), use(pg.rank(), step)).backward()
             after.append(grads_of(model))
             objects.append([p.grad for p in model.parameters()])
-        for step in range(2, 5):  # the buckets are rebuilt once, at step 1
-            for now, first in zip(objects[step], objects[1], strict=True):
+        rebuilt = 2 if static_graph else 1  # the buckets are rebuilt once, at this step
+        for step in range(rebuilt + 1, 5):
+            for now, first in zip(objects[step], objects[rebuilt], strict=True):
                 assert now is first, f"step {step}: a .grad left its bucket view"
         (bucket,) = ddp.reducer.bucket_indices  # one bucket: every .grad is a view of it
         storages = {g.untyped_storage().data_ptr() for g in objects[-1] if g is not None}

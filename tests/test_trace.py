@@ -147,7 +147,9 @@ def test_a_simulation_writes_a_consistent_trace(
             cats = ("forward", "backward", "ready", "allreduce", "finalize", "step")
             counts = {cat: len(per[(rank, step, cat)]) for cat in cats}
             buckets = counts["allreduce"]
-            assert buckets >= 3
+            # torch 2.13's first iteration (no search for unused parameters): one bucket;
+            # the rebuilt ones follow the cap.
+            assert buckets == 1 if step == 0 else buckets >= 3
             assert counts == {
                 "forward": 2, "backward": 2, "ready": params, "allreduce": buckets,
                 "finalize": 1, "step": 1,

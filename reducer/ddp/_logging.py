@@ -116,6 +116,7 @@ class _Wrapper(Protocol):
     module: nn.Module
     _torch_group: Any
     _buckets_rebuilt: bool
+    _built_bucket_sizes: tuple[int, ...]
     _join_config: Any
     _timings: Timings
     _logged_error: str | None
@@ -154,7 +155,7 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
         "iteration": sample[0] if sample else 0,
         "dtypes": ", ".join(sorted(_TORCH_DTYPE_NAMES.get(d, d) for d in data.dtypes)),
         "num_parameter_tensors": data.num_parameters,
-        "bucket_sizes": ", ".join(map(str, data.bucket_sizes)),
+        "bucket_sizes": ", ".join(map(str, ddp._built_bucket_sizes)),
         "has_rebuilt_buckets": int(ddp._buckets_rebuilt),
         "rebuilt_bucket_sizes": ", ".join(map(str, data.bucket_sizes))
         if ddp._buckets_rebuilt

@@ -20,6 +20,7 @@ everywhere, and one rank's values broadcast to all. Errors raised here are
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -176,13 +177,23 @@ def refuse_cpu_sync_batchnorm(module: nn.Module, device_type: str) -> None:
 
 
 def bucket_limits(
-    bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None
+    bucket_cap_mb: float | None,
+    bucket_cap_mb_list: Sequence[float] | None,
+    *,
+    static_graph: bool,
+    find_unused_parameters: bool,
 ) -> tuple[float, list[int], list[int]]:
-    """The cap in MiB, the byte limits of the initial buckets and of the rebuilt ones.
+    """The cap in MiB, the byte limits of the initial buckets and of the rebuilt ones, as
+    torch 2.13's DDP sets them (``_BucketCapacityConfig``).
 
     With ``bucket_cap_mb_list`` (torch's per-bucket caps) both follow the list, the last
-    entry repeating. Otherwise the first bucket holds up to 1 MiB and the others the cap
-    (see reducer.ddp_bucket_assignment).
+    entry repeating. Otherwise the first bucket's limit is 1 MiB where ``bucket_cap_mb`` is
+    left at its default (25 MiB), and the cap itself where it is given; the rebuilt buckets
+    take that first limit, then the cap. The initial buckets hold every parameter of a
+    dtype and device in one (limit ``sys.maxsize``) unless unused parameters are searched
+    for without a static graph: before the first iteration the order gradients become
+    ready in is unknown, and only the search needs the buckets from the start. See Note
+    [Rebuilding buckets] in reducer.ddp._wrapper.
     """
     mib = 1 << 20
     if bucket_cap_mb_list:
@@ -199,8 +210,13 @@ def bucket_limits(
     cap = 25.0 if bucket_cap_mb is None else bucket_cap_mb
     # 0 is torch's too: every bucket closes at its first parameter (one per bucket).
     _check_mib("bucket_cap_mb", cap, zero=True)
-    limits = [int(min(1.0, cap) * mib), int(cap * mib)]
-    return float(cap), limits, limits
+    cap_bytes = int(cap * mib)
+    first = mib if bucket_cap_mb is None else cap_bytes  # torch's _DEFAULT_FIRST_BUCKET_BYTES
+    if static_graph or not find_unused_parameters:
+        initial = [sys.maxsize]
+    else:
+        initial = [first, cap_bytes] if first < cap_bytes else [cap_bytes]
+    return float(cap), initial, [first, cap_bytes]
 
 
 def _check_mib(name: str, value: object, *, zero: bool = False) -> None:

@@ -7,15 +7,14 @@ on fakepg's torch backend) is a drop-in; arguments it cannot honour are refused 
 - construction resolves the process group (none: torch.distributed's default group; a torch
   group is wrapped in TorchProcessGroup), checks that every rank holds the same parameters
   (dtype, shape, strides), broadcasts parameters and buffers from rank 0, and buckets them
-  as torch does (in parameter order, 1 MiB for the first bucket and ``bucket_cap_mb`` after,
-  then the list of buckets reversed, so the last layers' gradients, ready first, are reduced
-  first). Parameters and buffers named by ``_set_params_and_buffers_to_ignore_for_model`` are
-  neither reduced nor broadcast;
+  as torch 2.13 does (see Note [Rebuilding buckets]). Parameters and buffers named by
+  ``_set_params_and_buffers_to_ignore_for_model`` are neither reduced nor broadcast;
 - ``forward`` syncs buffers (``broadcast_buffers``), moves inputs to ``device_ids[0]`` for a
   module on one accelerator, runs the module and prepares the reducer (searching the outputs
   for unused parameters with ``find_unused_parameters``);
-- after the first iteration the buckets are rebuilt once, in the order gradients actually
-  became ready on rank 0 (see Note [Rebuilding buckets]);
+- after the first iteration (with ``static_graph``, the second) the buckets are rebuilt
+  once, in the order gradients actually became ready on rank 0 (see Note [Rebuilding
+  buckets]);
 - ``no_sync()``, or setting ``require_backward_grad_sync = False`` as nanoGPT does, accumulates
   gradients locally; the next synced backward reduces the accumulated sum;
 - ``join()`` (or torch's ``Join``) trains ranks with different numbers of batches (see
@@ -43,24 +42,39 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # As torch's: the state pickles without the process group and the reducer (neither can be
 # pickled), which only works for a wrapper over torch.distributed's default group; loading
 # it takes the default group again and builds a new reducer on the loaded parameters, with
-# torch's initial buckets (rebuilt after its first iteration), without collectives.
+# torch's initial buckets for the static graph known now (see Note [Rebuilding buckets]),
+# rebuilt as after construction, without collectives.
 
 # Note [Rebuilding buckets]
-# The initial buckets (torch's rule: see ddp_bucket_assignment) guess that gradients become
-# ready in reverse parameter order. After the first synced iteration the reducer knows the
-# real order (its hooks record it: Reducer.ready_order). At the next synced forward
-# (gradients enabled, outside no_sync), rank 0's order is broadcast so every rank agrees
-# (ranks may see different orders, and buckets must match), and the buckets are rebuilt in
-# it, the first holding 1 MiB and the others bucket_cap_mb (or as bucket_cap_mb_list says),
-# so the first bucket fills and launches as early as possible. That happens once. torch does
-# not rebuild when searching for unused parameters (the order may change every iteration),
-# and neither does this wrapper. A rank that ran out of inputs under join takes part in the
-# broadcast at the same iteration: it counts the iterations it shadowed (see reducer.ddp._join).
+# The buckets are torch 2.13's, in every iteration, so that comm hooks see the same
+# GradBuckets (index, buffer, parameters). The limits come from reducer.ddp._setup's
+# bucket_limits (torch's _BucketCapacityConfig): the first bucket holds 1 MiB where
+# bucket_cap_mb is left at its default and the cap where it is given; bucket_cap_mb_list
+# sets every limit, the last repeating; 0 closes every bucket at its first parameter.
+# The initial buckets guess that gradients become ready in reverse parameter order: the
+# parameters are bucketed in order and the list reversed (see ddp_bucket_assignment). But
+# where unused parameters are not searched for, or the graph is static, torch does not
+# guess: one bucket per dtype and device holds every parameter until the rebuild. After the
+# first synced iteration (a static graph: the second, as its first defers the reduction to
+# the end of backward and records no order) the reducer knows the real order (its hooks
+# record it: Reducer.ready_order). At the next synced forward (gradients enabled, outside
+# no_sync), rank 0's order is broadcast so every rank agrees (ranks may see different
+# orders, and buckets must match), and the buckets are rebuilt in it with the first limit,
+# then the cap (or the list), unsorted (see Note [Rebuilt buckets are not sorted] in
+# reducer.buckets), so the first bucket fills and launches as early as possible. That
+# happens once. torch does not rebuild when searching for unused parameters without a
+# static graph (the order may change every iteration), and neither does this wrapper. A
+# rank that ran out of inputs under join takes part in the broadcast at the same
+# iteration: it counts the iterations it shadowed (see reducer.ddp._join). One difference
+# is left: in a static graph's first iteration torch's GradBucket.index() is 0 for every
+# bucket (its deferred reduction launches them all at its bucket cursor); here each bucket
+# has its own index.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 import weakref
@@ -196,11 +210,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             check_reduction=check_reduction,
         )
         self.bucket_cap_mb, self._initial_limits, self._rebuild_limits = bucket_limits(
-            bucket_cap_mb, bucket_cap_mb_list
+            bucket_cap_mb,
+            bucket_cap_mb_list,
+            static_graph=bool(static_graph),
+            find_unused_parameters=bool(find_unused_parameters),
         )
         # torch's attributes, in bytes (see bucket_limits).
-        self.bucket_bytes_cap = self._rebuild_limits[-1]
+        self.bucket_bytes_cap = max(self._rebuild_limits)
         self.bucket_bytes_cap_list = list(self._rebuild_limits) if bucket_cap_mb_list else []
+        # Whether the first bucket is torch's default 1 MiB, smaller than the cap.
+        self.bucket_bytes_cap_default = self._rebuild_limits[0] < self.bucket_bytes_cap and (
+            not bucket_cap_mb_list
+        )
         self.broadcast_bucket_size = 250 * 1024 * 1024  # torch's; broadcasts here are flat
         if device_mesh is not None:
             process_group = mesh_group(device_mesh, process_group)  # type: ignore[assignment]
@@ -298,6 +319,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         self.reducer._wording = DDP_WORDING
         self.reducer.skip_all_reduce_unused_params = self.skip_all_reduce_unused_params
+        # What torch's logging data reports as bucket_sizes: the buckets it was built with
+        # (the rebuilt ones are rebuilt_bucket_sizes).
+        self._built_bucket_sizes = tuple(self.reducer.bucket_nbytes)
         self._divisor = self._world_size  # the reducer's; see join
         self._mp_twins: _mp.Twins = {}
         if self.mixed_precision is not None:
@@ -599,9 +623,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     # Rebuilding buckets. See Note [Rebuilding buckets].
 
     def _should_rebuild(self) -> bool:
+        # A static graph's first iteration records no order (its reduction waits for the end
+        # of backward): it rebuilds after its second, as torch's.
         return (
             not self._buckets_rebuilt
-            and self.reducer.iterations + self._shadowed >= 1
+            and self.reducer.iterations + self._shadowed >= (2 if self.static_graph else 1)
             and (self.static_graph or not self.find_unused_parameters)
         )
 
@@ -609,12 +635,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         order = torch.tensor(self.reducer.ready_order, dtype=torch.int64, device=self.device)
         self._group.broadcast([order], 0).wait()  # rank 0's order, for every rank
         ready_order = [int(i) for i in order.tolist()]
-        in_order = compute_bucket_assignment_by_size(
+        # Bucketed in ready order, not sorted: see Note [Rebuilt buckets are not sorted].
+        rebuilt = compute_bucket_assignment_by_size(
             [self._params[i] for i in ready_order],
             self._rebuild_limits,
-            [self._sparse[i] for i in ready_order],
+            self._sparse,
+            tensor_indices=ready_order,
         )
-        self.reducer.initialize_buckets([[ready_order[j] for j in b] for b in in_order])
+        self.reducer.initialize_buckets(rebuilt)
         self._buckets_rebuilt = True
 
     # ---------------------------------------------------------------------------------------
@@ -773,6 +801,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = self._torch_group
         self._world_size = self._group.size()
         self._buckets_rebuilt, self._shadowed, self._timings = False, 0, Timings()
+        if self.static_graph and not self.bucket_bytes_cap_list:
+            # torch buckets the reloaded wrapper knowing its static graph, even one set by
+            # _set_static_graph() after construction: one bucket until the rebuild.
+            self._initial_limits = [sys.maxsize]
         self._build_reducer()  # a new reducer, as torch's: buckets rebuilt after its first step
         if self.static_graph:
             self.reducer._set_static_graph()
