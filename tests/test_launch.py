@@ -415,10 +415,16 @@ def test_accelerates_per_process_state_is_per_rank_on_rank_threads() -> None:
     ]
 
 
-def test_per_rank_state_and_refusals_end_with_the_launch() -> None:
+@pytest.mark.parametrize("imported", [False, True], ids=["not-imported", "already-imported"])
+def test_per_rank_state_and_refusals_end_with_the_launch(
+    imported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On rank threads a class-level state dict is the thread's own and a refused class
     raises saying why; off rank threads, and after the launch, the classes are as they
-    were."""
+    were. The stand-in modules leave sys.modules as they found it: a real ``accelerate.state``
+    imported before (test_launch_accelerate.py imports accelerate when collected) is put back,
+    not dropped, or a later launch finds no module to make per rank while Accelerator still
+    uses the old one's shared state, and its rank 1 skips init_process_group."""
     import threading
 
     from reducer.tools.launch import singletons
@@ -439,9 +445,14 @@ def test_per_rank_state_and_refusals_end_with_the_launch() -> None:
     plugins.DeepSpeedPlugin = DeepSpeedPlugin  # type: ignore[attr-defined]
     shared = PartialState._shared_state
     rank: list[int | None] = [None]
-    sys.modules["accelerate.state"] = state
-    sys.modules["accelerate.utils.dataclasses"] = plugins
-    try:
+    names = ("accelerate.state", "accelerate.utils.dataclasses")
+    if imported:  # what sys.modules holds where accelerate was imported before this test
+        for name in names:
+            monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    before = {name: sys.modules.get(name) for name in names}
+    with pytest.MonkeyPatch.context() as modules:
+        modules.setitem(sys.modules, "accelerate.state", state)
+        modules.setitem(sys.modules, "accelerate.utils.dataclasses", plugins)
         restore = singletons.install(lambda: rank[0], 2)
         try:
             assert DeepSpeedPlugin().made  # not a rank thread
@@ -460,9 +471,7 @@ def test_per_rank_state_and_refusals_end_with_the_launch() -> None:
         assert DeepSpeedPlugin().made
         assert not hasattr(DeepSpeedPlugin.__init__, "__wrapped__")
         assert PartialState.__dict__["_shared_state"] is shared and shared == {}
-    finally:
-        del sys.modules["accelerate.state"]
-        del sys.modules["accelerate.utils.dataclasses"]
+    assert {name: sys.modules.get(name) for name in names} == before
 
 
 # -------------------------------------------------------------------------------------------
