@@ -1109,19 +1109,7 @@ def _mixed_reduction_own_pairing(arrivals: Sequence[Any], i: int) -> str | None:
         if got is None or got.is_sparse:
             continue
         got = audit.host(got)
-        candidates = [
-            [
-                (param, audit.host(local[0]))
-                for key, param in b.record.accumulated.items()
-                if (local := b.record.local.get(key)) is not None
-                and local[0] is not None
-                and not local[0].is_sparse
-                and local[0].shape == got.shape
-                and local[0].dtype == got.dtype
-            ]
-            for b in arrivals
-        ]
-        for combo in itertools.product(*candidates):
+        for combo in itertools.product(*audit.local_gradients_like(arrivals, got)):
             values = audit.averages([g for _, g in combo], world).values()
             if any(v is not None and audit.bits_equal(v, got) for v in values):
                 return audit._mixed_text(arrivals, a, i, [param for param, _ in combo])

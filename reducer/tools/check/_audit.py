@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -392,21 +393,8 @@ def _mixed_reduction(arrivals: Sequence[Arrival], i: int) -> str | None:
         if got is None or got.is_sparse:
             continue
         got = host(got)
-        candidates: list[list[tuple[Tensor, Tensor]]] = []
-        for b in arrivals:
-            found = [
-                (param, host(local[0]))
-                for key, param in b.record.accumulated.items()
-                if (local := b.record.local.get(key)) is not None
-                and local[0] is not None
-                and not local[0].is_sparse
-                and local[0].shape == got.shape
-                and local[0].dtype == got.dtype
-            ]
-            candidates.append(found)
-        total = 1
-        for found in candidates:
-            total *= len(found)
+        candidates = local_gradients_like(arrivals, got)
+        total = math.prod(len(found) for found in candidates)
         if total == 0 or total > _MAX_PAIRINGS:
             continue
         for combo in itertools.product(*candidates):
@@ -417,6 +405,25 @@ def _mixed_reduction(arrivals: Sequence[Arrival], i: int) -> str | None:
             if any(v is not None and bits_equal(v, got) for v in candidates_of_combo):
                 return _mixed_text(arrivals, a, i, [param for param, _ in combo])
     return None
+
+
+def local_gradients_like(
+    arrivals: Sequence[Arrival], got: Tensor
+) -> list[list[tuple[Tensor, Tensor]]]:
+    """Per rank, its parameters whose local gradient (on the host) has ``got``'s shape and
+    dtype: what a reduction that gave ``got`` could have summed."""
+    return [
+        [
+            (param, host(local[0]))
+            for key, param in b.record.accumulated.items()
+            if (local := b.record.local.get(key)) is not None
+            and local[0] is not None
+            and not local[0].is_sparse
+            and local[0].shape == got.shape
+            and local[0].dtype == got.dtype
+        ]
+        for b in arrivals
+    ]
 
 
 def _mixed_text(arrivals: Sequence[Arrival], a: Arrival, i: int, params: list[Tensor]) -> str:
