@@ -207,6 +207,25 @@ wide_only = st.builds(
 
 averaging = check_against_reference
 
+
+def _two_ranks_micro_batches(
+    *, buffers: bool, require_optional: bool = False
+) -> st.SearchStrategy[TrainingScenario]:
+    """Up to two ranks, plain layers, up to three micro-batches a step in any sync pattern,
+    each unsynced one in any of the modes (``no_sync()``, the attribute, by hand)."""
+    return wrapper_scenarios(
+        buffers=buffers,
+        layouts=False,
+        as_view=False,
+        dropout=False,
+        ignore=False,
+        require_optional=require_optional,
+        micro_batches=3,
+        max_world_size=2,
+        sync_modes=SYNC_MODES[1:],
+    )
+
+
 CASES: dict[str, Case] = {
     # One branch, two ranks of one replica: the smallest world where the sum is not the average.
     "skip the divide": Case(
@@ -389,17 +408,7 @@ CASES: dict[str, Case] = {
     # second: it must contribute the first average its .grad holds. (Shrinks to one step or
     # two.)
     "held gradient of an unused parameter dropped": Case(
-        wrapper_scenarios(
-            buffers=False,
-            layouts=False,
-            as_view=False,
-            dropout=False,
-            ignore=False,
-            require_optional=True,
-            micro_batches=3,
-            max_world_size=2,
-            sync_modes=SYNC_MODES[1:],
-        ),
+        _two_ranks_micro_batches(buffers=False, require_optional=True),
         check_micro_batches_ours,
         lambda s: s.world_size == 2 and any(s.syncs(k).count("sync") >= 2 for k in range(s.steps)),
     ),
@@ -414,16 +423,7 @@ CASES: dict[str, Case] = {
     # Two ranks with buffers, a no_sync() micro-batch, then a synced one: it must start from
     # each rank's own buffers.
     "buffers synced at every forward": Case(
-        wrapper_scenarios(
-            buffers=True,
-            layouts=False,
-            as_view=False,
-            dropout=False,
-            ignore=False,
-            micro_batches=3,
-            max_world_size=2,
-            sync_modes=SYNC_MODES[1:],
-        ),
+        _two_ranks_micro_batches(buffers=True),
         check_micro_batches_ours,
         lambda s: s.world_size == 2,
     ),
