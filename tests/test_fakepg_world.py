@@ -46,9 +46,9 @@ _THREAD_COUNT_SCRIPT = textwrap.dedent(
     x = torch.randn(8, 4, 16)
 
     def grad(_pg=None):
-        conv.weight.grad = None
-        conv(x).square().sum().backward()
-        return conv.weight.grad.clone()
+        # autograd.grad, not .grad: the ranks share the module, and would accumulate into
+        # one another's .grad.
+        return torch.autograd.grad(conv(x).square().sum(), conv.weight)[0]
 
     main = grad()
     ranks = fakepg.run(grad, 2)
