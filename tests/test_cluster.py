@@ -171,12 +171,13 @@ def test_bad_groups_are_refused() -> None:
 @pytest.fixture(scope="module")
 def resnet_steps() -> dict[str, cluster.ClusterPrediction]:
     """ResNet50 on 16 V100s (two DGX-1 nodes), a few settings; predicted once per module."""
-    base = ClusterConfig("resnet50", 16, NCCL, gpu=V100)
+    base = ClusterConfig("resnet50", 16, NCCL, bucket_cap_mb=25.0, gpu=V100)
     return {
         "25": predict(base),
+        "default": predict(ClusterConfig("resnet50", 16, NCCL, gpu=V100)),
         "0": predict(ClusterConfig("resnet50", 16, NCCL, bucket_cap_mb=0, gpu=V100)),
-        "off": predict(ClusterConfig("resnet50", 16, NCCL, overlap=False, gpu=V100)),
-        "unslowed": predict(ClusterConfig("resnet50", 16, UNSLOWED, gpu=V100)),
+        "off": predict(ClusterConfig("resnet50", 16, NCCL, 25.0, overlap=False, gpu=V100)),
+        "unslowed": predict(ClusterConfig("resnet50", 16, UNSLOWED, 25.0, gpu=V100)),
         "alone": predict(ClusterConfig("resnet50", 1, None, gpu=V100, ddp=False)),
     }
 
@@ -190,6 +191,15 @@ def test_the_real_reducer_decides_the_buckets(
     assert sum(ddp.bucket_nbytes) == 25_557_032 * 4
     assert len(ddp.bucket_nbytes) == 4
     assert len(resnet_steps["0"].bucket_nbytes) == 161  # cap 0: one parameter per bucket
+    # The cap left unset, as most jobs leave it: torch's first bucket of 1 MiB, then 25 MiB.
+    default = resnet_steps["default"]
+    assert default.bucket_cap_mb is None
+    assert sum(default.bucket_nbytes) == 25_557_032 * 4
+    assert len(default.bucket_nbytes) == 5
+    # fc's weight and bias (8,196,000 bytes), ready first, close the 1 MiB first bucket alone;
+    # with the cap given, the first bucket fills to 25 MiB like the others.
+    assert default.bucket_nbytes[0] == (2048 * 1000 + 1000) * 4
+    assert ddp.bucket_nbytes[0] >= 25 << 20
     launches = [r.launch_s for r in ddp.collectives if r.kind == "allreduce"]
     assert launches == sorted(launches)
     assert all(

@@ -44,20 +44,32 @@ def test_one_bucket_per_gradient_queues_on_the_link() -> None:
 
 
 def test_a_larger_cap_merges_buckets() -> None:
-    # First bucket min(1, cap) MiB = [3]; then 2 MiB buckets close when they reach 2 MiB.
+    # A cap given is every bucket's, the first one's too (torch 2.13): 2 MiB buckets close
+    # when they reach 2 MiB.
     p = predict_step(profile(), 2.0, 8, LINK)
-    assert p.bucket_indices == ((3,), (2, 1), (0,))
-    assert p.launch_ns == (1 * MS, 3 * MS, 4 * MS)
-    assert p.done_ns == (2_500_000, 4_500_000, 6 * MS)
+    assert p.bucket_indices == ((3, 2), (1, 0))
+    assert p.launch_ns == (2 * MS, 4 * MS)
+    assert p.done_ns == (3_500_000, 5_500_000)
     whole = predict_step(profile(), 100.0, 8, LINK)
-    assert whole.bucket_indices == ((3,), (2, 1, 0))
-    assert whole.done_ns == (2_500_000, 5_500_000)
+    assert whole.bucket_indices == ((3, 2, 1, 0),)
+    assert whole.done_ns == (5_500_000,)
     assert whole.step_ns == 1 * MS + 10 * MS + 5_500_000 + MS // 2
+
+
+def test_the_default_cap_is_torchs_first_bucket_of_one_mib_then_25() -> None:
+    p = predict_step(profile(), None, 8, LINK)
+    assert p.bucket_cap_mb is None
+    assert p.bucket_indices == ((3,), (2, 1, 0))
+    assert p.launch_ns == (1 * MS, 4 * MS)
+    assert p.done_ns == (2_500_000, 5_500_000)
+    # The same buckets DDP builds when bucket_cap_mb is left unset.
+    assert bucket_assignment(profile(), None) == [[3], [2, 1, 0]]
+    assert bucket_assignment(profile(), 25.0) == [[3, 2, 1, 0]]
 
 
 def test_the_model_sets_the_cost_by_bytes_and_world_size() -> None:
     link = fakepg.AlphaBeta(2.0**-20, float(MIB) * 1000, "ring")  # 1 ms per MiB
-    p = predict_step(profile(), 100.0, 4, link)
+    p = predict_step(profile(), None, 4, link)
     alpha_ns = 6 * 2.0**-20 * 1e9  # 2 (W - 1) alpha
     # Bucket [3] (1 MiB) launches at 1 ms; [2, 1, 0] (3 MiB) at 4 ms, the link free by then.
     # Bytes cost 2 (W - 1) / W = 1.5 times S / B. Costs are rounded to whole ns.
@@ -76,17 +88,23 @@ def test_without_a_network_the_step_is_the_compute() -> None:
 
 def test_find_unused_keeps_reverse_order_buckets_and_adds_the_used_map() -> None:
     p = predict_step(profile(find_unused=True), 2.0, 8, LINK)
-    # ddp_bucket_assignment, torch's rule: in parameter order 1 MiB first, then 2 MiB; the
-    # buckets reversed, each in parameter order.
-    assert p.bucket_indices == ((3,), (1, 2), (0,))
-    assert p.done_ns == (2_500_000, 4_500_000, 6 * MS)
-    assert p.step_ns == 1 * MS + 10 * MS + 7_500_000 + MS // 2  # the used map after 6 ms
+    # ddp_bucket_assignment, torch's rule: in parameter order 2 MiB each (a cap given is the
+    # first bucket's too); the buckets reversed, each in parameter order.
+    assert p.bucket_indices == ((2, 3), (0, 1))
+    assert p.done_ns == (3_500_000, 5_500_000)
+    assert p.step_ns == 1 * MS + 10 * MS + 7 * MS + MS // 2  # the used map after 5.5 ms
+    # The default cap: 1 MiB first (parameter 0 alone), then 25 MiB, reversed.
+    default = predict_step(profile(find_unused=True), None, 8, LINK)
+    assert default.bucket_indices == ((1, 2, 3), (0,))
 
 
 def test_sweep_and_best() -> None:
-    predictions = sweep(profile(), [1.0, 2.0, 100.0], 8, LINK)
-    assert [p.bucket_cap_mb for p in predictions] == [1.0, 2.0, 100.0]
-    assert best(predictions).bucket_cap_mb == 100.0
+    predictions = sweep(profile(), [1.0, 2.0, 100.0, None], 8, LINK)
+    assert [p.bucket_cap_mb for p in predictions] == [1.0, 2.0, 100.0, None]
+    # 2, 100 and the default (1 then 25) all end at 5.5 ms, cap 1 at 7 ms: among equals the
+    # smallest largest bucket.
+    assert [p.step_ns for p in predictions] == [18_500_000] + [17 * MS] * 3
+    assert best(predictions).bucket_cap_mb == 2.0
     same = sweep(profile(), [100.0, 50.0], 8, LINK)  # equal steps: the smaller cap
     assert same[0].step_ns == same[1].step_ns and best(same).bucket_cap_mb == 50.0
 
@@ -126,11 +144,17 @@ def test_from_iterations_takes_medians() -> None:
     assert p.tail_ns == 8  # finalize end minus max(last done, finalize start): 10, 1, 8
 
 
-def test_buckets_match_the_ones_ddp_rebuilds() -> None:
-    """After its first iteration DDP rebuilds buckets in ready order; so does the replay."""
+@pytest.mark.parametrize(
+    ("width", "cap"),
+    [(64, 0.02), (512, None), (512, 1.5)],
+    ids=["small-cap", "default-cap", "cap-given"],
+)
+def test_buckets_match_the_ones_ddp_rebuilds(width: int, cap: float | None) -> None:
+    """After its first iteration DDP rebuilds buckets in ready order; so does the replay, for
+    a cap given (every bucket's limit) and the default (1 MiB first, then 25 MiB)."""
     with fakepg.World(1) as world:
-        module = models.build_model("mlp", 64, seed=0)
-        ddp = reducer.DistributedDataParallel(module, world.group(0), bucket_cap_mb=0.02)
+        module = models.build_model("mlp", width, seed=0)
+        ddp = reducer.DistributedDataParallel(module, world.group(0), bucket_cap_mb=cap)
         x, y = module.make_batch(torch.Generator().manual_seed(0), 8)
         module.loss(ddp(x), y).backward()
         first_ready = ddp.reducer.backward_stats[0]
@@ -147,5 +171,5 @@ def test_buckets_match_the_ones_ddp_rebuilds() -> None:
         optimizer_ns=0,
         tail_ns=0,
     )
-    assert len(rebuilt) >= 3
-    assert bucket_assignment(measured, 0.02) == rebuilt
+    assert len(rebuilt) >= 2
+    assert bucket_assignment(measured, cap) == rebuilt

@@ -36,9 +36,67 @@ import torch
 from reducer.buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
 from reducer.stats import IterationStats
 
-__all__ = ["BackwardProfile", "CostModel", "Prediction", "best", "predict_step", "sweep"]
+__all__ = [
+    "BackwardProfile",
+    "CostModel",
+    "Prediction",
+    "best",
+    "bucket_limits_mb",
+    "cap_label",
+    "cap_order",
+    "parse_caps",
+    "predict_step",
+    "sweep",
+]
 
 _MIB = 1 << 20
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch's DDP when bucket_cap_mb is not given
+_DEFAULT_FIRST_BUCKET_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES, with the default cap only
+
+
+def bucket_limits_mb(bucket_cap_mb: float | None) -> tuple[float, float]:
+    """The first bucket's limit and every later one's, in MiB, as torch 2.13's DDP sets them:
+    ``None`` (the cap left unset) is 25 MiB after a first bucket of 1 MiB; a cap given is
+    every bucket's, the first one's too."""
+    if bucket_cap_mb is None:
+        return _DEFAULT_FIRST_BUCKET_MB, DEFAULT_BUCKET_CAP_MB
+    return bucket_cap_mb, bucket_cap_mb
+
+
+def parse_caps(text: str, flag: str = "--sweep-bucket-cap") -> list[float | None]:
+    """Bucket caps in MiB, separated by commas; ``default`` is torch's default (see
+    :func:`bucket_limits_mb`). Raises ValueError naming ``flag``."""
+    caps: list[float | None] = []
+    for token in (t.strip() for t in text.split(",")):
+        if not token:
+            continue
+        try:
+            cap = None if token == "default" else float(token)
+        except ValueError:
+            cap = -1.0
+        if cap is not None and not cap >= 0:
+            caps = []
+            break
+        caps.append(cap)
+    if not caps:
+        raise ValueError(
+            f"{flag} takes bucket caps in MiB, >= 0, or 'default' (torch's: 25 MiB after a "
+            f"first bucket of 1 MiB), separated by commas (e.g. default,0.25,1,4,25), got "
+            f"{text!r}"
+        )
+    return caps
+
+
+def cap_order(bucket_cap_mb: float | None) -> tuple[float, float]:
+    """Sorts caps by the largest bucket they allow, then the first bucket's limit: the
+    smaller first among equal steps (less memory per bucket)."""
+    first, cap = bucket_limits_mb(bucket_cap_mb)
+    return cap, first
+
+
+def cap_label(bucket_cap_mb: float | None) -> str:
+    """A cap as tables print it: ``default`` where it was left unset."""
+    return "default" if bucket_cap_mb is None else f"{bucket_cap_mb:g}"
 
 
 class CostModel(Protocol):
@@ -110,7 +168,7 @@ class BackwardProfile:
 class Prediction:
     """The replayed step for one bucket cap; times in ns."""
 
-    bucket_cap_mb: float
+    bucket_cap_mb: float | None  # None: torch's default (see bucket_limits_mb)
     world_size: int
     bucket_indices: tuple[tuple[int, ...], ...]
     bucket_nbytes: tuple[int, ...]
@@ -122,34 +180,39 @@ class Prediction:
     step_ns: int
 
 
-def bucket_assignment(profile: BackwardProfile, bucket_cap_mb: float) -> list[list[int]]:
-    """The buckets DistributedDataParallel would use for ``bucket_cap_mb``; Note step 1."""
+def bucket_assignment(profile: BackwardProfile, bucket_cap_mb: float | None) -> list[list[int]]:
+    """The buckets DistributedDataParallel would use for ``bucket_cap_mb`` (``None``: the
+    default); Note step 1."""
     shapes = [
         torch.empty(max(1, n // _itemsize(d)), dtype=d, device="meta")
         for n, d in zip(profile.nbytes, profile.dtypes, strict=True)
     ]
-    first_mb = min(1.0, bucket_cap_mb)
+    first_mb, cap_mb = bucket_limits_mb(bucket_cap_mb)
     if profile.find_unused:
         return ddp_bucket_assignment(
             shapes,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=cap_mb,
             first_bucket_mb=first_mb,
             expect_sparse_gradient=list(profile.sparse),
         )
     order = sorted(range(len(shapes)), key=lambda i: (profile.ready_ns[i], i))
     in_order = compute_bucket_assignment_by_size(
         [shapes[i] for i in order],
-        [int(first_mb * _MIB), int(bucket_cap_mb * _MIB)],
+        [int(first_mb * _MIB), int(cap_mb * _MIB)],
         [profile.sparse[i] for i in order],
     )
     return [[order[j] for j in bucket] for bucket in in_order]
 
 
 def predict_step(
-    profile: BackwardProfile, bucket_cap_mb: float, world_size: int, network: CostModel | None
+    profile: BackwardProfile,
+    bucket_cap_mb: float | None,
+    world_size: int,
+    network: CostModel | None,
 ) -> Prediction:
-    """Replay the profiled backward for ``bucket_cap_mb`` on ``world_size`` ranks."""
-    if not bucket_cap_mb >= 0:
+    """Replay the profiled backward for ``bucket_cap_mb`` (``None``: torch's default) on
+    ``world_size`` ranks."""
+    if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
         raise ValueError(
             f"bucket_cap_mb must be >= 0 (0: one parameter per bucket), got {bucket_cap_mb!r}"
         )
@@ -195,7 +258,7 @@ def predict_step(
 
 def sweep(
     profile: BackwardProfile,
-    bucket_caps_mb: Sequence[float],
+    bucket_caps_mb: Sequence[float | None],
     world_size: int,
     network: CostModel | None,
 ) -> list[Prediction]:
@@ -207,7 +270,7 @@ def best(predictions: Sequence[Prediction]) -> Prediction:
     """The fastest predicted step; among equals, the smallest cap (less memory per bucket)."""
     if not predictions:
         raise ValueError("best: no predictions")
-    return min(predictions, key=lambda p: (p.step_ns, p.bucket_cap_mb))
+    return min(predictions, key=lambda p: (p.step_ns, cap_order(p.bucket_cap_mb)))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -86,7 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--width", type=int, default=None, help="model width (default: the model's own, small)")
     add("--batch-size", type=int, default=32, help="samples per rank per micro-batch (32)")
     add("--steps", type=int, default=20, help="optimizer steps, each verified (default 20)")
-    add("--bucket-cap-mb", type=float, default=25.0, help="bucket cap in MiB (default 25)")
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="bucket cap in MiB (default: torch's, 25 MiB with a first bucket of 1 MiB; "
+        "a cap given is every bucket's, the first too, as torch does)",
+    )
     add(
         "--find-unused",
         action="store_true",
@@ -142,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MB,MB,...",
         help="what-if: measure one rank, then predict the step time per bucket cap at "
-        "--world-size ranks on --network, and print the best cap (runs no W replicas)",
+        "--world-size ranks on --network, and print the best cap (runs no W replicas); "
+        "'default' is torch's default cap (25 MiB after a first bucket of 1 MiB)",
     )
     add(
         "--measure-world-size",

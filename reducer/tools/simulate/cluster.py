@@ -360,7 +360,7 @@ class ClusterPrediction:
 
     model: str
     world_size: int
-    bucket_cap_mb: float
+    bucket_cap_mb: float | None  # None: torch's default
     overlap: bool
     compute: str  # where compute times came from
     step_s: float
@@ -382,7 +382,7 @@ class ClusterConfig:
     model: str
     world_size: int
     network: Any = None
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None  # torch's default: 25 MiB, the first bucket 1 MiB
     overlap: bool = True
     no_sync_every: int = 1
     process_groups: int = 1
@@ -403,7 +403,7 @@ class ClusterConfig:
             )
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if not self.bucket_cap_mb >= 0:
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be >= 0 (0: one bucket per parameter), got "
                              f"{self.bucket_cap_mb}")  # fmt: skip
         if self.no_sync_every < 1:

@@ -18,6 +18,7 @@ import torch
 from rich.table import Table
 
 import fakepg
+from reducer.tools.whatif import cap_label, cap_order, parse_caps
 
 from . import cluster, gpu, report, shapes
 
@@ -207,17 +208,9 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
             f"compute: ESTIMATE for {spec.name} from each kernel's FLOPs and bytes ({spec.source};"
             f" {spec.compute_efficiency:g} of FLOP peak, {spec.memory_efficiency:g} of bandwidth)"
         )
-    caps = [args.bucket_cap_mb]
+    caps: list[float | None] = [args.bucket_cap_mb]
     if args.sweep_bucket_cap:
-        try:
-            caps = [float(c) for c in args.sweep_bucket_cap.split(",") if c.strip()]
-        except ValueError:
-            caps = []
-        if not caps or any(not c >= 0 for c in caps):
-            raise ValueError(
-                f"--sweep-bucket-cap takes bucket caps in MiB, >= 0, separated by commas, got "
-                f"{args.sweep_bucket_cap!r}"
-            )
+        caps = parse_caps(args.sweep_bucket_cap)
     configs = [
         cluster.ClusterConfig(
             model=args.model,
@@ -267,11 +260,11 @@ def _print(
     for header in ("bucket cap MiB", "buckets", "forward ms", "backward ms", "comm ms",
                    "exposed comm ms", "optimizer ms", "step ms"):  # fmt: skip
         table.add_column(header, justify="right")
-    best = min(predictions, key=lambda p: (p.step_s, p.bucket_cap_mb))
+    best = min(predictions, key=lambda p: (p.step_s, cap_order(p.bucket_cap_mb)))
     for p in predictions:
         mark = " *" if p is best and len(predictions) > 1 else ""
         table.add_row(
-            f"{p.bucket_cap_mb:g}{mark}",
+            f"{cap_label(p.bucket_cap_mb)}{mark}",
             str(len(p.bucket_nbytes)),
             f"{p.forward_s * 1e3:.2f}",
             f"{p.backward_s * 1e3:.2f}",
@@ -283,7 +276,7 @@ def _print(
     console.print(table)
     if len(predictions) > 1:
         console.print(
-            f"best: --bucket-cap-mb {best.bucket_cap_mb:g} (predicted {best.step_s * 1e3:.2f} "
+            f"best: {report.cap_flag(best.bucket_cap_mb)} (predicted {best.step_s * 1e3:.2f} "
             f"ms per step at {config.world_size} ranks)"
         )
     console.print(f"predicted in {elapsed:.1f} s (one rank run on the meta device per cap)")

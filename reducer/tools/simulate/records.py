@@ -15,6 +15,7 @@ from torch import Tensor
 
 import fakepg
 from reducer.tools.trace import RankStep
+from reducer.tools.whatif import parse_caps
 
 from . import models, verify
 
@@ -30,7 +31,7 @@ class Config:
     width: int | None
     batch_size: int
     steps: int
-    bucket_cap_mb: float
+    bucket_cap_mb: float | None  # None: torch's default (25 MiB, its first bucket 1 MiB)
     find_unused: bool
     unused_pattern: str
     micro_batches: int
@@ -41,7 +42,7 @@ class Config:
     seed: int
     device: torch.device
     timeout: float
-    sweep_caps: tuple[float, ...]
+    sweep_caps: tuple[float | None, ...]  # None: torch's default cap
     measure_world_size: int
     corrupt: tuple[int, int, str] | None
 
@@ -59,7 +60,7 @@ class Config:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if args.width is not None and args.width < 4:
             raise ValueError(f"--width must be >= 4, got {args.width}")
-        if not args.bucket_cap_mb >= 0:
+        if args.bucket_cap_mb is not None and not args.bucket_cap_mb >= 0:
             raise ValueError(
                 f"--bucket-cap-mb must be >= 0 (0: one parameter per bucket), got "
                 f"{args.bucket_cap_mb}"
@@ -70,17 +71,9 @@ class Config:
         topology = getattr(network, "topology", None)
         if topology is not None:  # a cluster preset: the world must fill whole nodes
             topology.nodes(args.world_size)
-        caps: tuple[float, ...] = ()
+        caps: tuple[float | None, ...] = ()
         if args.sweep_bucket_cap is not None:
-            try:
-                caps = tuple(float(c) for c in args.sweep_bucket_cap.split(",") if c.strip())
-            except ValueError:
-                caps = ()
-            if not caps or any(not c >= 0 for c in caps):
-                raise ValueError(
-                    f"--sweep-bucket-cap takes bucket caps in MiB, >= 0, separated by commas "
-                    f"(e.g. 0.25,1,4,25), got {args.sweep_bucket_cap!r}"
-                )
+            caps = tuple(parse_caps(args.sweep_bucket_cap))
         device = _parse_device(args.device)
         if caps and device.type != "cpu":
             raise ValueError(

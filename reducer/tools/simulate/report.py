@@ -22,6 +22,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from reducer.tools.whatif import cap_label
+
 if TYPE_CHECKING:
     from reducer.tools.trace import RankStep
     from reducer.tools.whatif import BackwardProfile, Prediction
@@ -138,7 +140,7 @@ def print_summary(out: Console, config: Config, result: SimulationResult) -> Non
     hook = "" if config.comm_hook == "none" else f", comm hook {config.comm_hook}"
     info.add_row(
         "reducer",
-        f"bucket cap {config.bucket_cap_mb:g} MiB, find_unused_parameters="
+        f"bucket cap {_cap(config.bucket_cap_mb)}, find_unused_parameters="
         f"{config.find_unused}, unused pattern {config.unused_pattern}{hook}",
     )
     if result.bucket_nbytes:
@@ -218,7 +220,7 @@ def print_sweep(
     for p in predictions:
         mark = " *" if p is chosen else ""
         table.add_row(
-            f"{p.bucket_cap_mb:g}{mark}",
+            f"{cap_label(p.bucket_cap_mb)}{mark}",
             str(len(p.bucket_nbytes)),
             _size(max(p.bucket_nbytes)),
             _ms(p.comm_ns),
@@ -227,6 +229,20 @@ def print_sweep(
         )
     out.print(table)
     out.print(
-        f"best: --bucket-cap-mb {chosen.bucket_cap_mb:g} (predicted {_ms(chosen.step_ns)} "
+        f"best: {cap_flag(chosen.bucket_cap_mb)} (predicted {_ms(chosen.step_ns)} "
         f"ms per step at {config.world_size} ranks)"
     )
+
+
+def _cap(bucket_cap_mb: float | None) -> str:
+    """The reducer row's cap: torch's default spelled out."""
+    if bucket_cap_mb is None:
+        return "25 MiB (torch's default: the first bucket 1 MiB)"
+    return f"{bucket_cap_mb:g} MiB"
+
+
+def cap_flag(bucket_cap_mb: float | None) -> str:
+    """The command-line setting that gives ``bucket_cap_mb``."""
+    if bucket_cap_mb is None:
+        return "the default bucket cap (no --bucket-cap-mb)"
+    return f"--bucket-cap-mb {bucket_cap_mb:g}"
