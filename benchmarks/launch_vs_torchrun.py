@@ -4,7 +4,10 @@ per rank, gloo) on the nanoGPT-style script (tests/scripts/nanogpt_train.py, tor
 time per optimizer step (the median over the steps after the first ``WARMUP``, as rank 0's
 clock reads them), each the median of ``--repeats`` interleaved runs. The launch is timed
 with its replica check (the default) and without (``--no-check``). Every N runs the same
-training (``--grad-accum 8``: 8 micro-batches per step across the ranks).
+training (``--grad-accum 8``: 8 micro-batches per step across the ranks). The floor row,
+``threads, no DDP (GIL floor)``, runs the same training on N plain threads of one process
+(``_threads_floor.py``: no process group, no DDP, no launch): what no launcher of rank threads
+can beat on an interpreter with a GIL.
 
 Where the steady-state time goes, per rank thread (or process), from the script's per-step
 clocks (``--timing``): on a CPU (its CPU time), runnable but waiting for a CPU (Linux's
@@ -55,6 +58,10 @@ def commands(
         found["launch --no-check (base)"] += script
     if check:
         found["launch"] = [*launch, *script]
+    # The floor of any rank-per-thread launcher: the same training on N plain threads, with no
+    # process group, DDP or launch (see _threads_floor.py).
+    floor = [sys.executable, str(Path(__file__).resolve().parent / "_threads_floor.py")]
+    found["threads, no DDP (GIL floor)"] = [*floor, "--nproc", str(nproc), "--steps", str(steps)]
     return found
 
 
