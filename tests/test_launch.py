@@ -474,6 +474,34 @@ def test_per_rank_state_and_refusals_end_with_the_launch(
     assert {name: sys.modules.get(name) for name in names} == before
 
 
+def test_a_class_missing_from_its_module_is_found_when_the_module_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Import statements stop looking for a class once its module is complete without it,
+    until another module object takes that name (a package replacing itself, a stand-in)."""
+    from reducer.tools.launch import singletons
+
+    class PartialState:
+        _shared_state: ClassVar[dict[str, int]] = {}
+
+    kind = singletons.PerRank("per_rank_state_later", ("PartialState",))
+    monkeypatch.setitem(sys.modules, kind.module, ModuleType(kind.module))  # without the class
+    restore = singletons.install(lambda: None, 2, known=(), per_rank=(kind,))
+    try:
+        __import__("json")  # an import statement: the module is complete, without the class
+
+        assert isinstance(PartialState.__dict__["_shared_state"], dict)
+        real = ModuleType(kind.module)
+        real.PartialState = PartialState  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, kind.module, real)
+        __import__("json")  # another module object holds the name now
+
+        assert isinstance(PartialState.__dict__["_shared_state"], singletons.PerThreadState)
+    finally:
+        restore()
+    assert isinstance(PartialState.__dict__["_shared_state"], dict)
+
+
 # -------------------------------------------------------------------------------------------
 # The launcher's own defects: errors, stacks, stuck ranks, Ctrl-C, torchrun's flags.
 

@@ -186,3 +186,45 @@ def test_a_lazy_module_class_is_wrapped_when_its_module_loads(
         restore()
         sys.modules.pop("defines_lazy_class", None)
     assert not hasattr(vars(defines_lazy_class.Lazy)["__getattr__"], "__wrapped__")
+
+
+@pytest.mark.parametrize("kind", ["module class", "module function"])
+def test_a_lazy_name_that_loads_nothing_is_read_without_the_lock_after_its_first_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A lazy __getattr__ that never caches (torch._VF's, read by every Tensor.split) takes
+    the import lock only until a read of that name has loaded nothing; a name whose read loads
+    a module keeps taking it."""
+    (tmp_path / "loaded_by_a_lazy_read.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    held: list[tuple[str, bool]] = []
+
+    def resolve(name: str) -> object:
+        held.append((name, imports._LOCK._is_owned()))  # type: ignore[attr-defined]
+        if name == "loads":
+            sys.modules.pop("loaded_by_a_lazy_read", None)  # a fresh load at every read
+            import loaded_by_a_lazy_read  # type: ignore[import-not-found]
+
+            return loaded_by_a_lazy_read.VALUE
+        return name.upper()
+
+    if kind == "module class":
+
+        class Lazy(ModuleType):
+            def __getattr__(self, name: str) -> object:
+                return resolve(name)
+
+        lazy: ModuleType = Lazy("lazy_never_caching")
+    else:
+        lazy = ModuleType("lazy_never_caching")
+        lazy.__getattr__ = resolve  # type: ignore[method-assign]
+    sys.modules[lazy.__name__] = lazy
+    restore = imports.serialise(timeout=5.0)
+    try:
+        reads = [lazy.abc, lazy.abc, lazy.abc, lazy.loads, lazy.loads]
+    finally:
+        restore()
+        del sys.modules[lazy.__name__]
+        sys.modules.pop("loaded_by_a_lazy_read", None)
+    assert reads == ["ABC", "ABC", "ABC", 7, 7]
+    assert held == [("abc", True), ("abc", False), ("abc", False), ("loads", True), ("loads", True)]

@@ -148,6 +148,12 @@ def _touch(module: ModuleType, chain: list[str]) -> None:
 # (4) A module class with a lazy __getattr__ is wrapped where it is defined, when its module
 # loads, not when its first instance is loaded: a thread can read an attribute of that instance
 # between the load and the wrap.
+#
+# A lazy __getattr__ that never caches (torch._VF's, which Tensor.split reads at every call)
+# would take the lock at every call, on the training path of every rank. So a name whose
+# resolution, under the lock, loaded no module is remembered for its module, and later reads of
+# it call the original __getattr__ without the lock: what needs one at a time is loading, and
+# that name's resolution does none.
 
 # Protocol: any thread; re-entrant (an import runs imports); held while a module loads, while a
 # lazy attribute resolves, and for a whole import statement that met a module being loaded.
@@ -155,6 +161,9 @@ _LOCK = threading.RLock()
 # How many loads are in progress under _LOCK (written only by the thread holding it): while one
 # is, every import statement takes the lock (see (3) in the note above).
 _loading = 0
+# How many loads have started, ever (written only by the thread holding _LOCK): a lazy
+# attribute whose resolution left it unchanged loaded nothing (see the end of the note above).
+_loads = 0
 
 
 @contextmanager
@@ -181,13 +190,23 @@ def serialise(timeout: float) -> Callable[[], None]:
             return
         looked.add(id(owner))
         original = vars(owner)["__getattr__"]
+        # (id of the module, name) resolved without loading anything: no lock needed again.
+        # One class serves many modules (transformers' _LazyModule), hence the module's id.
+        plain: set[tuple[int, str]] = set()
 
         def __getattr__(self: ModuleType, name: str) -> Any:
+            key = (id(self), name)
+            if key in plain:
+                return original(self, name)
             with _one_at_a_time(timeout):
                 try:  # resolved by the thread that held the lock before
                     return object.__getattribute__(self, name)
                 except AttributeError:
-                    return original(self, name)
+                    before = _loads
+                    value = original(self, name)
+                    if _loads == before:
+                        plain.add(key)
+                    return value
 
         __getattr__.__wrapped__ = original  # type: ignore[attr-defined]
         owner.__getattr__ = __getattr__  # type: ignore[attr-defined]
@@ -199,11 +218,19 @@ def serialise(timeout: float) -> Callable[[], None]:
         if not callable(original) or getattr(original, "_launch_serialised", False):
             return
 
+        plain: set[str] = set()  # names resolved without loading anything: no lock again
+
         def __getattr__(name: str) -> Any:
+            if name in plain:
+                return original(name)
             with _one_at_a_time(timeout):
                 if name in namespace:
                     return namespace[name]
-                return original(name)
+                before = _loads
+                value = original(name)
+                if _loads == before:
+                    plain.add(name)
+                return value
 
         __getattr__._launch_serialised = True  # type: ignore[attr-defined]
         namespace["__getattr__"] = __getattr__
@@ -230,9 +257,10 @@ def serialise(timeout: float) -> Callable[[], None]:
             pass
 
     def find_and_load(name: str, import_: Any) -> Any:
-        global _loading
+        global _loading, _loads
         with _one_at_a_time(timeout):
             _loading += 1
+            _loads += 1
             try:
                 module = real_find(name, import_)
                 guard(module)

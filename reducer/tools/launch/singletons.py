@@ -82,6 +82,11 @@ class PerThreadState(threading.local):
         self.storage = value
 
 
+def _initializing(module: object) -> bool:
+    """Whether ``module`` is still running its body (its classes may not exist yet)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def message(singleton: Singleton, name: str, rank: int, nproc: int) -> str:
     return (
         f"{singleton.module}.{name} on rank {rank}: {singleton.what} keeps one state per "
@@ -108,6 +113,12 @@ def install(
     kinds: list[Singleton | PerRank] = [*known, *per_rank]
     for kind in kinds:
         pending.update((kind, name) for name in kind.classes)
+    # The modules of the pending classes, and of those the module object found complete
+    # without them (another version, a stand-in): an import statement checks again only where
+    # one of these modules is in sys.modules as another object (a few dict lookups; every
+    # import statement on the training path pays them).
+    awaited: set[str] = {kind.module for kind, _ in pending}
+    checked: dict[str, int] = {}
 
     def wrap(singleton: Singleton, name: str, cls: type) -> None:
         original = cls.__dict__.get("__init__", object.__init__)
@@ -140,6 +151,16 @@ def install(
                         per_thread(singleton, cls)
                     else:
                         wrap(singleton, name, cls)
+                elif module is not None and not _initializing(module):
+                    checked[singleton.module] = id(module)  # complete without it
+            awaited.intersection_update(kind.module for kind, _ in pending)
+
+    def changed() -> bool:
+        for name in awaited:
+            module = sys.modules.get(name)
+            if module is not None and id(module) != checked.get(name):
+                return True
+        return False
 
     real_import = builtins.__import__
 
@@ -147,7 +168,7 @@ def install(
     # every import statement checks, after it, whether a known module has appeared.
     def import_and_check(*args: Any, **kwargs: Any) -> Any:
         module = real_import(*args, **kwargs)
-        if pending:
+        if awaited and changed():
             check()
         return module
 
