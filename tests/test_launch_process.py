@@ -366,3 +366,37 @@ def test_a_module_run_with_m_pickles_its_classes_per_rank(
     out = capsys.readouterr().out
     assert lines(out, 0) == ["__main__ 0 pkg_pickles_for_launch.train"]
     assert lines(out, 1) == ["__main__ 1 pkg_pickles_for_launch.train"]
+
+
+@pytest.mark.parametrize("given", [None, "0.002"], ids=["default", "given"])
+def test_the_switch_interval_is_the_launchs_while_the_ranks_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str | None
+) -> None:
+    """Ranks take turns at the GIL every 0.5 ms by default (--switch-interval), and the
+    process has Python's interval back once they have ended."""
+    script = write(
+        tmp_path,
+        "interval.py",
+        "import sys\nprint(f'interval {sys.getswitchinterval():g}')\n",
+    )
+    before = sys.getswitchinterval()
+    flags = () if given is None else ("--switch-interval", given)
+    assert launch("--nproc", "2", "--no-check", *flags, str(script)) == 0
+    out = capsys.readouterr().out
+    expected = "0.0005" if given is None else given
+    for rank in (0, 1):
+        assert f"[rank{rank}]: interval {expected}" in out
+    assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2"])
+def test_a_switch_interval_out_of_range_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    script = write(tmp_path, "nothing.py", "print('ran')\n")
+    assert launch("--switch-interval", value, str(script)) == 2
+    captured = capsys.readouterr()
+    assert f"--switch-interval {float(value)}: give the seconds a rank thread may keep" in (
+        captured.err
+    )
+    assert "ran" not in captured.out
