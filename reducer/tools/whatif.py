@@ -33,7 +33,8 @@ from typing import Protocol
 
 import torch
 
-from reducer.buckets import compute_bucket_assignment_by_size, ddp_bucket_assignment
+from reducer.buckets import compute_bucket_assignment_by_size
+from reducer.ddp._setup import bucket_limits
 from reducer.stats import IterationStats
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "CostModel",
     "Prediction",
     "best",
-    "bucket_limits_mb",
     "cap_label",
     "cap_order",
     "parse_caps",
@@ -49,23 +49,21 @@ __all__ = [
     "sweep",
 ]
 
-_MIB = 1 << 20
-DEFAULT_BUCKET_CAP_MB = 25.0  # torch's DDP when bucket_cap_mb is not given
-_DEFAULT_FIRST_BUCKET_MB = 1.0  # torch's _DEFAULT_FIRST_BUCKET_BYTES, with the default cap only
 
-
-def bucket_limits_mb(bucket_cap_mb: float | None) -> tuple[float, float]:
-    """The first bucket's limit and every later one's, in MiB, as torch 2.13's DDP sets them:
-    ``None`` (the cap left unset) is 25 MiB after a first bucket of 1 MiB; a cap given is
-    every bucket's, the first one's too."""
-    if bucket_cap_mb is None:
-        return _DEFAULT_FIRST_BUCKET_MB, DEFAULT_BUCKET_CAP_MB
-    return bucket_cap_mb, bucket_cap_mb
+def _limits(bucket_cap_mb: float | None, find_unused: bool = False) -> tuple[list[int], list[int]]:
+    """The byte limits of DDP's buckets for ``bucket_cap_mb`` (``None``: left unset), before
+    and after its rebuild, from the wrapper's own rule (torch 2.13's: the default cap is
+    25 MiB after a first bucket of 1 MiB; a cap given is every bucket's, the first one's
+    too)."""
+    _, initial, rebuilt = bucket_limits(
+        bucket_cap_mb, None, static_graph=False, find_unused_parameters=find_unused
+    )
+    return initial, rebuilt
 
 
 def parse_caps(text: str, flag: str = "--sweep-bucket-cap") -> list[float | None]:
-    """Bucket caps in MiB, separated by commas; ``default`` is torch's default (see
-    :func:`bucket_limits_mb`). Raises ValueError naming ``flag``."""
+    """Bucket caps in MiB, separated by commas; ``default`` is torch's default (25 MiB after
+    a first bucket of 1 MiB). Raises ValueError naming ``flag``."""
     caps: list[float | None] = []
     for token in (t.strip() for t in text.split(",")):
         if not token:
@@ -87,10 +85,10 @@ def parse_caps(text: str, flag: str = "--sweep-bucket-cap") -> list[float | None
     return caps
 
 
-def cap_order(bucket_cap_mb: float | None) -> tuple[float, float]:
+def cap_order(bucket_cap_mb: float | None) -> tuple[int, int]:
     """Sorts caps by the largest bucket they allow, then the first bucket's limit: the
     smaller first among equal steps (less memory per bucket)."""
-    first, cap = bucket_limits_mb(bucket_cap_mb)
+    first, cap = _limits(bucket_cap_mb)[1]
     return cap, first
 
 
@@ -168,7 +166,7 @@ class BackwardProfile:
 class Prediction:
     """The replayed step for one bucket cap; times in ns."""
 
-    bucket_cap_mb: float | None  # None: torch's default (see bucket_limits_mb)
+    bucket_cap_mb: float | None  # None: torch's default (see _limits)
     world_size: int
     bucket_indices: tuple[tuple[int, ...], ...]
     bucket_nbytes: tuple[int, ...]
@@ -187,18 +185,14 @@ def bucket_assignment(profile: BackwardProfile, bucket_cap_mb: float | None) -> 
         torch.empty(max(1, n // _itemsize(d)), dtype=d, device="meta")
         for n, d in zip(profile.nbytes, profile.dtypes, strict=True)
     ]
-    first_mb, cap_mb = bucket_limits_mb(bucket_cap_mb)
-    if profile.find_unused:
-        return ddp_bucket_assignment(
-            shapes,
-            bucket_cap_mb=cap_mb,
-            first_bucket_mb=first_mb,
-            expect_sparse_gradient=list(profile.sparse),
-        )
+    initial, rebuilt = _limits(bucket_cap_mb, profile.find_unused)
+    if profile.find_unused:  # never rebuilt: in parameter order, reversed (ddp_bucket_assignment)
+        by_size = compute_bucket_assignment_by_size(shapes, initial, list(profile.sparse))
+        return list(reversed(by_size))
     order = sorted(range(len(shapes)), key=lambda i: (profile.ready_ns[i], i))
     in_order = compute_bucket_assignment_by_size(
         [shapes[i] for i in order],
-        [int(first_mb * _MIB), int(cap_mb * _MIB)],
+        rebuilt,
         [profile.sparse[i] for i in order],
     )
     return [[order[j] for j in bucket] for bucket in in_order]
