@@ -74,7 +74,8 @@ __all__ = ["add_arguments", "run"]
 # running Python keeps the GIL from one that waits for it) is --switch-interval, 0.5 ms by
 # default, a tenth of Python's own: ranks then take turns more evenly, and the ones a
 # collective waits for arrive sooner (at 4 ranks on 2 cores the nanoGPT-style script's step
-# took 18.1 ms against 21.6 ms with Python's 5 ms; see BENCHMARKS.md).
+# took 18.4 ms against 20.8 ms with Python's 5 ms in alternating runs, though not in every
+# protocol; see BENCHMARKS.md).
 
 # Frames above the script (left out of stacks), and frames of the plumbing every torch call
 # or import of a rank passes through (left out too).

@@ -166,6 +166,16 @@ _loading = 0
 _loads = 0
 
 
+def _remembering(plain: set[Any], key: Any, resolve: Callable[[], Any]) -> Any:
+    """``resolve()`` under the lock; ``key`` joins ``plain`` (read without the lock from then
+    on) where it loaded no module. See the end of Note [One import at a time]."""
+    before = _loads
+    value = resolve()
+    if _loads == before:
+        plain.add(key)
+    return value
+
+
 @contextmanager
 def _one_at_a_time(timeout: float) -> Iterator[None]:
     got = _LOCK.acquire(timeout=timeout)
@@ -202,11 +212,7 @@ def serialise(timeout: float) -> Callable[[], None]:
                 try:  # resolved by the thread that held the lock before
                     return object.__getattribute__(self, name)
                 except AttributeError:
-                    before = _loads
-                    value = original(self, name)
-                    if _loads == before:
-                        plain.add(key)
-                    return value
+                    return _remembering(plain, key, lambda: original(self, name))
 
         __getattr__.__wrapped__ = original  # type: ignore[attr-defined]
         owner.__getattr__ = __getattr__  # type: ignore[attr-defined]
@@ -226,11 +232,7 @@ def serialise(timeout: float) -> Callable[[], None]:
             with _one_at_a_time(timeout):
                 if name in namespace:
                     return namespace[name]
-                before = _loads
-                value = original(name)
-                if _loads == before:
-                    plain.add(name)
-                return value
+                return _remembering(plain, name, lambda: original(name))
 
         __getattr__._launch_serialised = True  # type: ignore[attr-defined]
         namespace["__getattr__"] = __getattr__
