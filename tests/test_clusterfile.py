@@ -214,3 +214,14 @@ def test_every_preset_is_described() -> None:
 def test_the_file_format_is_json_serialisable_as_written() -> None:
     for preset in fakepg.CLUSTER_PRESETS.values():
         assert json.loads(json.dumps(fakepg.cluster_to_dict(preset)))
+
+
+def test_the_docs_example_file_is_the_one_the_page_shows_and_it_reads() -> None:
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "howto" / "cli.md").read_text()
+    shown = page.split("```toml\n", 1)[1].split("```", 1)[0]
+    example = root / "docs" / "howto" / "cluster.toml"
+    assert shown == example.read_text()
+    model = load_cluster(example)
+    assert isinstance(model, NcclModel)
+    assert (model.topology.node_count, model.topology.nic_Bps) == (4, 25e9)

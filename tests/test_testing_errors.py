@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import mlp, rank_input
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -37,16 +38,11 @@ from reducer.testing.strategies import gradient_scales
 
 
 def _mlp() -> nn.Module:
-    generator = torch.Generator().manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
-    return model
+    return mlp(widths=(4, 3, 2))
 
 
 def _x(rank: int) -> torch.Tensor:
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    return rank_input(rank, (3, 4))
 
 
 SCENARIO = TrainingScenario(_mlp, ((( _x(0),), (_x(1),)),))  # fmt: skip

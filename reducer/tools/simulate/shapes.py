@@ -232,26 +232,26 @@ class ShapeModel:
     max_seq_len: int | None = None
 
 
+def _bert(layers: int, hidden: int, heads: int, batch: int, name: str) -> ShapeModel:
+    """BERT for sequences of 128 tokens by default, up to its 512 positions."""
+    build = lambda seq=128: Bert(layers, hidden, heads, seq)  # noqa: E731
+    return ShapeModel(build, batch, f"{name}, 128 tokens", 128, 512)
+
+
+def _gpt2(layers: int, hidden: int, heads: int, batch: int, name: str) -> ShapeModel:
+    """GPT-2 for sequences of its 1024 positions by default."""
+    build = lambda seq=1024: Gpt2(layers, hidden, heads, seq)  # noqa: E731
+    return ShapeModel(build, batch, f"{name}, 1024 tokens", 1024, 1024)
+
+
 SHAPE_MODELS: dict[str, ShapeModel] = {
     "resnet50": ShapeModel(ResNet50, 32, "torchvision ResNet50, 224x224 images"),
-    "bert-base": ShapeModel(
-        lambda seq=128: Bert(12, 768, 12, seq), 32, "BERT-base, 128 tokens", 128, 512
-    ),
-    "bert-large": ShapeModel(
-        lambda seq=128: Bert(24, 1024, 16, seq), 16, "BERT-large, 128 tokens", 128, 512
-    ),
-    "gpt2": ShapeModel(
-        lambda seq=1024: Gpt2(12, 768, 12, seq), 8, "GPT-2 124M, 1024 tokens", 1024, 1024
-    ),
-    "gpt2-medium": ShapeModel(
-        lambda seq=1024: Gpt2(24, 1024, 16, seq), 8, "GPT-2 355M, 1024 tokens", 1024, 1024
-    ),
-    "gpt2-large": ShapeModel(
-        lambda seq=1024: Gpt2(36, 1280, 20, seq), 4, "GPT-2 774M, 1024 tokens", 1024, 1024
-    ),
-    "gpt2-xl": ShapeModel(
-        lambda seq=1024: Gpt2(48, 1600, 25, seq), 2, "GPT-2 1.5B, 1024 tokens", 1024, 1024
-    ),
+    "bert-base": _bert(12, 768, 12, 32, "BERT-base"),
+    "bert-large": _bert(24, 1024, 16, 16, "BERT-large"),
+    "gpt2": _gpt2(12, 768, 12, 8, "GPT-2 124M"),
+    "gpt2-medium": _gpt2(24, 1024, 16, 8, "GPT-2 355M"),
+    "gpt2-large": _gpt2(36, 1280, 20, 4, "GPT-2 774M"),
+    "gpt2-xl": _gpt2(48, 1600, 25, 2, "GPT-2 1.5B"),
 }
 
 
