@@ -17,6 +17,16 @@ collectives costed by NCCL's tuning model or gloo's ring on a named cluster pres
    difference; ResNet50 on NCCL is best at 10 to 25 MB.
 3. The scaling curve to 256 GPUs (the paper: near-linear on NCCL).
 
+Each published figure compared gets a verdict, at the end: reproduced within its tolerance,
+or not, and by how much. The sources give no error bars, so the tolerances are this script's,
+set once here, before any prediction is read (see TOLERANCES): a step time within 5 % (the
+compute is an estimate from datasheet peaks, and a cluster's own run varies by a few %); a
+percentage (a speed-up, a slow-down) within 5 points, or 1 point for the README's cap-1
+slow-downs, which are differences of two ~100 ms timings given to 0.1 point; the best bucket
+cap within the published range; near-linear scaling as an efficiency of at least 0.9. The
+tables of readings (the per-bucket costs, the batch and bandwidth sensitivities) compare no
+published figure and get no verdict.
+
     python benchmarks/published_figures.py [--quick]
 """
 
@@ -26,6 +36,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +61,58 @@ PAPER_OVERLAP = {
 # The paper's cluster (section 5): 4 servers of 8 V100 on NVLink, one 100 Gb/s ConnectX-4
 # NIC per server. gloo's TCP connection (2.5 GB/s) is below one NIC either way.
 PAPER_BACKENDS = {"nccl": "nccl-v100-1nic", "gloo": "gloo-dgx1-v100"}
+PAPER_BEST_CAP_MB = (10, 25)  # ResNet50 on NCCL
+PAPER_CAP_SPREAD = 2.0  # "more than 2x difference" between bucket sizes
+NEAR_LINEAR = 0.9  # scaling efficiency this script reads "near-linear" as
+
+# What counts as reproduced (see the docstring): relative for times, in points for percentages.
+TOLERANCES = {"step_pct": 5.0, "speedup_points": 5.0, "readme_slower_points": 1.0}
+
+
+@dataclass
+class Verdict:
+    """One published figure against its prediction."""
+
+    figure: str
+    published: str
+    predicted: str
+    tolerance: str
+    reproduced: bool
+    off: str
+
+    def row(self) -> list[object]:
+        said = "reproduced" if self.reproduced else "NOT reproduced"
+        return [self.figure, self.published, self.predicted, self.tolerance, said, self.off]
+
+
+VERDICTS: list[Verdict] = []
+
+
+def judge_time(figure: str, published_ms: float, predicted_ms: float) -> None:
+    off = (predicted_ms / published_ms - 1) * 100
+    limit = TOLERANCES["step_pct"]
+    VERDICTS.append(Verdict(figure, f"{published_ms:g} ms", f"{predicted_ms:.1f} ms",
+                            f"{limit:g} %", abs(off) <= limit, f"{off:+.1f} %"))  # fmt: skip
+
+
+def judge_points(figure: str, published: float, predicted: float, limit: float) -> None:
+    off = predicted - published
+    within = abs(off) <= limit
+    VERDICTS.append(Verdict(figure, f"{published:g} %", f"{predicted:.2f} %",
+                            f"{limit:g} point(s)", within, f"{off:+.2f} points"))  # fmt: skip
+
+
+def judge_claim(figure: str, published: str, predicted: str, holds: bool, off: str) -> None:
+    VERDICTS.append(Verdict(figure, published, predicted, "as stated", holds, off))
+
+
+def verdict_rows() -> None:
+    """Every figure compared, its verdict, and the count."""
+    print("\n## Verdicts: each published figure against its prediction\n")
+    headers = ["figure", "published", "predicted", "tolerance", "verdict", "off by"]
+    print(table(headers, [v.row() for v in VERDICTS]))
+    done = sum(v.reproduced for v in VERDICTS)
+    print(f"\n{done} of {len(VERDICTS)} published figures reproduced within their tolerance")
 
 
 def step(model: str, world: int, network: str | None, **options: object) -> ClusterPrediction:
@@ -59,6 +122,7 @@ def step(model: str, world: int, network: str | None, **options: object) -> Clus
 
 def readme_rows(worlds: list[int]) -> None:
     alone = step("resnet50", 1, None, ddp=False)
+    judge_time("torch README: step without a wrapper", 97, alone.step_s * 1e3)
     rows: list[list[object]] = [["no DDP", 1, 97, alone.step_s * 1e3, _err(alone.step_s * 1e3, 97),
                                  "", "", "", "", ""]]  # fmt: skip
     per_bucket: list[list[object]] = []
@@ -71,6 +135,11 @@ def readme_rows(worlds: list[int]) -> None:
              README_DDP_MS[w]), README_CAP1_MS[w], at1.step_s * 1e3,
              _err(at1.step_s * 1e3, README_CAP1_MS[w]), README_CAP1_SLOWER[w], f"{slower:.2f}"]
         )  # fmt: skip
+        gpus = f"{w} GPU{'s' if w > 1 else ''}"
+        judge_time(f"torch README: step at {gpus}", README_DDP_MS[w], at25.step_s * 1e3)
+        judge_time(f"torch README: step at {gpus}, cap 1", README_CAP1_MS[w], at1.step_s * 1e3)
+        judge_points(f"torch README: cap 1 slower at {gpus}", README_CAP1_SLOWER[w], slower,
+                     TOLERANCES["readme_slower_points"])  # fmt: skip
         extra = len(at1.bucket_nbytes) - len(at25.bucket_nbytes)
         published_us = README_CAP1_MS[w] * README_CAP1_SLOWER[w] / 100 / extra * 1e3
         network = fakepg.parse_network(README_CLUSTER)
@@ -110,6 +179,10 @@ def overlap_rows(world: int) -> None:
         on = step(model, world, network)
         off = step(model, world, network, overlap=False)
         gained, saved = speedups(off.step_s, on.step_s)
+        # The paper does not say which reading it means: the nearer one is judged.
+        nearer = min((gained, saved), key=lambda value: abs(value - published))
+        judge_points(f"DDP paper: overlap speed-up, {model}, {backend}", published, nearer,
+                     TOLERANCES["speedup_points"])  # fmt: skip
         rows.append(
             [model, backend, off.step_s * 1e3, on.step_s * 1e3, published, f"{gained:.1f}",
              f"{gained - published:+.1f}", f"{saved:.1f}", f"{saved - published:+.1f}",
@@ -164,10 +237,18 @@ def sensitivity_rows(world: int, nic_gbits: list[float]) -> None:
 def bucket_rows(world: int, caps: list[float]) -> None:
     print(f"\n## The DDP paper: step time against bucket cap, {world} GPUs\n")
     rows: list[list[object]] = []
+    spreads: dict[tuple[str, str], float] = {}
     for model in ("resnet50", "bert-base"):
         for backend, network in PAPER_BACKENDS.items():
             times = [step(model, world, network, bucket_cap_mb=c).step_s * 1e3 for c in caps]
             best = min(range(len(caps)), key=lambda i: times[i])
+            spreads[(model, backend)] = max(times) / min(times)
+            if (model, backend) == ("resnet50", "nccl"):
+                low, high = PAPER_BEST_CAP_MB
+                judge_claim("DDP paper: best cap, resnet50, nccl", f"{low} to {high} MB",
+                            f"{caps[best]:g} MB", low <= caps[best] <= high,
+                            "in range" if low <= caps[best] <= high else
+                            f"{caps[best]:g} MB outside")  # fmt: skip
             rows.append(
                 [model, backend, *(f"{t:.1f}" for t in times), f"{caps[best]:g}",
                  f"{max(times) / min(times):.2f}"]
@@ -175,6 +256,11 @@ def bucket_rows(world: int, caps: list[float]) -> None:
     headers = ["model", "backend", *(f"cap {c:g} ms" for c in caps), "best cap MiB",
                "worst / best"]  # fmt: skip
     print(table(headers, rows))
+    widest = max(spreads, key=lambda k: spreads[k])
+    spread = spreads[widest]
+    judge_claim("DDP paper: bucket size makes > 2x difference", "> 2x",
+                f"{spread:.2f}x ({' '.join(widest)})", spread > PAPER_CAP_SPREAD,
+                f"{spread - PAPER_CAP_SPREAD:+.2f}x")  # fmt: skip
 
 
 def scaling_rows(worlds: list[int]) -> None:
@@ -188,6 +274,12 @@ def scaling_rows(worlds: list[int]) -> None:
             rows.append(
                 [model, w, s * 1e3, f"{alone / s:.3f}", f"{time.perf_counter() - start:.1f}"]
             )
+            if w == 256:
+                efficiency = alone / s
+                margin = efficiency - NEAR_LINEAR
+                judge_claim(f"DDP paper: near-linear on NCCL, {model}, 256 GPUs",
+                            f"near-linear (>= {NEAR_LINEAR})", f"{efficiency:.3f}",
+                            margin >= 0, f"{margin:+.3f}")  # fmt: skip
     headers = ["model", "GPUs", "step ms", "scaling efficiency", "prediction wall s"]
     print(table(headers, rows))
 
@@ -200,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     print("# compute: ESTIMATE, V100 datasheet peaks x assumed efficiencies; see BENCHMARKS.md\n")
     if args.quick:
         readme_rows([16])
+        verdict_rows()
         return
     readme_rows([1, 2, 4, 8, 16])
     overlap_rows(32)
@@ -207,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     sensitivity_rows(32, [100, 50, 25])
     bucket_rows(32, [0, 1, 5, 10, 25, 50, 100, 200])
     scaling_rows([8, 16, 32, 64, 128, 256, 1024])
+    verdict_rows()
 
 
 if __name__ == "__main__":

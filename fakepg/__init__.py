@@ -15,7 +15,8 @@ see both sides, and a failure on one rank wakes every other.
 
 from __future__ import annotations
 
-from .clusternet import CLUSTER_PRESETS, GlooModel, NcclModel, Topology
+from .clusterfile import cluster_from_dict, cluster_to_dict, dumps_cluster, load_cluster
+from .clusternet import CLUSTER_DESCRIPTIONS, CLUSTER_PRESETS, GlooModel, NcclModel, Topology
 from .faults import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -31,6 +32,7 @@ from .work import Work
 from .world import World, run
 
 __all__ = [
+    "CLUSTER_DESCRIPTIONS",
     "CLUSTER_PRESETS",
     "NETWORK_PRESETS",
     "AlphaBeta",
@@ -50,7 +52,11 @@ __all__ = [
     "Work",
     "World",
     "WorldAborted",
+    "cluster_from_dict",
+    "cluster_to_dict",
+    "dumps_cluster",
     "init_torch_group",
+    "load_cluster",
     "parse_network",
     "register_torch_backend",
     "run",

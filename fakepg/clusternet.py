@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CLUSTER_PRESETS", "GlooModel", "NcclModel", "Topology"]
+__all__ = ["CLUSTER_DESCRIPTIONS", "CLUSTER_PRESETS", "GlooModel", "NcclModel", "Topology"]
 
 NcclAlgorithm = Literal["ring", "tree", "auto"]
 _PROTOCOLS = ("LL", "LL128", "Simple")
@@ -80,13 +80,19 @@ class Topology:
     """GPUs in nodes: ``gpus_per_node`` GPUs share NVLink/NVSwitch, each reaching
     ``intra_Bps`` bus bandwidth (bytes/s, one direction); each node has ``nics_per_node``
     NICs of ``nic_Bps`` bytes/s each. A world larger than one node must be a multiple of
-    ``gpus_per_node``."""
+    ``gpus_per_node``. ``node_count``: the cluster's nodes (None: as many as a world needs);
+    a world must fit in them. ``intra_latency_s`` / ``nic_latency_s``: the time of one step
+    of NCCL's Simple ring over NVLink / the network (None: NCCL's own figures, Note [NCCL's
+    cost model]); NCCL's other protocols and its tree keep their ratios to it."""
 
     gpus_per_node: int
     intra_Bps: float
     nics_per_node: int
     nic_Bps: float
     name: str = ""
+    node_count: int | None = None
+    intra_latency_s: float | None = None
+    nic_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("gpus_per_node", "nics_per_node"):
@@ -95,11 +101,51 @@ class Topology:
                 raise ValueError(f"Topology: {field_name} must be an integer >= 1, got {value!r}")
         _positive("Topology", "intra_Bps (NVLink bandwidth)", self.intra_Bps)
         _positive("Topology", "nic_Bps (NIC bandwidth)", self.nic_Bps)
+        count = self.node_count
+        if count is not None and not (isinstance(count, int) and count >= 1):
+            raise ValueError(f"Topology: node_count must be an integer >= 1 or None, got {count!r}")
+        for field_name in ("intra_latency_s", "nic_latency_s"):
+            value = getattr(self, field_name)
+            if value is not None:
+                _positive("Topology", field_name, value)
+
+    @property
+    def capacity(self) -> int | None:
+        """GPUs in the cluster (None: unbounded)."""
+        return None if self.node_count is None else self.node_count * self.gpus_per_node
+
+    def latency_scale(self, hop: str) -> float:
+        """What this topology's latency of ``hop`` ("nvlink" or "net") multiplies NCCL's
+        per-step latencies of that hop by (1: NCCL's own)."""
+        given = self.intra_latency_s if hop == "nvlink" else self.nic_latency_s
+        return 1.0 if given is None else given / (_HW_LAT_US[(hop, "ring")][2] * 1e-6)
+
+    def describe(self) -> str:
+        """One line: nodes, GPUs and links."""
+        nodes = f"{self.node_count} nodes of " if self.node_count is not None else ""
+        latency = [
+            f"{what} {value * 1e6:g} us/step"
+            for what, value in (("NVLink", self.intra_latency_s), ("network", self.nic_latency_s))
+            if value is not None
+        ]
+        return (
+            f"{nodes}{self.gpus_per_node} GPUs/node at {self.intra_Bps / 1e9:g} GB/s, "
+            f"{self.nics_per_node} x {self.nic_Bps * 8 / 1e9:g} Gb/s NICs"
+            + "".join(f", {text}" for text in latency)
+        )
 
     def nodes(self, world_size: int) -> int:
-        """Nodes a world of ``world_size`` ranks fills; ValueError if it does not divide."""
+        """Nodes a world of ``world_size`` ranks fills; ValueError if it does not divide, or
+        does not fit in ``node_count`` nodes."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        capacity = self.capacity
+        if capacity is not None and world_size > capacity:
+            raise ValueError(
+                f"Topology {self.name or ''}: world_size {world_size} does not fit in its "
+                f"{self.node_count} nodes of {self.gpus_per_node} GPUs ({capacity}); use at "
+                f"most {capacity} ranks, or a topology with more nodes"
+            )
         if world_size <= self.gpus_per_node:
             return 1
         if world_size % self.gpus_per_node:
@@ -161,8 +207,8 @@ class NcclModel:
             t = self.topology
             bus = t.intra_Bps if nodes == 1 else min(t.nic_Bps, t.intra_Bps)
             hop = "nvlink" if nodes == 1 else "net"
-            return ("p2p", "Simple", self.launch_s + 1e-6 * _HW_LAT_US[(hop, "ring")][2] +
-                    nbytes / bus)  # fmt: skip
+            step = 1e-6 * _HW_LAT_US[(hop, "ring")][2] * t.latency_scale(hop)
+            return ("p2p", "Simple", self.launch_s + step + nbytes / bus)
         algorithms = ("ring", "tree") if self.algorithm == "auto" else (self.algorithm,)
         if kind != "allreduce":
             algorithms = ("ring",)  # NCCL's tree serves allreduce only
@@ -196,8 +242,8 @@ class NcclModel:
 
     def _time(self, kind: str, nbytes: int, n: int, nodes: int, algorithm: str, p: int) -> float:
         bus = self.topology.bus_Bps(n)
-        intra = _HW_LAT_US[("nvlink", algorithm)][p]
-        inter = _HW_LAT_US[("net", algorithm)][p]
+        intra = _HW_LAT_US[("nvlink", algorithm)][p] * self.topology.latency_scale("nvlink")
+        inter = _HW_LAT_US[("net", algorithm)][p] * self.topology.latency_scale("net")
         latency = _BASE_LAT_US[algorithm][p]
         if algorithm == "ring":
             bus *= (0.5, 0.92, 1.0)[p]
@@ -230,8 +276,7 @@ class NcclModel:
         t = self.topology
         label = f"{self.name}: " if self.name else ""
         return (
-            f"{label}NCCL {self.algorithm}, {t.gpus_per_node} GPUs/node at "
-            f"{t.intra_Bps / 1e9:g} GB/s, {t.nics_per_node} x {t.nic_Bps * 8 / 1e9:g} Gb/s NICs"
+            f"{label}NCCL {self.algorithm}, {t.describe()}"
             + (f", compute slowed {self.compute_slowdown:.3g} in flight" if
                self.compute_slowdown else "")
         )  # fmt: skip
@@ -289,8 +334,7 @@ class GlooModel:
         label = f"{self.name}: " if self.name else ""
         return (
             f"{label}gloo ring over TCP at {self.tcp_Bps / 1e9:g} GB/s, "
-            f"{self.latency_s * 1e6:g} us/step, {self.call_s * 1e6:g} us/call, "
-            f"{t.gpus_per_node} GPUs/node, {t.nics_per_node} x {t.nic_Bps * 8 / 1e9:g} Gb/s NICs"
+            f"{self.latency_s * 1e6:g} us/step, {self.call_s * 1e6:g} us/call, {t.describe()}"
         )
 
 
@@ -317,13 +361,28 @@ _GBIT = 1e9 / 8
 DGX1_V100 = Topology(8, 100 * _GB, 4, 100 * _GBIT, "dgx1-v100")
 # The same GPUs with one 100 Gb/s NIC per node.
 V100_1NIC = Topology(8, 100 * _GB, 1, 100 * _GBIT, "8xv100-1x100g")
+# DGX A100: 8 A100 through NVSwitch, NVLink3 600 GB/s bidirectional per GPU, so 300 GB/s per
+# direction (NVIDIA A100 Tensor Core GPU datasheet); 8 x single-port ConnectX-6 200 Gb/s HDR
+# InfiniBand for the compute fabric, one per GPU (NVIDIA DGX A100 User Guide, "Network
+# Ports"; DGX A100 datasheet).
+DGX_A100 = Topology(8, 300 * _GB, 8, 200 * _GBIT, "dgx-a100")
 # DGX H100 / H200: NVLink4 through NVSwitch, 900 GB/s bidirectional per GPU, so 450 GB/s per
-# direction (NVIDIA H100 and H200 datasheets); 8 x ConnectX-7 400 Gb/s InfiniBand NDR per node,
-# one per GPU (NVIDIA DGX H100 user guide).
+# direction (NVIDIA H100 and H200 Tensor Core GPU datasheets); eight single-port ConnectX-7 of
+# 400 Gb/s InfiniBand per node for the compute fabric, one per GPU (NVIDIA DGX H100 User
+# Guide, "Network Modules"; NVIDIA DGX BasePOD reference architecture, "Core Components":
+# "eight single-port NVIDIA ConnectX-7 VPI ... up to 400 Gb/s", for DGX H100 and DGX H200).
 DGX_H100 = Topology(8, 450 * _GB, 8, 400 * _GBIT, "dgx-h100")
+DGX_H200 = Topology(8, 450 * _GB, 8, 400 * _GBIT, "dgx-h200")
+# H100 nodes (HGX H100 8-GPU: the same NVLink4 as DGX H100) with eight NICs of 200 Gb/s, one
+# per GPU: a configuration, not a named product (ConnectX-7 runs at 200 Gb/s as well as 400:
+# NVIDIA ConnectX-7 datasheet), for clusters whose fabric is HDR / 200 GbE.
+H100_8X200G = Topology(8, 450 * _GB, 8, 200 * _GBIT, "8xh100-8x200g")
 
-# See Note [Communication slowing compute]: 8 NCCL channels (assumed) of the GPU's SMs.
+# See Note [Communication slowing compute]: 8 NCCL channels (assumed) of the GPU's SMs: the
+# V100 has 80 (V100 whitepaper), the A100 108 (A100 whitepaper), the H100 SXM5 and the H200
+# 132 (H100 whitepaper; the H200 is the same GH100 die).
 V100_NCCL_SLOWDOWN = 8 / 80
+A100_NCCL_SLOWDOWN = 8 / 108
 H100_NCCL_SLOWDOWN = 8 / 132
 
 CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
@@ -332,9 +391,10 @@ CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
     # re-checked against the paper's text here): 4 servers of 8 V100 on NVLink, each with one
     # Mellanox ConnectX-4 100 Gb/s NIC.
     "nccl-v100-1nic": NcclModel(V100_1NIC, "auto", 0.0, "nccl-v100-1nic", V100_NCCL_SLOWDOWN),
+    "nccl-dgx-a100": NcclModel(DGX_A100, "auto", 0.0, "nccl-dgx-a100", A100_NCCL_SLOWDOWN),
     "nccl-dgx-h100": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h100", H100_NCCL_SLOWDOWN),
-    # The same fabric and SMs as the H100.
-    "nccl-dgx-h200": NcclModel(DGX_H100, "auto", 0.0, "nccl-dgx-h200", H100_NCCL_SLOWDOWN),
+    "nccl-dgx-h200": NcclModel(DGX_H200, "auto", 0.0, "nccl-dgx-h200", H100_NCCL_SLOWDOWN),
+    "nccl-h100-8x200g": NcclModel(H100_8X200G, "auto", 0.0, "nccl-h100-8x200g", H100_NCCL_SLOWDOWN),
     # gloo between DGX-1 nodes: TCP over the 100 Gb/s NICs. One TCP connection moves about
     # 2.5 GB/s (20 Gb/s) and a step costs about 25 us, typical of kernel TCP on 100 GbE (an
     # assumption, not a measurement of that cluster); call_s 100 us: gloo's per-call setup
@@ -342,4 +402,16 @@ CLUSTER_PRESETS: dict[str, NcclModel | GlooModel] = {
     "gloo-dgx1-v100": GlooModel(DGX1_V100, 25e-6, 2.5 * _GB, 100e-6, 12 * _GB, "gloo-dgx1-v100"),
 }
 """Named clusters: NCCL on DGX-1 V100 (4 x 100 Gb/s IB), on 8 x V100 with one 100 Gb/s NIC,
-on DGX H100/H200 (8 x 400 Gb/s IB); gloo over TCP on DGX-1 V100."""
+on DGX A100 (8 x 200 Gb/s IB), on DGX H100 and DGX H200 (8 x 400 Gb/s IB), on H100 nodes with
+8 x 200 Gb/s NICs; gloo over TCP on DGX-1 V100."""
+
+CLUSTER_DESCRIPTIONS: dict[str, str] = {
+    "nccl-dgx1-v100": "NCCL, DGX-1: 8 x V100 (NVLink2), 4 x 100 Gb/s InfiniBand per node",
+    "nccl-v100-1nic": "NCCL, 8 x V100 (NVLink2) per node, one 100 Gb/s NIC (the DDP paper's)",
+    "nccl-dgx-a100": "NCCL, DGX A100: 8 x A100 (NVLink3), 8 x 200 Gb/s InfiniBand per node",
+    "nccl-dgx-h100": "NCCL, DGX H100: 8 x H100 (NVLink4), 8 x 400 Gb/s InfiniBand per node",
+    "nccl-dgx-h200": "NCCL, DGX H200: 8 x H200 (NVLink4), 8 x 400 Gb/s InfiniBand per node",
+    "nccl-h100-8x200g": "NCCL, 8 x H100 (NVLink4) per node, 8 x 200 Gb/s NICs per node",
+    "gloo-dgx1-v100": "gloo over TCP between DGX-1 V100 nodes (100 Gb/s NICs)",
+}
+"""One line per cluster preset, for listings (``--help``)."""

@@ -202,7 +202,8 @@ def parse_network(spec: str) -> NetworkModel | None:
     """A network model from a preset name or a spec; None for ``"none"`` (memory speed).
 
     Presets: :data:`NETWORK_PRESETS` (one link) and ``fakepg.CLUSTER_PRESETS`` (NCCL or gloo
-    on real machines).
+    on real machines). A path ending in ``.toml`` or ``.json`` is a cluster file
+    (:mod:`fakepg.clusterfile`: nodes, GPUs per node, links, NICs, the collective library).
 
     A spec is ``latency=25us,bandwidth=10gbit[,algorithm=ring|tree]`` (latency in s, ms, us
     or ns; bandwidth per second in b, kb, mb, gb (bytes) or bit, kbit, mbit, gbit, decimal
@@ -210,6 +211,10 @@ def parse_network(spec: str) -> NetworkModel | None:
     """
     from .clusternet import CLUSTER_PRESETS  # below this module: it imports nothing of it
 
+    if spec.strip().endswith((".toml", ".json")):
+        from .clusterfile import load_cluster
+
+        return load_cluster(spec.strip())
     text = spec.strip().lower()
     if text in ("", "none"):
         return None
@@ -220,8 +225,9 @@ def parse_network(spec: str) -> NetworkModel | None:
     if "=" not in text:
         raise ValueError(
             f"unknown network {spec!r}: use none, a preset "
-            f"({', '.join([*NETWORK_PRESETS, *CLUSTER_PRESETS])}), or "
-            "a spec such as 'latency=25us,bandwidth=10gbit,algorithm=ring' or 'fixed=5ms'"
+            f"({', '.join([*NETWORK_PRESETS, *CLUSTER_PRESETS])}), a spec such as "
+            "'latency=25us,bandwidth=10gbit,algorithm=ring' or 'fixed=5ms', or a cluster file "
+            "(a path ending in .toml or .json)"
         )
     fields: dict[str, str] = {}
     for item in text.split(","):

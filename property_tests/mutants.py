@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+import fakepg.clusterfile
 import fakepg.collectives
 import fakepg.rng
 import fakepg.schedule
@@ -56,6 +57,7 @@ import reducer.ddp._wrapper
 import reducer.graph
 import reducer.hooks._default
 import reducer.reducer
+import reducer.testing._arguments
 import reducer.testing._judge
 import reducer.testing._run
 import reducer.testing.algorithms
@@ -1216,6 +1218,45 @@ def _same_within_tolerance(got: Tensor, want: Tensor) -> bool:
     return _same(got, want)
 
 
+def _finite_scale_unchecked(value: object, argument: str) -> float:
+    """A loss scale taken as given: inf and NaN accepted, every gradient of that rank then
+    inf or NaN, and the check failing for no fault of the wrapper."""
+    return float(value)  # type: ignore[arg-type]
+
+
+def _model_built_once(make_model: Callable[[], torch.nn.Module], argument: str) -> Any:
+    """The model factory called once, not checked for determinism: an unseeded factory
+    reaches the ranks and shows as a gradient mismatch blamed on the wrapper."""
+    return make_model()
+
+
+def _read_quantity_case_blind(value: object, units: dict[str, tuple[float, float]]) -> Any:
+    """A cluster file's unit read whatever its case: "GB/s" and "Gb/s" alike (bits, the
+    table's last spelling), a NIC of 50 GB/s read as 50 Gb/s."""
+    clusterfile = fakepg.clusterfile
+    if not isinstance(value, str) or units is not clusterfile._RATES:
+        return _real_read_quantity(value, units)
+    blind = {unit.lower(): factor for unit, factor in units.items()}
+    text = value.strip()
+    for suffix in ("/s", "ps"):
+        if text.endswith(suffix) and text[: -len(suffix)].rstrip()[-1:].isalpha():
+            text = text[: -len(suffix)]
+            break
+    match = clusterfile._QUANTITY.match(text)
+    if match is None:
+        return None
+    unit = match.group(2).lower()
+    if not unit:
+        return float(match.group(1))
+    if unit not in blind:
+        return None
+    multiplier, divisor = blind[unit]
+    return float(match.group(1)) * multiplier / divisor
+
+
+_real_read_quantity = fakepg.clusterfile._read_quantity
+
+
 def _powers_of_two_ranks(max_size: int) -> Any:
     """The training scenarios draw 1, 2 or 4 ranks, never 3: a rounding that differs only
     where W is not a power of two is never exercised."""
@@ -1725,6 +1766,21 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         "scenarios never draw three ranks",
         "harness",
         _in("reducer.testing.strategies", "_ranks", _powers_of_two_ranks),
+    ),
+    (
+        "non-finite loss scale accepted",
+        "harness",
+        _in("reducer.testing._arguments", "finite_scale", _finite_scale_unchecked),
+    ),
+    (
+        "model factory not checked for determinism",
+        "harness",
+        _in("reducer.testing._arguments", "deterministic_model", _model_built_once),
+    ),
+    (
+        "cluster file units read case-blind",
+        "tools",
+        _in("fakepg.clusterfile", "_read_quantity", _read_quantity_case_blind),
     ),
     # Teardown and errors.
     ("hooks left after close", "teardown", _reducer_class(KeepHooksAfterClose)),

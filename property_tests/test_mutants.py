@@ -43,6 +43,7 @@ from .test_check_strictness import (
     check_one_ulp_is_caught,
     strictness_scenarios,
 )
+from .test_cluster_files import check_rate_spelling, rate_spellings
 from .test_ddp_buckets import BucketScenario, bucket_scenarios, check_buckets
 from .test_ddp_properties import DDPScenario, check_ddp, ddp_scenarios
 from .test_errors import (
@@ -55,6 +56,7 @@ from .test_errors import (
 )
 from .test_launch_preimport import _PREFIX as _PROBE
 from .test_launch_preimport import check_preimport, scripts
+from .test_misuse import ANY_FLOAT, check_loss_scales, check_model_factory, model_factories
 from .test_multi_iteration import TrainingMachine
 from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
 from .test_torch_comm_hooks import (
@@ -771,6 +773,16 @@ CASES: dict[str, Case] = {
         lambda s: s.world_size == 1 and s.static is not None,
     ),
     "refused arguments accepted silently": Case(refused_options(), check_refused),
+    # One non-finite scale, one factory: the smallest misuse that shows each.
+    "non-finite loss scale accepted": Case(
+        st.fixed_dictionaries({"scales": st.lists(ANY_FLOAT, min_size=1, max_size=4)}),
+        check_loss_scales,
+        lambda case: len(case["scales"]) == 1,
+    ),
+    "model factory not checked for determinism": Case(
+        model_factories(), check_model_factory, lambda case: case["ranks"] == 1
+    ),
+    "cluster file units read case-blind": Case(rate_spellings(), check_rate_spelling),
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
         strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1

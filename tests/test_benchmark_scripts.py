@@ -50,6 +50,21 @@ def test_published_figures_prints_predicted_beside_published() -> None:
     rows = [line for line in out.splitlines() if line.startswith("|") and "DDP" in line]
     assert len(rows) == 2, out  # no DDP at 1 GPU; DDP at 16
     assert rows[1].split("|")[3].strip() == "104", out  # the README's 16-GPU row
+    # A verdict per published figure compared: the step without a wrapper, at 16 GPUs with
+    # the default cap and with cap 1, and cap 1's slow-down; each reproduced or not, by how much.
+    verdicts = [line.split("|")[1:-1] for line in out.splitlines() if "reproduced |" in line]
+    assert [cells[0].strip() for cells in verdicts] == [
+        "torch README: step without a wrapper",
+        "torch README: step at 16 GPUs",
+        "torch README: step at 16 GPUs, cap 1",
+        "torch README: cap 1 slower at 16 GPUs",
+    ], out
+    for cells in verdicts:
+        published, predicted, tolerance, said, off = (c.strip() for c in cells[1:])
+        assert published and predicted and tolerance, cells
+        assert said in ("reproduced", "NOT reproduced") and off[0] in "+-", cells
+    done = sum(cells[4].strip() == "reproduced" for cells in verdicts)
+    assert f"{done} of 4 published figures reproduced within their tolerance" in out
 
 
 def test_fakepg_collectives_time_every_way() -> None:

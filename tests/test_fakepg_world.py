@@ -165,8 +165,8 @@ def test_the_api_is_exactly_what_init_exports() -> None:
     # its modules' asserts and leaves "@py_builtins" and "@pytest_ar" in their namespaces.
     public = {name for name in dir(fakepg) if not name.startswith("_") and name.isidentifier()}
     modules = {
-        "clusternet", "collectives", "completion", "executor", "faults", "group", "netmodel", "rng",
-        "schedule", "streams",
+        "clusterfile", "clusternet", "collectives", "completion", "executor", "faults", "group",
+        "netmodel", "rng", "schedule", "streams",
         "torch_backend", "work", "world", "annotations",
     }  # fmt: skip
     assert set(fakepg.__all__) == public - modules

@@ -78,7 +78,25 @@ def check_config(config: object) -> MixedPrecisionConfig:
                 "real floating-point dtype; gradients, parameters and buffers are cast to it. "
                 f"Pass {field}=torch.float16, torch.bfloat16 or torch.float32 (or None)"
             )
+        if value is not None and value not in _ARITHMETIC_DTYPES:
+            raise InvalidArgument(
+                f"DistributedDataParallel: mixed_precision.{field} is {value}, a storage-only "
+                "floating-point dtype: torch has no addition or division in it (float8 and "
+                f"float4 types hold values for scaled kernels), so {_USE[field]} cannot "
+                f"happen in it. Pass {field}=torch.bfloat16, torch.float16 or torch.float32 "
+                "(or None)"
+            )
     return config  # type: ignore[return-value]
+
+
+# The floating-point dtypes torch computes in (sums, divides, matmuls): the others (float8,
+# float4) are storage formats that only scaled kernels read.
+_ARITHMETIC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_USE = {
+    "param_dtype": "forward and backward",
+    "reduce_dtype": "the gradients' reduction (a sum over the ranks, then a division)",
+    "buffer_dtype": "the buffers' updates",
+}
 
 
 @dataclass(slots=True)

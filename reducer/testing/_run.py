@@ -24,6 +24,7 @@ from torch import Tensor, nn
 import fakepg
 import reducer
 
+from . import _arguments
 from .scenario import Batch, TrainingScenario
 
 __all__: list[str] = []
@@ -236,11 +237,14 @@ def play(
         try:
             if s.ignored:
                 _ignore(model, s.ignored)
-            wrapper = make_wrapper(model, pg, **s.options)
+            wrapper = _arguments.built_wrapper(make_wrapper(model, pg, **s.options), make_wrapper)
+            if shards:
+                _arguments.sharded_wrapper(wrapper, model)
             if setup is not None:
                 setup(wrapper, pg, trace)
             params = list(model.parameters())
             opt = optimizer(params) if optimizer is not None else SGD(params, s.lr)
+            _arguments.built_optimizer(opt, "check_data_parallel: the optimizer= factory")
             held = [params]  # the parameters now (a reload replaces them)
             _record_steps(opt, trace, lambda: held[0], take)
             if s.rank_seeds is not None:
@@ -396,7 +400,12 @@ def _watched(
             trace.buckets.append([])
         members = [index.get(id(p), -1) for p in bucket.parameters()]
         trace.buckets[step].append(members)
-        inner = hook(state, bucket)
+        returned: object = hook(state, bucket)
+        if not isinstance(returned, torch.futures.Future):
+            # Not a future (a tensor, None): handed on as it is, so that the wrapper refuses it
+            # with its own message, which names the hook and what it must return.
+            return returned  # type: ignore[return-value]
+        inner: torch.futures.Future[Tensor] = returned
         outer: torch.futures.Future[Tensor] = torch.futures.Future()
         lock = threading.Lock()  # one completion of outer: the relay or the timer
 

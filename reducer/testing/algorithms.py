@@ -40,6 +40,8 @@ from torch import Tensor
 
 from reducer._averages import ROUNDINGS, Rounding, average
 
+from . import _arguments
+
 __all__ = [
     "Candidates",
     "Reference",
@@ -256,6 +258,7 @@ def ddp_average(
     ``allreduce_hook``, bucket views; "sum_then_divide": FSDP2, a hook dividing the sum);
     None (the default) accepts any of them. ``average(column, world_size)``: your own
     instead. ``optimizer``: see :class:`Reference`."""
+    _arguments.plain_optimizer_factory(optimizer, "ddp_average", "optimizer", optional=True)
     return _GroupAverage(scaling=scaling, average=average, optimizer=optimizer)
 
 
@@ -296,6 +299,7 @@ def fsdp2_shards(
     that lands on the wrong rank, or rows shifted between shards, fail on the rank and rows
     where they land, with no gather that could hide them. ``optimizer``: the plain optimizer
     stepped on the whole parameters (an element-wise one gives the same bits on shards)."""
+    _arguments.plain_optimizer_factory(optimizer, "fsdp2_shards", "optimizer", optional=True)
     return _Sharded(scaling=scaling, average=average, optimizer=optimizer)
 
 
@@ -303,7 +307,9 @@ def zero_redundancy(optimizer: OptimizerFactory, *, scaling: Rounding | None = N
     """torch's ``ZeroRedundancyOptimizer`` (ZeRO-1/2: optimizer state sharded, parameters
     replicated) over DDP: the gradients are DDP's average, and after the step every rank
     holds what ``optimizer`` (the plain optimizer the sharded one wraps, e.g.
-    ``lambda ps: torch.optim.Adam(ps, lr=0.01)``) gives on every parameter."""
+    ``lambda ps: torch.optim.Adam(ps, lr=0.01)``) gives on every parameter; torch's
+    ``ZeroRedundancyOptimizer`` factory itself goes to the check's ``optimizer=``."""
+    _arguments.plain_optimizer_factory(optimizer, "zero_redundancy", "optimizer", optional=False)
     return _GroupAverage(scaling=scaling, optimizer=optimizer)
 
 
@@ -398,6 +404,12 @@ def periodic_averaging(
     gradient); after the optimizer step of step k >= ``warmup_steps`` with
     ``(k - warmup_steps) % period == 0``, parameters averaged within groups of
     ``group_size`` consecutive ranks (None: every rank), as ``PeriodicModelAverager`` does."""
+    _arguments.count(period, "periodic_averaging: period", minimum=1)
+    _arguments.count(warmup_steps, "periodic_averaging: warmup_steps", minimum=0)
+    _arguments.count(gradient_group_size, "periodic_averaging: gradient_group_size", minimum=1)
+    if group_size is not None:
+        _arguments.count(group_size, "periodic_averaging: group_size", minimum=1)
+    _arguments.plain_optimizer_factory(optimizer, "periodic_averaging", "optimizer", optional=True)
     return _Periodic(
         period,
         group_size,
@@ -441,6 +453,14 @@ def hierarchical_averaging(
     optimizer step of step k >= ``warmup_steps``, parameters averaged within groups of
     consecutive ranks of the size the largest period dividing k maps to. Gradients: see
     :func:`periodic_averaging`."""
+    period_group_sizes = _arguments.period_group_sizes(
+        period_group_sizes, "hierarchical_averaging: period_group_sizes"
+    )
+    _arguments.count(warmup_steps, "hierarchical_averaging: warmup_steps", minimum=0)
+    _arguments.count(gradient_group_size, "hierarchical_averaging: gradient_group_size", minimum=1)
+    _arguments.plain_optimizer_factory(
+        optimizer, "hierarchical_averaging", "optimizer", optional=True
+    )
     return _Hierarchical(
         period_group_sizes,
         warmup_steps=warmup_steps,

@@ -43,7 +43,9 @@ from torch import Tensor, nn
 import fakepg
 import reducer
 from reducer._averages import Rounding
+from reducer.errors import InvalidArgumentType
 
+from . import _arguments
 from ._judge import Bounds, CheckReport, judge
 from ._run import OptimizerFactory, RankTrace, TrainStep, WrapperFactory, play
 from .algorithms import Average, Reference, ddp_average
@@ -106,6 +108,7 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 def torch_ddp(**options: Any) -> WrapperFactory:
     """torch's ``DistributedDataParallel`` over torch's default group (on the fake world)."""
+    _arguments.mixed_precision_option(options, "torch_ddp")
 
     def make(module: nn.Module, pg: reducer.ProcessGroup, **more: Any) -> nn.Module:
         return nn.parallel.DistributedDataParallel(module, **{**options, **more})
@@ -115,6 +118,7 @@ def torch_ddp(**options: Any) -> WrapperFactory:
 
 def reducer_ddp(**options: Any) -> WrapperFactory:
     """This project's ``reducer.DistributedDataParallel`` over the rank's fake group."""
+    _arguments.mixed_precision_option(options, "reducer_ddp")
 
     def make(module: nn.Module, pg: reducer.ProcessGroup, **more: Any) -> nn.Module:
         return reducer.DistributedDataParallel(module, pg, **{**options, **more})
@@ -151,6 +155,71 @@ def _reference_for(
             )
         return reference
     return ddp_average(scaling=scaling, average=average)
+
+
+def _preflight(
+    owner: str,
+    make_wrapper: object,
+    scenario: object,
+    reference: object,
+    *,
+    optimizer: object = None,
+    train_step: object = None,
+    after_backward: object = None,
+) -> None:
+    """A check's arguments, before any rank starts (see :mod:`reducer.testing._arguments`):
+    their kinds, the model factory's determinism, and the optimizer the reference will build
+    on the calling thread."""
+    if not isinstance(scenario, TrainingScenario):
+        drawn = hasattr(scenario, "example") and hasattr(scenario, "map")  # a strategy
+        raise InvalidArgumentType(
+            f"{owner}: scenario is {_arguments.describe(scenario)}; expected a "
+            "TrainingScenario"
+            + (": draw one with @given(training_scenarios(...)) and pass it" if drawn else "")
+        )
+    for maker in (torch_ddp, reducer_ddp, fsdp2):
+        if make_wrapper is maker:
+            raise InvalidArgumentType(
+                f"{owner}: make_wrapper is the function {maker.__name__} itself; expected the "
+                f"wrapper factory it returns: call it, {maker.__name__}() (with the wrapper's "
+                f"options, e.g. {maker.__name__}(bucket_cap_mb=1))"
+            )
+    _arguments.factory(
+        make_wrapper,
+        owner,
+        "make_wrapper",
+        makes="the wrapper of a rank's module (make_wrapper(module, pg, **options))",
+        example="torch_ddp() (or your own: lambda module, pg, **options: MyDDP(module, pg))",
+        optional=False,
+    )
+    if not isinstance(reference, Reference):
+        raise InvalidArgumentType(
+            f"{owner}: reference= is {_arguments.describe(reference)}; expected a Reference, "
+            "as the functions of reducer.testing.algorithms return them: call it, e.g. "
+            "reference=ddp_average() or reference=zero_redundancy(lambda params: "
+            "torch.optim.Adam(params, lr=0.01))"
+        )
+    _arguments.optimizer_factory(optimizer, owner, "optimizer")
+    for name, value, signature in (
+        ("train_step", train_step, "train_step(model, optimizer, batch, step)"),
+        ("after_backward", after_backward, "after_backward(model)"),
+    ):
+        if value is not None and not callable(value):
+            raise InvalidArgumentType(
+                f"{owner}: {name}= is {_arguments.describe(value)}; expected a function {signature}"
+            )
+    _arguments.mixed_precision_option(scenario.options, f"{owner}: scenario.options")
+    model = _arguments.deterministic_model(scenario.make_model, "TrainingScenario: make_model")
+    plain: Any = reference.optimizer or optimizer
+    if plain is not None:
+        argument = (
+            "the reference's optimizer factory (the one given to zero_redundancy, "
+            "ddp_average or another reference)"
+            if reference.optimizer is not None
+            else f"{owner}: optimizer= (the reference, given no optimizer of its own, builds "
+            "this one for its plain models too)"
+        )
+        _arguments.reference_optimizer(plain, list(model.parameters()), argument)
 
 
 @reports_schedule
@@ -196,6 +265,15 @@ def check_data_parallel(
     """
     s = scenario
     ref = _reference_for(reference, scaling, average)
+    _preflight(
+        "check_data_parallel",
+        make_wrapper,
+        s,
+        ref,
+        optimizer=optimizer,
+        train_step=train_step,
+        after_backward=after_backward,
+    )
     if s.reload_after is not None and (optimizer is not None or train_step is not None):
         raise ValueError(
             "check_data_parallel: reload_after re-creates the default optimizer after the "
@@ -267,13 +345,16 @@ def check_comm_hook(
     within ``timeout`` seconds fails, naming the rank, step and bucket. ``schedule``: as in
     :func:`check_data_parallel`.
     """
+    _arguments.hook(hook, state)
+    wrapper = make_wrapper if make_wrapper is not None else torch_ddp()
+    reference = _reference_for(None, scaling, average)
+    _preflight("check_comm_hook", wrapper, scenario, reference)
     if scenario.reload_after is not None:
         raise ValueError(
             "check_comm_hook: a reloaded wrapper has no comm hook (torch's pickling drops the "
             "reducer that holds it); draw the scenario without reload_after"
         )
     s = replace(scenario, lr=0.0)
-    wrapper = make_wrapper if make_wrapper is not None else torch_ddp()
 
     def setup(module: nn.Module, pg: reducer.ProcessGroup, trace: RankTrace) -> None:
         # Watched by play: its future fails after the timeout, its buckets are recorded.
@@ -294,7 +375,7 @@ def check_comm_hook(
     return judge(
         s,
         runs,
-        _reference_for(None, scaling, average),
+        reference,
         optimizer=None,
         broadcast_buffers=True,
         check_strides=False,

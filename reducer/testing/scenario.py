@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _arguments
+
 __all__ = ["SYNC_MODES", "Batch", "TrainingScenario", "sum_of_squares"]
 
 # How a micro-batch's backward is told (not) to reduce: "sync" reduces; "no_sync" runs its
@@ -87,6 +89,7 @@ class TrainingScenario:
     set_to_none: bool = True
 
     def __post_init__(self) -> None:
+        _arguments.scenario_inputs(self.inputs, micro_batches=self.micro_batches is not None)
         if not self.inputs or not self.inputs[0]:
             raise ValueError("TrainingScenario: inputs must hold at least one step of one rank")
         sizes = {len(step) for step in self.inputs}
@@ -124,6 +127,9 @@ class TrainingScenario:
                 f"TrainingScenario: loss_scales needs one scale per step ({len(self.inputs)}) "
                 f"and rank ({self.world_size}), got {self.loss_scales}"
             )
+        for k, per_rank in enumerate(self.loss_scales or ()):
+            for rank, scale in enumerate(per_rank):
+                _arguments.finite_scale(scale, f"TrainingScenario: loss_scales[{k}][{rank}]")
 
     def _check_micro_batches(self) -> None:
         if self.micro_batches is None:

@@ -50,7 +50,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import reducer
+from reducer.errors import InvalidArgument, InvalidArgumentType
 
+from . import _arguments
 from .checks import TrainingScenario, sum_of_squares
 from .harness import BACKWARDS, Scenario, active_branches, twice_refused_everywhere
 from .hooks import HOOK_NAMES
@@ -67,6 +69,7 @@ from .model import (
     sparse_flags,
     wide_width,
 )
+from .scenario import SYNC_MODES
 
 __all__ = [
     "GeneratedTraining",
@@ -651,8 +654,22 @@ def training_scenarios(
     Shrinks toward one rank, one step, one synced micro-batch, scale 1, nothing skipped,
     nothing ignored, no reload.
     """
-    world_size = draw(world_sizes if world_sizes is not None else _ranks(4))
-    count = draw(steps if steps is not None else st.integers(1, 3))
+    _check_training_arguments(
+        make_model, make_inputs, world_sizes, steps, optional_parts, bucket_caps, loss_scales,
+        micro_batches, sync_modes,
+    )  # fmt: skip
+    world_size = _arguments.drawn_count(
+        draw(world_sizes if world_sizes is not None else _ranks(4)),
+        "training_scenarios: world_sizes",
+        what="a number of ranks",
+        example="st.integers(1, 4)",
+    )
+    count = _arguments.drawn_count(
+        draw(steps if steps is not None else st.integers(1, 3)),
+        "training_scenarios: steps",
+        what="a number of steps",
+        example="st.integers(1, 3)",
+    )
     parts = tuple(range(optional_parts))
     lengths = [draw(st.integers(1, count)) if uneven else count for _ in range(world_size)]
     count = max(lengths)
@@ -690,14 +707,20 @@ def training_scenarios(
                     if clear_to_none and modes[-1] and m == _first_sync(modes[-1]):
                         skip -= _carried_parts(carried[rank], skips, parts)
                 skips.append(skip)
-                batches.append(tuple(make_inputs(torch.Generator().manual_seed(seed), skip)))
+                made = make_inputs(torch.Generator().manual_seed(seed), skip)
+                _arguments.forward_arguments(made, "training_scenarios: what make_inputs returned")
+                batches.append(tuple(made))
             if modes[-1]:
                 carried[rank] = _after_step(carried[rank], modes[-1], skips, parts)
             per_rank.append(tuple(batches) if micro_batches > 1 else batches[0])
         inputs.append(tuple(per_rank))
     scales = None
     if loss_scales is not None:
-        scales = tuple(tuple(draw(loss_scales) for _ in range(world_size)) for _ in range(count))
+        drawn = "training_scenarios: a scale drawn from loss_scales"
+        scales = tuple(
+            tuple(_arguments.finite_scale(draw(loss_scales), drawn) for _ in range(world_size))
+            for _ in range(count)
+        )
     chosen = dict(options or {})
     if bucket_caps is not None:
         chosen["bucket_cap_mb"] = draw(bucket_caps)
@@ -731,6 +754,44 @@ def training_scenarios(
         loss_scales=scales,
         set_to_none=clear_to_none,
     )
+
+
+def _check_training_arguments(
+    make_model: object,
+    make_inputs: object,
+    world_sizes: object,
+    steps: object,
+    optional_parts: object,
+    bucket_caps: object,
+    loss_scales: object,
+    micro_batches: object,
+    sync_modes: Sequence[str],
+) -> None:
+    """:func:`training_scenarios`' arguments, at its first draw (before any rank starts)."""
+    owner = "training_scenarios"
+    for name, value, signature in (
+        ("make_model", make_model, "make_model() -> nn.Module"),
+        ("make_inputs", make_inputs, "make_inputs(generator, skip) -> tuple of forward arguments"),
+    ):
+        if not callable(value) or isinstance(value, nn.Module):
+            raise InvalidArgumentType(
+                f"{owner}: {name} is {_arguments.describe(value)}; expected a function {signature}"
+            )
+    for name, value, example in (
+        ("world_sizes", world_sizes, "st.integers(1, 4)"),
+        ("steps", steps, "st.integers(1, 3)"),
+        ("bucket_caps", bucket_caps, "bucket_caps_mb()"),
+        ("loss_scales", loss_scales, "gradient_scales()"),
+    ):
+        _arguments.strategy(value, owner, name, example)
+    _arguments.count(optional_parts, f"{owner}: optional_parts", minimum=0)
+    _arguments.count(micro_batches, f"{owner}: micro_batches", minimum=1)
+    allowed = SYNC_MODES[1:]
+    if isinstance(sync_modes, str) or any(m not in allowed for m in sync_modes):
+        raise InvalidArgument(
+            f"{owner}: sync_modes is {sync_modes!r}; expected a sequence of the ways an "
+            f"unsynced micro-batch is told not to reduce: {', '.join(allowed)}"
+        )
 
 
 # Micro-batch modes that run backward through the wrapper's hooks without a reduction: DDP
@@ -806,7 +867,7 @@ def gradient_scales(
     gradients' magnitudes and special values, per rank and step. The default mixes 1, 0,
     2^-130 (denormals) and 2^14 (float16 sums that overflow); give your own to suit your
     model's gradients and the dtype your hook compresses to."""
-    return st.sampled_from(tuple(scales))
+    return st.sampled_from(_arguments.scales(scales, "gradient_scales: scales"))
 
 
 def bucket_caps_mb() -> st.SearchStrategy[float]:
@@ -922,6 +983,10 @@ def generated_training_scenarios(
     ``sync_modes``, ``sync_last_only``, ``loss_scales``, ``set_to_none``: see
     :func:`training_scenarios`. ``world_sizes`` draws the number of ranks (default: 1 to
     ``max_world_size``, three half the time: :func:`odd_heavy_world_sizes`)."""
+    _arguments.strategy(model, "generated_training_scenarios", "model", "model_specs()")
+    _arguments.count(max_world_size, "generated_training_scenarios: max_world_size", minimum=1)
+    _arguments.count(min_steps, "generated_training_scenarios: min_steps", minimum=1)
+    _arguments.count(max_steps, "generated_training_scenarios: max_steps", minimum=min_steps)
     spec = draw(model if model is not None else model_specs(allow_sparse=False))
     generated = GeneratedTraining(
         spec,

@@ -1,4 +1,4 @@
-"""The tools built on the reducer: ``python -m reducer simulate | validate | launch``.
+"""The tools built on the reducer: ``python -m reducer COMMAND`` (or ``ddp-reducer COMMAND``).
 
 Each is a module (or a small package) of its own, used through the command line
 (:mod:`reducer.tools.cli`) or imported by name:
@@ -11,6 +11,9 @@ Each is a module (or a small package) of its own, used through the command line
     check      the replica check at every optimizer step (launch's default; run_checked)
     whatif     the step-time prediction per bucket cap, from a profiled backward
     trace      Chrome / Perfetto timelines of what each rank did
+    shortcuts  the whatif, trace and check commands: simulate or launch with one thing settled
+    benchmarks the ``benchmark`` command: the repository's benchmark scripts, listed and run
+    catalog    what the tools know by name (models, presets, GPUs), listed in --help
     cli        the ``python -m reducer`` dispatcher
 
 Dependencies point one way: the tools import the core (``reducer``) and the fake world

@@ -55,11 +55,12 @@ from reducer.buckets import sparse_gradient_flags
 from reducer.comm_hook import CommHook
 from reducer.ddp import DistributedDataParallel
 from reducer.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from reducer.tools import catalog
 from reducer.tools.trace import Pass, RankStep, Span, write_chrome_trace
 from reducer.tools.whatif import BackwardProfile, best, sweep
 
 from . import models, predict_cmd, report, shapes, verify
-from .records import Config, SimulationResult
+from .records import DEFAULT_WORLD_SIZE, Config, SimulationResult
 
 __all__ = ["SimulationResult", "add_arguments", "main", "measure_profile", "run", "simulate"]
 
@@ -74,7 +75,13 @@ _LEARNING_RATE = 0.01
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--world-size", type=int, default=4, help="ranks, one thread each (default 4)")
+    add(
+        "--world-size",
+        type=int,
+        default=None,
+        help=f"ranks, one thread each (default {DEFAULT_WORLD_SIZE}; with a cluster file that "
+        "names its nodes, every GPU in it)",
+    )
     add(
         "--model",
         choices=[*models.MODELS, *shapes.SHAPE_MODELS],
@@ -125,9 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--network",
         default="none",
-        help="simulated link: none, a preset (" + ", ".join(fakepg.NETWORK_PRESETS) + "), or "
-        "'latency=25us,bandwidth=10gbit,algorithm=ring', or 'fixed=5ms' (default none: "
-        "memory speed)",
+        metavar="NETWORK",
+        help="simulated network: none (default: memory speed); a link preset ("
+        + ", ".join(fakepg.NETWORK_PRESETS)
+        + "); a cluster preset, NCCL or gloo on real machines (see below); a cluster file "
+        "(FILE.toml or FILE.json: nodes, GPUs per node, NVLink and NIC bandwidth and latency, "
+        "NICs per node; docs/howto/cli.md); or a spec, "
+        "'latency=25us,bandwidth=10gbit,algorithm=ring' or 'fixed=5ms'",
     )
     add("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
     add("--seed", type=int, default=0, help="seed for weights, batches and patterns (0)")
@@ -159,6 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-progress", action="store_true", help="no progress bar")
     predict_cmd.add_arguments(parser)
+    parser.epilog = catalog.simulate_epilog()
     # For tests: corrupt one reduced gradient (STEP:RANK:PARAM, PARAM an index or a name)
     # after the synced backward, so that the check must stop the run and name it.
     add("--corrupt-grad", default=None, help=argparse.SUPPRESS)
@@ -166,7 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m reducer simulate``, called in this process: the subcommand on its own."""
-    parser = argparse.ArgumentParser(prog="python -m reducer simulate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m reducer simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
@@ -176,6 +192,13 @@ def run(args: argparse.Namespace) -> int:
     2 on bad args."""
     if predict_cmd.wants_prediction(args):
         return predict_cmd.run(args)
+    if args.json is not None:
+        print(
+            "simulate: --json writes a prediction's assumptions and results: add --predict "
+            f"with a model by shape ({', '.join(shapes.SHAPE_MODELS)})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = Config.from_args(args)
     except ValueError as exc:

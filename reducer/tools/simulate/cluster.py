@@ -55,6 +55,7 @@ from .gpu import GpuSpec, OpClock
 from .profile import Profile
 
 __all__ = [
+    "PREDICTED_DTYPES",
     "ClusterPrediction",
     "CollectiveRecord",
     "Profile",
@@ -395,6 +396,7 @@ class ClusterConfig:
     shared_cores: bool = False  # see Note [The virtual clock]
     host_call_s: float = 0.0  # charged on shared cores only: see Note [The virtual clock]
     host_hook_s: float = 0.0  # the same, per gradient hook of DDP
+    seq_len: int | None = None  # tokens per sequence (None: the model's own)
 
     def check(self) -> None:
         if self.model not in shapes.SHAPE_MODELS:
@@ -417,12 +419,24 @@ class ClusterConfig:
         _check_host_call(self.host_hook_s, "host_hook_s", "gradient hook of DDP")
         if self.gpu is None and self.profile is None:
             raise ValueError("compute: give a GPU to estimate from or a measured profile")
+        if self.dtype not in PREDICTED_DTYPES.values():
+            raise ValueError(
+                f"dtype: {self.dtype} is not predicted; choose one of {', '.join(PREDICTED_DTYPES)}"
+            )
+        if self.seq_len is not None and self.profile is not None:
+            raise ValueError(
+                "--seq-len: a profile was measured at its own sequence length; predict from "
+                "it without --seq-len, or measure a profile at the length you want"
+            )
         topology = getattr(self.network, "topology", None)
         if topology is not None:
             topology.nodes(self.world_size)  # raises if the world does not fill whole nodes
 
 
 _STEPS = 3  # DDP rebuilds its buckets after the first step; the third is steady
+
+# The parameters' (and so the gradients' and buckets') dtypes a prediction takes.
+PREDICTED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def step_delay_s(lost_s: float, exposed_s: float, last_s: float) -> float:
@@ -447,7 +461,7 @@ def predict(config: ClusterConfig) -> ClusterPrediction:
         shared_cores=config.shared_cores,
         host_call_s=config.host_call_s,
     )
-    net = shapes.build(config.model).to(config.dtype)
+    net = shapes.build(config.model, seq_len=config.seq_len).to(config.dtype)
     named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
     profile = config.profile
     if profile is not None:

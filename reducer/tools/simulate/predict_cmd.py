@@ -2,7 +2,9 @@
 
 Reads the prediction's options from the simulate command line, runs
 :func:`reducer.tools.simulate.cluster.predict` once per bucket cap (``--bucket-cap-mb``, or
-each of ``--sweep-bucket-cap``), and prints one row per cap.
+each of ``--sweep-bucket-cap``), and prints what it assumed (batch, sequence length, dtype,
+optimizer, world, network, compute: every input the prediction did not measure, with the flag
+that changes it) and one row per cap. ``--json PATH`` (``-``: stdout) writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.console import Console
 from rich.table import Table
 
 import fakepg
 from reducer.tools.whatif import cap_label, cap_order, parse_caps
 
 from . import cluster, gpu, report, shapes
+from .records import world_size_of
 
 __all__: list[str] = []
 
@@ -90,6 +95,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="with --predict: deal buckets round robin to K process groups (default 1)",
     )
+    add(
+        "--dtype",
+        choices=list(cluster.PREDICTED_DTYPES),
+        default="float32",
+        help="with --predict: the parameters', gradients' and buckets' dtype (default float32)",
+    )
+    add(
+        "--seq-len",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with --predict: tokens per sequence of a transformer (default: the model's own, "
+        "128 for BERT, 1024 for GPT-2)",
+    )
+    add(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="with --predict: also write the assumptions and the predictions as JSON to PATH "
+        "('-': stdout, the table then going to stderr)",
+    )
 
 
 def wants_prediction(args: argparse.Namespace) -> bool:
@@ -103,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"simulate: {exc}", file=sys.stderr)
         return 2
-    console = report.console()
+    to_stdout = args.json == "-"
+    console = Console(stderr=True, highlight=False, width=120) if to_stdout else report.console()
     start = time.perf_counter()
     try:
         predictions = [cluster.predict(c) for c in configs]
@@ -117,8 +144,184 @@ def run(args: argparse.Namespace) -> int:
             notes.append(f"trace: {count} events of the first cap's step written to {args.trace}")
         except OSError as exc:
             notes.append(f"trace: could not write {args.trace}: {exc}")
-    _print(console, configs[0], predictions, notes, elapsed)
-    return 0
+    assumed = assumptions(configs[0], args)
+    wrote = True
+    if args.json is not None:
+        text = json.dumps(as_json(assumed, predictions, notes), indent=2)
+        if to_stdout:
+            print(text)
+        else:
+            try:
+                with open(args.json, "w") as out:
+                    out.write(text + "\n")
+                notes.append(f"json: written to {args.json}")
+            except OSError as exc:
+                notes.append(f"json: could not write {args.json}: {exc}")
+                wrote = False
+    _print(console, configs[0], predictions, notes, elapsed, assumed)
+    return 0 if wrote else 1
+
+
+# -------------------------------------------------------------------------------------------
+# What the prediction assumed.
+
+
+@dataclass(frozen=True, slots=True)
+class Assumption:
+    """One input of the prediction it did not measure: its name, value (as JSON holds it),
+    the words that show it, and the flag that changes it."""
+
+    key: str
+    value: Any
+    text: str
+    flag: str = ""
+    printed: bool = True  # False: the table's header already shows it
+
+
+def assumptions(config: cluster.ClusterConfig, args: argparse.Namespace) -> list[Assumption]:
+    """Every input of ``config``'s prediction that was assumed rather than measured."""
+    entry = shapes.SHAPE_MODELS[config.model]
+    net = shapes.build(config.model, seq_len=config.seq_len)
+    params = [p for p in net.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    batch = config.batch_size or (config.profile.batch_size if config.profile else entry.batch_size)
+    seq = getattr(net, "seq", None)
+    per_step = batch * config.no_sync_every * config.world_size
+    network = config.network
+    topology = getattr(network, "topology", None)
+    nodes = topology.nodes(config.world_size) if topology is not None else None
+    dtype = str(config.dtype).removeprefix("torch.")
+    gpu = config.gpu
+    compute = (
+        f"profile measured on {config.profile.device}"
+        if config.profile is not None
+        else f"ESTIMATE for {gpu.name} from each kernel's FLOPs and bytes"  # type: ignore[union-attr]
+    )
+    world = f"{config.world_size} ranks"
+    if topology is not None:
+        world += f": {nodes} node(s) of up to {topology.gpus_per_node} GPUs"
+    out = [
+        Assumption(
+            "model",
+            config.model,
+            f"{config.model}: {entry.summary}, {count:,} parameters in {len(params)} tensors",
+            "--model",
+        ),
+        Assumption(
+            "batch_size",
+            batch,
+            f"{batch} samples per rank per micro-batch; "
+            f"{per_step} per optimizer step over every rank",
+            "--batch-size",
+        ),
+        Assumption(
+            "seq_len",
+            seq,
+            f"{seq} tokens per sequence" if seq is not None else "none: images (224 x 224)",
+            "--seq-len" if seq is not None else "",
+        ),
+        Assumption("dtype", dtype, f"{dtype} parameters, gradients and buckets", "--dtype"),
+        Assumption(
+            "optimizer",
+            "SGD(momentum=0.9)",
+            "SGD with momentum 0.9, one step per optimizer step of the model's parameters",
+        ),
+        Assumption("loss", "cross_entropy", "cross-entropy"),
+        Assumption("world_size", config.world_size, world, "--world-size"),
+        Assumption("nodes", nodes, str(nodes), printed=False),
+        Assumption(
+            "network",
+            _network_json(network),
+            "none (memory speed)" if network is None else str(network),
+            "--network",
+            printed=False,
+        ),
+        Assumption("compute", _compute_json(config), compute, "--gpu, --profile", printed=False),
+        Assumption(
+            "overlap", config.overlap, "on" if config.overlap else "off", "--overlap", printed=False
+        ),
+        Assumption(
+            "no_sync_every",
+            config.no_sync_every,
+            f"{config.no_sync_every} micro-batch(es) per optimizer step, the last one synced",
+            "--no-sync-every",
+        ),
+        Assumption(
+            "process_groups",
+            config.process_groups,
+            str(config.process_groups),
+            "--process-groups",
+            printed=False,
+        ),
+        Assumption(
+            "step",
+            "third",
+            "the third step: steady, after DDP rebuilt its buckets in "
+            "gradient-ready order at the end of the first",
+        ),
+    ]
+    if config.shared_cores:
+        out.append(
+            Assumption(
+                "shared_cores",
+                {"host_call_us": args.host_call_us, "host_hook_us": args.host_hook_us},
+                "collectives on the cores that compute (gloo on CPU tensors)",
+                "--shared-cores",
+            )
+        )
+    return out
+
+
+def _network_json(network: object) -> Any:
+    if network is None:
+        return None
+    if isinstance(network, fakepg.NcclModel | fakepg.GlooModel):
+        return fakepg.cluster_to_dict(network)
+    fields = getattr(network, "__dataclass_fields__", {})
+    return {"model": type(network).__name__, "text": str(network),
+            **{k: getattr(network, k) for k in fields}}  # fmt: skip
+
+
+def _compute_json(config: cluster.ClusterConfig) -> dict[str, Any]:
+    if config.profile is not None:
+        return {"source": "profile", "device": config.profile.device}
+    spec = config.gpu
+    assert spec is not None  # checked: a GPU or a profile
+    return {
+        "source": "estimate",
+        "gpu": spec.name,
+        "datasheet": spec.source,
+        "compute_efficiency": spec.compute_efficiency,
+        "memory_efficiency": spec.memory_efficiency,
+        "kernel_us": spec.kernel_s * 1e6,
+    }
+
+
+def as_json(
+    assumed: list[Assumption], predictions: list[cluster.ClusterPrediction], notes: list[str]
+) -> dict[str, Any]:
+    """The prediction as JSON: what it assumed, one entry per bucket cap, the best cap."""
+    best = min(predictions, key=lambda p: (p.step_s, cap_order(p.bucket_cap_mb)))
+    return {
+        "assumptions": {a.key: a.value for a in assumed},
+        "predictions": [
+            {
+                "bucket_cap_mb": p.bucket_cap_mb,
+                "buckets": len(p.bucket_nbytes),
+                "bucket_bytes": list(p.bucket_nbytes),
+                "forward_ms": p.forward_s * 1e3,
+                "backward_ms": p.backward_s * 1e3,
+                "comm_ms": p.comm_s * 1e3,
+                "exposed_comm_ms": p.exposed_s * 1e3,
+                "slowed_by_comm_ms": p.slowed_s * 1e3,
+                "optimizer_ms": p.optimizer_s * 1e3,
+                "step_ms": p.step_s * 1e3,
+            }
+            for p in predictions
+        ],
+        "best": {"bucket_cap_mb": best.bucket_cap_mb, "step_ms": best.step_s * 1e3},
+        "notes": list(notes),
+    }
 
 
 def write_trace(path: str, prediction: cluster.ClusterPrediction) -> int:
@@ -163,7 +366,9 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
         )
     if args.process_groups < 1:
         raise ValueError(f"--process-groups must be >= 1, got {args.process_groups}")
-    if args.world_size < 1 or args.no_sync_every < 1:
+    network = fakepg.parse_network(args.network)
+    world_size = world_size_of(args, network)
+    if world_size < 1 or args.no_sync_every < 1:
         raise ValueError("--world-size and --no-sync-every must be >= 1")
     for flag, value, what in (
         ("--host-call-us", args.host_call_us, "one collective call"),
@@ -173,7 +378,6 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
             raise ValueError(
                 f"{flag} takes the host's cost of {what} in microseconds, >= 0, got {value!r}"
             )
-    network = fakepg.parse_network(args.network)
     notes = []
     where = "on the cores that compute" if args.shared_cores else (
         "not charged: without --shared-cores the host runs ahead of the GPU stream"
@@ -214,7 +418,7 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
     configs = [
         cluster.ClusterConfig(
             model=args.model,
-            world_size=args.world_size,
+            world_size=world_size,
             network=network,
             bucket_cap_mb=cap,
             overlap=args.overlap == "on",
@@ -227,6 +431,8 @@ def _configs(args: argparse.Namespace) -> tuple[list[cluster.ClusterConfig], lis
             shared_cores=args.shared_cores,
             host_call_s=args.host_call_us * 1e-6,
             host_hook_s=args.host_hook_us * 1e-6,
+            dtype=cluster.PREDICTED_DTYPES[args.dtype],
+            seq_len=args.seq_len,
         )
         for cap in caps
     ]
@@ -246,6 +452,7 @@ def _print(
     predictions: list[cluster.ClusterPrediction],
     notes: list[str],
     elapsed: float,
+    assumed: list[Assumption],
 ) -> None:
     network = "none (memory speed)" if config.network is None else str(config.network)
     console.print(
@@ -253,9 +460,15 @@ def _print(
         f"{'on' if config.overlap else 'off'}, no_sync every {config.no_sync_every}, "
         f"{config.process_groups} process group(s)"
     )
-    console.print(f"network: {network}")
+    console.print(f"network: {network}", markup=False)
     for note in notes:
-        console.print(note)
+        console.print(note, markup=False)
+    console.print("assumed (and the flag that changes it):")
+    shown = [a for a in assumed if a.printed]
+    width = max(len(a.key) for a in shown)
+    for a in shown:
+        flag = f" ({a.flag})" if a.flag else ""
+        console.print(f"  {a.key.replace('_', ' '):<{width}}  {a.text}{flag}", markup=False)
     table = Table()
     for header in ("bucket cap MiB", "buckets", "forward ms", "backward ms", "comm ms",
                    "exposed comm ms", "optimizer ms", "step ms"):  # fmt: skip

@@ -19,7 +19,18 @@ from reducer.tools.whatif import parse_caps
 
 from . import models, verify
 
-__all__ = ["Config", "SimulationResult"]
+__all__ = ["DEFAULT_WORLD_SIZE", "Config", "SimulationResult", "world_size_of"]
+
+DEFAULT_WORLD_SIZE = 4
+
+
+def world_size_of(args: argparse.Namespace, network: object) -> int:
+    """``--world-size`` as given; else every GPU of a cluster file that names its nodes;
+    else :data:`DEFAULT_WORLD_SIZE`."""
+    if args.world_size is not None:
+        return int(args.world_size)
+    capacity = getattr(getattr(network, "topology", None), "capacity", None)
+    return DEFAULT_WORLD_SIZE if capacity is None else int(capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +59,10 @@ class Config:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Config:
+        network = fakepg.parse_network(args.network)
+        world_size = world_size_of(args, network)
         positive = {
-            "--world-size": args.world_size,
+            "--world-size": world_size,
             "--steps": args.steps,
             "--batch-size": args.batch_size,
             "--no-sync-every": args.no_sync_every,
@@ -67,10 +80,9 @@ class Config:
             )
         if not args.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-        network = fakepg.parse_network(args.network)
         topology = getattr(network, "topology", None)
-        if topology is not None:  # a cluster preset: the world must fill whole nodes
-            topology.nodes(args.world_size)
+        if topology is not None:  # a cluster: the world must fill whole nodes, and fit
+            topology.nodes(world_size)
         caps: tuple[float | None, ...] = ()
         if args.sweep_bucket_cap is not None:
             caps = tuple(parse_caps(args.sweep_bucket_cap))
@@ -85,9 +97,9 @@ class Config:
         _check_available(device, args.device)
         corrupt = None
         if args.corrupt_grad is not None:
-            corrupt = _corrupt_target(args)
+            corrupt = _corrupt_target(args, world_size)
         return cls(
-            world_size=args.world_size,
+            world_size=world_size,
             model=args.model,
             width=args.width,
             batch_size=args.batch_size,
@@ -158,7 +170,7 @@ class SimulationResult:
         return [s for s in self.steps if s.rank == rank]
 
 
-def _corrupt_target(args: argparse.Namespace) -> tuple[int, int, str]:
+def _corrupt_target(args: argparse.Namespace, world_size: int) -> tuple[int, int, str]:
     """--corrupt-grad STEP:RANK:PARAM, checked against the world and the model's names."""
     parts = args.corrupt_grad.split(":", 2)
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
@@ -167,7 +179,7 @@ def _corrupt_target(args: argparse.Namespace) -> tuple[int, int, str]:
     model = models.build_model(args.model, args.width, args.seed)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     known = (which.isdigit() and int(which) < len(names)) or which in names
-    if rank >= args.world_size or not known:
+    if rank >= world_size or not known:
         raise ValueError(f"--corrupt-grad: no rank {rank} or parameter {which!r} in this run")
     return step, rank, which
 

@@ -221,27 +221,56 @@ class Gpt2(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class ShapeModel:
-    """How to build one model by shape, and the batch size its published runs used."""
+    """How to build one model by shape, and the batch size its published runs used.
+    ``build()`` makes it; for a model of sequences, ``build(seq_len)`` makes it for sequences
+    of that length (``seq_len``: the default, up to ``max_seq_len``: its position table)."""
 
-    build: Callable[[], nn.Module]
+    build: Callable[..., nn.Module]
     batch_size: int
     summary: str
+    seq_len: int | None = None
+    max_seq_len: int | None = None
+
+
+def _bert(layers: int, hidden: int, heads: int, batch: int, name: str) -> ShapeModel:
+    """BERT for sequences of 128 tokens by default, up to its 512 positions."""
+    build = lambda seq=128: Bert(layers, hidden, heads, seq)  # noqa: E731
+    return ShapeModel(build, batch, f"{name}, 128 tokens", 128, 512)
+
+
+def _gpt2(layers: int, hidden: int, heads: int, batch: int, name: str) -> ShapeModel:
+    """GPT-2 for sequences of its 1024 positions by default."""
+    build = lambda seq=1024: Gpt2(layers, hidden, heads, seq)  # noqa: E731
+    return ShapeModel(build, batch, f"{name}, 1024 tokens", 1024, 1024)
 
 
 SHAPE_MODELS: dict[str, ShapeModel] = {
     "resnet50": ShapeModel(ResNet50, 32, "torchvision ResNet50, 224x224 images"),
-    "bert-base": ShapeModel(lambda: Bert(12, 768, 12), 32, "BERT-base, 128 tokens"),
-    "bert-large": ShapeModel(lambda: Bert(24, 1024, 16), 16, "BERT-large, 128 tokens"),
-    "gpt2": ShapeModel(lambda: Gpt2(12, 768, 12), 8, "GPT-2 124M, 1024 tokens"),
-    "gpt2-medium": ShapeModel(lambda: Gpt2(24, 1024, 16), 8, "GPT-2 355M, 1024 tokens"),
-    "gpt2-large": ShapeModel(lambda: Gpt2(36, 1280, 20), 4, "GPT-2 774M, 1024 tokens"),
-    "gpt2-xl": ShapeModel(lambda: Gpt2(48, 1600, 25), 2, "GPT-2 1.5B, 1024 tokens"),
+    "bert-base": _bert(12, 768, 12, 32, "BERT-base"),
+    "bert-large": _bert(24, 1024, 16, 16, "BERT-large"),
+    "gpt2": _gpt2(12, 768, 12, 8, "GPT-2 124M"),
+    "gpt2-medium": _gpt2(24, 1024, 16, 8, "GPT-2 355M"),
+    "gpt2-large": _gpt2(36, 1280, 20, 4, "GPT-2 774M"),
+    "gpt2-xl": _gpt2(48, 1600, 25, 2, "GPT-2 1.5B"),
 }
 
 
-def build(name: str, device: torch.device | str = "meta") -> nn.Module:
-    """The model ``name`` on ``device`` (meta by default: shapes only)."""
+def build(
+    name: str, device: torch.device | str = "meta", *, seq_len: int | None = None
+) -> nn.Module:
+    """The model ``name`` on ``device`` (meta by default: shapes only), for sequences of
+    ``seq_len`` tokens (None: the model's own; only for a model of sequences)."""
     if name not in SHAPE_MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(SHAPE_MODELS)}")
+    entry = SHAPE_MODELS[name]
+    if seq_len is not None:
+        if entry.seq_len is None:
+            raise ValueError(f"--seq-len: {name} reads no sequences ({entry.summary})")
+        limit = entry.max_seq_len or entry.seq_len
+        if not 1 <= seq_len <= limit:
+            raise ValueError(
+                f"--seq-len: {name} takes sequences of 1 to {limit} tokens (its position "
+                f"table), got {seq_len}"
+            )
     with torch.device(device):
-        return SHAPE_MODELS[name].build()
+        return entry.build() if seq_len is None else entry.build(seq_len)

@@ -1,0 +1,151 @@
+"""The testing library refuses misuse at its entry points, over every drawn argument: exactly
+the invalid ones, each with an error naming the argument and what was given.
+
+- loss scales: ``gradient_scales`` of any floats (inf and NaN among them) is refused exactly
+  when one is not finite, naming the first such index;
+- ``hierarchical_averaging``'s periods: any mapping (or a list) of integers is taken exactly
+  when it is a non-empty mapping of periods and group sizes of 1 or more;
+- ``training_scenarios`` drawing a world size or a number of steps below 1 names the
+  argument and the value drawn;
+- a scenario's inputs: any arrangement of argument tuples and bare tensors is refused
+  exactly when some rank's entry is a tensor, naming the first one by step and rank;
+- a model factory: one that reseeds builds the same weights every call and is checked; one
+  that does not is refused before any rank starts ("not deterministic"), never reported as
+  a gradient mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from reducer.testing import (
+    TrainingScenario,
+    check_data_parallel,
+    hierarchical_averaging,
+    torch_ddp,
+    training_scenarios,
+)
+from reducer.testing.strategies import gradient_scales
+
+ANY_FLOAT = st.floats(allow_nan=True, allow_infinity=True, width=64)
+
+
+def check_loss_scales(case: dict[str, Any]) -> None:
+    """``gradient_scales(scales)`` is refused exactly when a scale is not finite."""
+    scales = case["scales"]
+    bad = [i for i, v in enumerate(scales) if not math.isfinite(v)]
+    if not bad:
+        gradient_scales(scales)
+        return
+    with pytest.raises(ValueError, match=rf"gradient_scales: scales\[{bad[0]}\] is .*finite"):
+        gradient_scales(scales)
+
+
+@given(st.fixed_dictionaries({"scales": st.lists(ANY_FLOAT, min_size=1, max_size=4)}))
+def test_loss_scales_are_refused_exactly_when_not_finite(case: dict[str, Any]) -> None:
+    check_loss_scales(case)
+
+
+def check_period_group_sizes(sizes: Any) -> None:
+    valid = (
+        isinstance(sizes, dict) and bool(sizes) and all(k >= 1 and v >= 1 for k, v in sizes.items())
+    )
+    if valid:
+        hierarchical_averaging(sizes)
+        return
+    with pytest.raises(ValueError, match=r"hierarchical_averaging: period_group_sizes"):
+        hierarchical_averaging(sizes)
+
+
+@given(
+    st.dictionaries(st.integers(-2, 6), st.integers(-2, 6), max_size=3)
+    | st.lists(st.integers(1, 6), max_size=3)
+)
+def test_periods_are_taken_exactly_when_a_mapping_of_counts(sizes: Any) -> None:
+    check_period_group_sizes(sizes)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(3, 2)
+
+
+def _inputs(generator: torch.Generator, skip: frozenset[int]) -> tuple[Any, ...]:
+    return (torch.randn(2, 3, generator=generator),)
+
+
+@given(st.data(), st.sampled_from(["world_sizes", "steps"]), st.integers(-3, 0))
+def test_drawing_fewer_than_one_rank_or_step_names_the_argument(
+    data: st.DataObject, argument: str, value: int
+) -> None:
+    strategy = training_scenarios(_mlp, _inputs, **{argument: st.just(value)})
+    with pytest.raises(ValueError, match=rf"training_scenarios: {argument} drew {value}; "):
+        data.draw(strategy)
+
+
+def check_input_kinds(case: dict[str, Any]) -> None:
+    """``TrainingScenario`` is refused exactly when some ``inputs[step][rank]`` is a bare
+    tensor, naming the first."""
+    x = torch.zeros(2, 3)
+    layout: list[list[bool]] = case["tensor_at"]  # per step and rank: a bare tensor there?
+    inputs = tuple(tuple(x if bare else (x,) for bare in step) for step in layout)
+    first = next(
+        ((k, r) for k, step in enumerate(layout) for r, bare in enumerate(step) if bare), None
+    )
+    if first is None:
+        TrainingScenario(_mlp, inputs)
+        return
+    k, r = first
+    with pytest.raises(TypeError, match=rf"inputs\[{k}\]\[{r}\] is a Tensor of shape \(2, 3\)"):
+        TrainingScenario(_mlp, inputs)
+
+
+@st.composite
+def input_layouts(draw: st.DrawFn) -> dict[str, Any]:
+    ranks = draw(st.integers(1, 3))
+    steps = draw(st.integers(1, 2))
+    rows = st.lists(st.booleans(), min_size=ranks, max_size=ranks)
+    return {"tensor_at": draw(st.lists(rows, min_size=steps, max_size=steps))}
+
+
+@given(input_layouts())
+def test_a_bare_tensor_among_the_inputs_is_named(case: dict[str, Any]) -> None:
+    check_input_kinds(case)
+
+
+def check_model_factory(case: dict[str, Any]) -> None:
+    """A factory that reseeds is checked to the end; one that does not is refused as not
+    deterministic, before any rank starts."""
+
+    def make() -> nn.Module:
+        if case["seeded"]:
+            torch.manual_seed(case["seed"])
+        return nn.Linear(3, 2)
+
+    x = torch.ones(2, 3)
+    one_step = tuple((x * (r + 1),) for r in range(case["ranks"]))
+    scenario = TrainingScenario(make, (one_step,))
+    if case["seeded"]:
+        check_data_parallel(torch_ddp(), scenario)
+        return
+    with pytest.raises(ValueError, match=r"make_model is not deterministic"):
+        check_data_parallel(torch_ddp(), scenario)
+
+
+def model_factories() -> st.SearchStrategy[dict[str, Any]]:
+    """A factory that reseeds (with a drawn seed) or not, for one or two ranks."""
+    return st.fixed_dictionaries(
+        {"seeded": st.booleans(), "seed": st.integers(0, 2**16), "ranks": st.integers(1, 2)}
+    )
+
+
+@given(model_factories())
+def test_a_model_factory_that_is_not_deterministic_is_named(case: dict[str, Any]) -> None:
+    check_model_factory(case)
