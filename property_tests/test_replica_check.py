@@ -346,6 +346,7 @@ def _verdict_line(check: ReplicaCheck) -> str:
     return check.summary().rsplit("\n", 1)[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", FEATURES)
 @given(data=st.data())
 def test_the_replica_check_gives_the_exact_verdict(feature: str, data: st.DataObject) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ def test_property_throughput_runs_every_configuration() -> None:
     assert all(line.split("|")[2].strip() == "3" for line in rows), out
 
 
+@pytest.mark.slow
 def test_launch_check_measures_both_variants() -> None:
     out = _run(
         "benchmarks/launch_check.py",
@@ -45,6 +48,7 @@ def test_launch_check_measures_both_variants() -> None:
     assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out
 
 
+@pytest.mark.slow
 def test_published_figures_prints_predicted_beside_published() -> None:
     out = _run("benchmarks/published_figures.py", "--quick")
     rows = [line for line in out.splitlines() if line.startswith("|") and "DDP" in line]

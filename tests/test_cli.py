@@ -217,6 +217,7 @@ def _json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow
 def test_predict_writes_its_assumptions_and_results_as_json(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -242,6 +243,7 @@ def test_predict_writes_its_assumptions_and_results_as_json(
     assert f"json: written to {path}" in out
 
 
+@pytest.mark.slow
 def test_predict_seq_len_and_dtype_change_the_step(capsys: pytest.CaptureFixture[str]) -> None:
     base = _json(capsys, "--model", "bert-base", "--world-size", "8", "--network", "nccl-dgx-h100")
     short = _json(capsys, "--model", "bert-base", "--world-size", "8", "--network",

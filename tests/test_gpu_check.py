@@ -184,6 +184,7 @@ def test_a_step_past_its_timeout_is_stopped_with_its_children() -> None:
         pytest.fail(f"the step's child process {grandchild} survived the timeout")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "words"),
     [

@@ -90,6 +90,7 @@ def reference_params(
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_a_nanogpt_style_script_trains_exactly_under_launch(tmp_path: Path) -> None:
     """Unmodified torchrun script, backend "nccl", torch's DDP, gradient accumulation with
     require_backward_grad_sync: every rank ends with the reference's parameters, bit for bit,
@@ -119,6 +120,7 @@ def test_this_projects_ddp_trains_the_script_to_the_same_bits(
     assert all(torch.equal(a, b) for a, b in zip(torch.load(out), want, strict=True))
 
 
+@pytest.mark.slow
 def test_a_deadlocked_script_ends_within_the_timeout_naming_the_missing_ranks() -> None:
     start = time.monotonic()
     done = launch_process("--nproc", "2", "--timeout", "2", str(SCRIPTS / "deadlock.py"))
@@ -347,6 +349,7 @@ def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
 # Imports and process-wide state on rank threads.
 
 
+@pytest.mark.slow
 def test_a_lazily_importing_package_is_imported_once_before_the_ranks_start() -> None:
     """tests/scripts/lazypkg fails every time two threads ask for a lazy name at once (as
     transformers' lazy module may): the script's leading imports, and the attributes it reads
@@ -401,6 +404,7 @@ def test_imports_after_other_statements_are_left_to_the_ranks(
     assert sorted(capsys.readouterr().out.splitlines()) == ["[rank0]: 7", "[rank1]: 7"]
 
 
+@pytest.mark.slow
 def test_accelerates_per_process_state_is_per_rank_on_rank_threads() -> None:
     """Accelerate's state is one per process (every instance shares a class-level dict): on
     rank threads both ranks would get the first rank's index (or an AttributeError). With the
@@ -581,6 +585,7 @@ def test_each_rank_is_shown_where_it_stopped_not_in_a_finished_collective(
     assert "dist.all_reduce" not in rank0, rank0
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_c_code_is_said_to_be_abandoned() -> None:
     script_dir = SCRIPTS  # a real process: the abandoned thread must not outlive this test
     done = launch_process(

@@ -139,6 +139,7 @@ def test_a_wait_for_the_import_lock_gives_up_after_its_timeout() -> None:
         thread.join(5.0)
 
 
+@pytest.mark.slow
 def test_transformers_imported_in_a_function_on_four_ranks() -> None:
     pytest.importorskip("transformers")
     for _ in range(3):  # each in a fresh process: the race is at the first import only
