@@ -293,3 +293,37 @@ def test_output_without_a_block_before_it_fails(tmp_path: Path) -> None:
 def test_every_page_is_collected() -> None:
     collected = set(pages())
     assert "README.md" in collected and "docs/howto/cli.md" in collected
+
+
+def _readme_commands() -> list[str]:
+    """The README's ```bash blocks' lines that run pytest."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    return [line.strip() for block in blocks for line in block.splitlines() if "pytest" in line]
+
+
+def test_the_readme_gives_a_quick_and_a_full_test_command_and_ci_runs_the_full_one() -> None:
+    quick, full = _readme_commands()
+    assert quick == 'HYPOTHESIS_PROFILE=ci pytest -m "not slow"'
+    assert full == "HYPOTHESIS_PROFILE=ci pytest"
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert full in ci_lines, "the README's full test command must be what .ci/run runs"
+
+
+def test_the_readme_is_a_front_page() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the rest to docs/"
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
