@@ -167,11 +167,11 @@ def _modules_of(wrapper: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if not module.training:
             continue
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            dropout.append(name or type(module).__name__)
+            dropout.append(f"{name or 'model'} ({type(module).__name__})")
         elif isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
             module, nn.SyncBatchNorm
         ):
-            batchnorm.append(name or type(module).__name__)
+            batchnorm.append(f"{name or 'model'} ({type(module).__name__})")
     return tuple(dropout), tuple(batchnorm)
 
 

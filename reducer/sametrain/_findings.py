@@ -369,14 +369,17 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
         where = _loss_text(step, flat)
         if _all_near(q_mean, q_mean[0]) and _all_near(q_sum, q_sum[0]):
             q = q_sum[0] if reductions == {"sum"} else q_mean[0]
-            if reductions == {"sum"} and "summed-loss" not in claims:
-                claims["summed-loss"] = (
-                    f"the loss is a sum over each rank's batch: DDP averages the ranks' "
-                    f"gradients, so each step is {_factor(q)} one process's summing over the "
-                    f"global batch ({_factor(q_mean[0])} one process's taking the mean)",
-                    where,
-                    "a mean over the local batch (reduction='mean'), or multiply the loss by "
-                    "world_size to keep the sum",
+            if reductions == {"sum"}:
+                claims.setdefault(
+                    "summed-loss",
+                    (
+                        f"the loss is a sum over each rank's batch: DDP averages the ranks' "
+                        f"gradients, so each step is {_factor(q)} one process's summing over the "
+                        f"global batch ({_factor(q_mean[0])} one process's taking the mean)",
+                        where,
+                        "a mean over the local batch (reduction='mean'), or multiply the loss by "
+                        "world_size to keep the sum",
+                    ),
                 )
             elif reductions == {"mean"} and accum > 1 and _near(q, accum):
                 claims.setdefault(
