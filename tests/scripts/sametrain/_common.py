@@ -159,6 +159,7 @@ def main(opts: Options) -> None:
     if rank == 0 and args.out:
         torch.save([p.detach().clone() for p in model.parameters()], args.out)
     if world > 1:
+        dist.barrier()  # every rank ends together: gloo's teardown of a peer that left early
         dist.destroy_process_group()
 
 
