@@ -32,7 +32,17 @@ from typing import TextIO
 from ._evidence import Recorder, fingerprint
 from ._findings import CAUSES, Finding, Verdict, judge
 
-__all__ = ["CAUSES", "ENV_VAR", "Finding", "SameTraining", "Verdict", "deliberate", "fingerprint"]
+__all__ = [
+    "CAUSES",
+    "ENV_VAR",
+    "Finding",
+    "SameTraining",
+    "Verdict",
+    "check_same_training",
+    "declared",
+    "deliberate",
+    "fingerprint",
+]
 
 ENV_VAR = "REDUCER_DELIBERATE"
 
@@ -127,3 +137,6 @@ class SameTraining:
         text = self.verdict().report()
         stream.write("".join(f"[same-training] {line}\n" for line in text.split("\n")))
         stream.flush()
+
+
+from ._replay import check_same_training  # noqa: E402  (it imports the helpers above)

@@ -213,6 +213,8 @@ class Recorder:
         self.ranks = [RankEvidence(r) for r in range(world_size)]
         self._undo: list[Callable[[], None]] = []
         self._wrappers: tuple[type[nn.Module], ...] = ()
+        # Modules whose forwards count as a wrapper's (a training step under test has none).
+        self.models: set[int] = set()
 
     def _current(self) -> RankEvidence | None:
         rank = self.rank_of()
@@ -264,7 +266,7 @@ class Recorder:
         self._patch(DistributedSampler, "set_epoch", self._set_epoch)
 
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not isinstance(module, self._wrappers):
+        if not isinstance(module, self._wrappers) and id(module) not in self.models:
             return
         record = self._current()
         if record is None or not module.training or not torch.is_grad_enabled():
@@ -295,10 +297,15 @@ class Recorder:
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         record = self._current()
         if record is not None and record.stepping == id(optimizer):
-            record.stepping = None
-            record.steps += 1
-            record.micro = 0
-            record.backwards_in_step = 0
+            self.end_step(record.rank)
+
+    def end_step(self, rank: int) -> None:
+        """Rank ``rank`` took an optimizer step: what follows is the next step's."""
+        record = self.ranks[rank]
+        record.stepping = None
+        record.steps += 1
+        record.micro = 0
+        record.backwards_in_step = 0
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self

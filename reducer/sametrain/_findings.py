@@ -24,6 +24,7 @@ CAUSES = {
     "summed-loss": "the loss is a sum over the local batch",
     "accumulation-scale": "the loss is not divided by the accumulation steps exactly once",
     "loss-scale": "the step is a multiple of one process's",
+    "replay-mismatch": "the averaged gradient is not one process's on the global batch",
     "uneven-batches": "uneven local batches averaged as if equal",
     "per-rank-batchnorm": "BatchNorm statistics per rank",
     "same-seed": "every rank draws the same random numbers (dropout, augmentation)",
@@ -90,8 +91,12 @@ class Verdict:
         return "\n".join(lines)
 
 
-def judge(ranks: Sequence[RankEvidence], deliberate: frozenset[str] = frozenset()) -> Verdict:
-    """The verdict on the evidence of every rank."""
+def judge(
+    ranks: Sequence[RankEvidence], deliberate: frozenset[str] = frozenset(), *, seeds: bool = True
+) -> Verdict:
+    """The verdict on the evidence of every rank. ``seeds``: the ranks seeded their own
+    generators (a launch); False where one process ran them in turn (a step under test), so
+    their generator states say nothing."""
     world = len(ranks)
     forwards = min((len(r.forwards) for r in ranks), default=0)
     verdict = Verdict(world, min((r.steps for r in ranks), default=0), forwards)
@@ -100,14 +105,15 @@ def judge(ranks: Sequence[RankEvidence], deliberate: frozenset[str] = frozenset(
             verdict.notes.append("one rank: nothing to compare")
         return verdict
     found: list[Finding] = []
-    same_batches = _same_batches(ranks, found)
+    same_batches = _same_batches(ranks, found, seeds)
     if not same_batches:
         _overlap(ranks, found, verdict.notes)
     _repeated_shuffle(ranks, found)
     _sampler_world(ranks, found, same_batches)
     _loss_scale(ranks, found, verdict.notes)
     _batchnorm(ranks, found)
-    _same_seed(ranks, found)
+    if seeds:
+        _same_seed(ranks, found)
     for finding in found:
         (verdict.silenced if finding.cause in deliberate else verdict.findings).append(finding)
     return verdict
@@ -153,7 +159,7 @@ def _steps_text(keys: Sequence[tuple[int, int]]) -> str:
     return shown + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
 
-def _same_batches(ranks: Sequence[RankEvidence], found: list[Finding]) -> bool:
+def _same_batches(ranks: Sequence[RankEvidence], found: list[Finding], seeds: bool) -> bool:
     keyed = _by_key(ranks)
     matched: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
     for key, forwards in keyed.items():
@@ -168,7 +174,7 @@ def _same_batches(ranks: Sequence[RankEvidence], found: list[Finding]) -> bool:
         f"ranks {list(group)} fed the model identical inputs (equal fingerprints) at "
         f"{len(keys)} of {len(keyed)} forward(s): step(s) {_steps_text(keys)}"
     )
-    cause, fix = _batches_cause(ranks, group, keys)
+    cause, fix = _batches_cause(ranks, group, keys, seeds)
     found.append(
         Finding("same-batches", f"{who} trained on the same batches: {cause}", evidence, fix)
     )
@@ -176,7 +182,10 @@ def _same_batches(ranks: Sequence[RankEvidence], found: list[Finding]) -> bool:
 
 
 def _batches_cause(
-    ranks: Sequence[RankEvidence], group: Sequence[int], keys: Sequence[tuple[int, int]]
+    ranks: Sequence[RankEvidence],
+    group: Sequence[int],
+    keys: Sequence[tuple[int, int]],
+    seeds: bool,
 ) -> tuple[str, str]:
     for loaders in _training_loaders(ranks):
         mine = [loaders[r] for r in group]
@@ -199,6 +208,11 @@ def _batches_cause(
                 "after init_process_group)",
             )
     forwards = _by_key(ranks)
+    if not seeds:
+        return (
+            "the batches given for these ranks are equal",
+            "give each rank its own shard of the global batch",
+        )
     if all(len({forwards[k][r].rng for r in group}) == 1 for k in keys):
         return (
             "torch's generator had the same state on these ranks at every such forward (one "
