@@ -25,7 +25,7 @@ from reducer.tools import cli
 ROOT = Path(__file__).parent.parent
 CORPUS = ROOT / "tests" / "scripts" / "sametrain"
 sys.path.insert(0, str(CORPUS))
-import _common  # type: ignore[import-not-found]  # noqa: E402  (the corpus' reference)
+import sametrain_common as _common  # type: ignore[import-not-found]  # noqa: E402  (the corpus' reference)
 
 # script -> the causes its verdict must name (none: a correct script)
 EXPECTED: dict[str, set[str]] = {

@@ -2,7 +2,7 @@
 statistics, the same on every rank). On GPUs, SyncBatchNorm is the other fix
 (nn.SyncBatchNorm.convert_sync_batchnorm; torch runs it on GPUs only)."""
 
-from _common import Options, main
+from sametrain_common import Options, main
 
 if __name__ == "__main__":
     main(Options(model="cnn"))
