@@ -50,6 +50,8 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
+from reducer.sametrain import _launch as sametrain
+
 from . import devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
@@ -187,6 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the target as a module (python -m), as torchrun's -m",
     )
     parser.add_argument("script", help="the training script (or module, with -m)")
+    sametrain.add_arguments(parser)  # --same-training, --deliberate
     rest = parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="the script's arguments"
     )
@@ -269,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         ranks = _parse_filter(args.ranks_filter, nproc)
         target = _Target.load(args.script, module=args.module)
         world = fakepg.World(nproc, timeout=args.timeout, network=network)
+        same = sametrain.for_launch(args, nproc)  # the verdict printed at the end, or None
     except SyntaxError as exc:
         # As `python script.py` would: the error line, then where (exit code 1, as python's).
         where = "".join(traceback.format_exception_only(exc)).rstrip("\n")
@@ -282,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
     launch.check = check
     launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     launch.switch_interval = float(getattr(args, "switch_interval", _SWITCH_INTERVAL_S))
-    with world, check or contextlib.nullcontext(), launch.installed():
+    with world, check or contextlib.nullcontext(), launch.installed(), sametrain.recording(
+        same, launch.rank_of_thread
+    ):
         if not launch.preimport():
             return _INTERRUPTED
         try:

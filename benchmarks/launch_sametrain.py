@@ -1,0 +1,99 @@
+"""What the same-training evidence costs per step: ``python -m reducer launch`` on the
+nanoGPT-style script (tests/scripts/nanogpt_train.py: torch's DDP, gradient accumulation,
+dropout, AdamW) and on the corpus' MLP (tests/scripts/sametrain/ok_mlp.py: a DataLoader with
+a DistributedSampler, accumulation), at N ranks.
+
+The step time is read from the run itself: the nanoGPT script prints each rank's clock after
+every optimizer step (``--timing``); the median of the differences between consecutive steps
+on rank 0 is its step time. For the MLP, whose steps are a few milliseconds, the time of the
+whole launch inside one warm process is divided by its steps. Variants, interleaved in every
+repeat (drift and other load hit all alike): the anchor ``--no-check`` (neither check),
+``--no-check --same-training`` (the evidence alone), and the default (the replica check and the
+evidence), with ``--no-same-training`` (the replica check alone) for reference.
+
+    python benchmarks/launch_sametrain.py                  # N = 2, 4
+    python benchmarks/launch_sametrain.py --nprocs 2 --repeats 3 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import re
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine, table
+
+ROOT = Path(__file__).resolve().parent.parent
+NANOGPT = ROOT / "tests" / "scripts" / "nanogpt_train.py"
+MLP = ROOT / "tests" / "scripts" / "sametrain" / "ok_mlp.py"
+VARIANTS = {
+    "--no-check (anchor)": ["--no-check"],
+    "evidence only": ["--no-check", "--same-training"],
+    "replica check only": ["--no-same-training"],
+    "check + evidence (default)": [],
+}
+
+
+def run(args: list[str]) -> tuple[float, str]:
+    """Seconds of one launch in this process, and its output."""
+    from reducer.tools import cli
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        start = time.perf_counter()
+        code = cli.main(args)
+        elapsed = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"{args} exited with {code}:\n{sink.getvalue()[-3000:]}")
+    return elapsed, sink.getvalue()
+
+
+def nanogpt_step_ms(nproc: int, flags: list[str], steps: int) -> float:
+    args = ["launch", "--nproc", str(nproc), *flags, str(NANOGPT)]
+    _, out = run([*args, "--steps", str(steps), "--timing"])
+    clocks = [float(m) for m in re.findall(r"\[rank0\]: timing 0 \d+ (\S+)", out)]
+    return median(b - a for a, b in itertools.pairwise(clocks)) * 1e3
+
+
+def mlp_step_ms(nproc: int, flags: list[str]) -> float:
+    seconds, _ = run(["launch", "--nproc", str(nproc), *flags, str(MLP)])
+    steps = 48 // (4 * nproc) * 2 // 2  # 2 epochs of 48 samples, batch 4, 2 micro-steps
+    return seconds / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nprocs", default="2,4")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    rows = []
+    for nproc in [int(n) for n in args.nprocs.split(",")]:
+        for script in ("nanogpt_train.py", "sametrain/ok_mlp.py"):
+            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            for repeat in range(args.repeats + 1):
+                for name, flags in VARIANTS.items():  # interleaved
+                    if script == "nanogpt_train.py":
+                        ms = nanogpt_step_ms(nproc, flags, args.steps)
+                    else:
+                        ms = mlp_step_ms(nproc, flags)
+                    if repeat:  # the first round warms up
+                        times[name].append(ms)
+            anchor = median(times["--no-check (anchor)"])
+            for name in VARIANTS:
+                ms = median(times[name])
+                rows.append([nproc, script, name, ms, min(times[name]), ms / anchor])
+    print(table(["N", "script", "variant", "step ms", "min ms", "vs anchor"], rows))
+
+
+if __name__ == "__main__":
+    main()
