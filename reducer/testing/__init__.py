@@ -52,7 +52,7 @@ from .checks import (
 )
 from .harness import Scenario, check_against_reference
 from .reference import rank_order_average, sparse_average, sum_then_divide
-from .schedule import race_report, schedules
+from .schedule import fewest_deviations, race_report, schedules
 from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
 
 __all__ = [
@@ -83,4 +83,5 @@ __all__ = [
     "sparse_average",
     "schedules",
     "race_report",
+    "fewest_deviations",
 ]
