@@ -583,8 +583,8 @@ class IgnoreChoices(_Scheduler):
     """The scheduler reads every choice as 0: each run takes the natural order, whatever the
     schedule says, so no schedule shows a race that the natural order hides."""
 
-    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
-        super()._choose_locked(n)  # consumes the choice, as the real one does
+    def _choose_locked(self, options: list[tuple[str, Any]]) -> tuple[int, tuple[int, int] | None]:
+        super()._choose_locked(options)  # consumes the choice, as the real one does
         return 0, None
 
 

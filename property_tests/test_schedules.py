@@ -20,7 +20,7 @@ import torch
 from hypothesis import find, given, settings
 
 import fakepg
-from reducer.testing import schedules
+from reducer.testing import fewest_deviations, schedules
 
 SEARCH = settings(max_examples=200, database=None, deadline=None, derandomize=True)
 
@@ -75,7 +75,7 @@ def race_is_found_and_shrunk(name: str) -> None:
     def wrong(schedule: fakepg.Schedule) -> bool:
         return fakepg.run(program, 2, schedule=schedule, timeout=20) != right
 
-    found = find(schedules(), wrong, settings=SEARCH)
+    found = fewest_deviations(find(schedules(), wrong, settings=SEARCH), wrong)
     switches = sum(1 for c in found.choices if c)
     assert switches == 1 or (switches == 0 and found.adversarial), found
     for _ in range(20):

@@ -78,6 +78,7 @@ class Scheduler:
 
     def begin(self) -> None:
         """Before the rank threads start: every rank is ready; the first decision is made."""
+        self.schedule.start()  # every run replays the schedule from its start
         with self._lock:
             self._active = True
             for rank in range(self._world_size):
@@ -108,6 +109,7 @@ class Scheduler:
                 self._quiet.wait(left)
             self._active = False
             self._wake_all_locked()
+        self.schedule.finish()
 
     def abort(self) -> None:
         """Release every thread: from now on nothing is controlled (a failure wakes all)."""
@@ -304,16 +306,18 @@ class Scheduler:
         and a world with nothing else to run would be taken for a deadlock."""
         return actor.state == RUNNING and actor is not self._holder and actor is not me
 
-    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
-        """The option to take among ``n``, and (it, n) to show where it is not the natural
-        one."""
+    def _choose_locked(self, options: list[tuple[str, Any]]) -> tuple[int, tuple[int, int] | None]:
+        """The option to take, and (it, how many) to show where it is not the natural one."""
+        n = len(options)
         if n == 1:
             return 0, None
-        s = self.schedule
-        raw = s.choices[s.used] if s.used < len(s.choices) else 0
-        s.used += 1
-        index = raw % n
+        index = self.schedule.decide([_who(kind, target) for kind, target in options])
         return index, ((index, n) if index else None)
+
+    def _complete_locked(self, ready: Ready) -> Ready:
+        """Take the collective a decision chose to complete off the ready list."""
+        self._ready.remove(ready)
+        return ready
 
     def _switch(self, me: Actor | None, *, settle: bool = True) -> None:
         """The holder ``me`` (None: the monitor, for an outside holder) is at a point: decide
@@ -340,10 +344,10 @@ class Scheduler:
                     stuck = True
                 else:
                     stuck = False
-                    index, choice = self._choose_locked(len(options))
+                    index, choice = self._choose_locked(options)
                     kind, target = options[index]
                     if kind == "complete":
-                        self._ready.remove(target)
+                        target = self._complete_locked(target)
                         self._record_locked(None, "complete", target.what, target.tensors, choice)
                     else:
                         self._hand_locked(me, target, kind, choice)
@@ -395,3 +399,10 @@ class Scheduler:
 
     def _deadlock_locked(self, why: str) -> tuple[int, ScheduleDeadlock]:
         return deadlock(self.schedule, self._actors.values(), why)
+
+
+def _who(kind: str, target: Any) -> Key | str:
+    """Who an option runs, as PCT gives priorities: an actor (a rank's thread, a rank's
+    callbacks) by its key; every completion is the network's."""
+    key: Key = target.key
+    return "network" if kind == "complete" else key

@@ -59,7 +59,7 @@ from .checks import (
 )
 from .harness import Scenario, check_against_reference
 from .reference import rank_order_average, sparse_average, sum_then_divide
-from .schedule import race_report, schedules
+from .schedule import fewest_deviations, race_report, schedules
 from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
 
 __all__ = [
@@ -93,4 +93,5 @@ __all__ = [
     "check_same_training",
     "deliberate",
     "Verdict",
+    "fewest_deviations",
 ]

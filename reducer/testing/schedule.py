@@ -25,8 +25,9 @@ from typing import ParamSpec, TypeVar
 from hypothesis import strategies as st
 
 import fakepg
+from fakepg._schedule import explore as _explore
 
-__all__ = ["race_report", "reporting", "schedules"]
+__all__ = ["fewest_deviations", "race_report", "reporting", "schedules"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -35,22 +36,67 @@ R = TypeVar("R")
 # and callbacks are ever on offer at once, so small values reach every option.
 _MAX_CHOICE = 7
 
+EXPLORATIONS = ("walk", "pct")
+
 
 def schedules(
-    *, max_choices: int = 64, adversarial: bool | None = None
+    *,
+    explore: str | None = None,
+    adversarial: bool | None = None,
+    depth: int = 3,
+    max_choices: int | None = None,
 ) -> st.SearchStrategy[fakepg.Schedule]:
-    """A :class:`fakepg.Schedule`: up to ``max_choices`` choices (each in 0..7, taken modulo
-    the options at its point; past the end the natural order), in the natural or the
-    adversarial order (``adversarial``: None draws it). Shrinks toward fewer and smaller
-    choices, which is toward the natural order: a shrunk race names only the switches that
-    break the code."""
-    if isinstance(max_choices, bool) or not isinstance(max_choices, int) or max_choices < 0:
+    """A :class:`fakepg.Schedule` that decides, at every choice point of the run however many
+    there are, by ``explore``:
+
+    - ``"walk"``: a random choice at each point, each drawn from the example's data as the
+      run reaches it (so Hypothesis shrinks each toward 0, the natural option: a shrunk race
+      names only the switches that break the code);
+    - ``"pct"``: probabilistic concurrency testing: random priorities for the ranks' threads,
+      their callbacks and the network, and up to ``depth - 1`` priority change points drawn
+      uniformly over the run's number of choice points (the longest run this strategy has
+      seen); a race of depth d is found with probability at least 1 / (n k^(d-1)) per example
+      for n actors and k choice points, however long the code before it runs;
+    - None (the default): either, drawn.
+
+    ``adversarial``: the completion policy: early (False: a collective may complete as soon
+    as its ranks issued it) or late (True: as late as allowed; a missing wait shows with no
+    switch at all); None draws it. ``max_choices``: instead, a fixed list of at most that many
+    choices (each in 0..7, taken modulo the options at its point; past its end the natural
+    order), the strategy of earlier versions. See Note [Exploration] in
+    :mod:`fakepg._schedule.timeline`."""
+    if max_choices is not None and (
+        isinstance(max_choices, bool) or not isinstance(max_choices, int) or max_choices < 0
+    ):
         raise ValueError(f"schedules: max_choices must be an int >= 0, got {max_choices!r}")
     if adversarial is not None and not isinstance(adversarial, bool):
         raise ValueError(f"schedules: adversarial must be a bool or None, got {adversarial!r}")
+    if explore is not None and explore not in EXPLORATIONS:
+        raise ValueError(
+            f"schedules: explore must be one of {EXPLORATIONS} or None (both), got {explore!r}"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"schedules: depth must be an int >= 1 (PCT's d), got {depth!r}")
     modes = st.booleans() if adversarial is None else st.just(adversarial)
-    choices = st.lists(st.integers(0, _MAX_CHOICE), max_size=max_choices)
-    return st.builds(lambda c, a: fakepg.Schedule(c, adversarial=a), choices, modes)
+    if max_choices is not None:
+        choices = st.lists(st.integers(0, _MAX_CHOICE), max_size=max_choices)
+        return st.builds(lambda c, a: fakepg.Schedule(c, adversarial=a), choices, modes)
+    kinds = st.sampled_from(EXPLORATIONS) if explore is None else st.just(explore)
+    horizon = _explore.Horizon()  # shared by this strategy's examples: the longest run seen
+
+    @st.composite
+    def explored(draw: st.DrawFn) -> fakepg.Schedule:
+        kind, late = draw(kinds), draw(modes)
+        source = draw(st.randoms(use_true_random=False)).randrange
+        exploration: _explore.Exploration
+        if kind == "walk":
+            exploration = _explore.Walk(source)
+        else:
+            d = draw(st.integers(1, depth))
+            exploration = _explore.Pct(source, depth=d, horizon=horizon)
+        return fakepg.Schedule(adversarial=late, explore=exploration)
+
+    return explored()
 
 
 def race_report(schedule: fakepg.Schedule, *, last: int | None = 60) -> str:
@@ -82,14 +128,75 @@ def reporting(schedule: fakepg.Schedule | None) -> Iterator[None]:
         raise
 
 
+def fewest_deviations(
+    schedule: fakepg.Schedule, fails: Callable[[fakepg.Schedule], bool], *, rounds: int = 3
+) -> fakepg.Schedule:
+    """A plain schedule with as few deviations from the natural order as this search finds,
+    under which ``fails`` still holds, starting from ``schedule``'s last run (which failed).
+
+    First no deviation at all, under either completion policy; then each deviation of the
+    recorded run is dropped in turn and kept out where the code still fails (a schedule
+    found by PCT deviates wherever priorities differ, while its race needs a few of them).
+    Each try is a run of ``fails``; at most ``rounds`` passes."""
+    for late in (False, True):
+        bare = fakepg.Schedule(adversarial=late)
+        if fails(bare):
+            return bare
+    best = schedule.recorded()
+    for _ in range(rounds):
+        shrunk = False
+        for point in [i for i, c in enumerate(best.choices) if c]:
+            choices = list(best.choices)
+            if point >= len(choices) or not choices[point]:
+                continue
+            choices[point] = 0
+            candidate = fakepg.Schedule(choices, adversarial=best.adversarial)
+            if fails(candidate):
+                best, shrunk = candidate.recorded(), True
+        if not shrunk:
+            break
+    return best
+
+
+def _final_example() -> bool:
+    """Not inside a Hypothesis example, or inside its final replay (the one it reports)."""
+    try:
+        from hypothesis.control import _current_build_context
+
+        context = _current_build_context.value
+    except (ImportError, AttributeError):  # pragma: no cover - the checks run without it
+        return True
+    return context is None or bool(getattr(context, "is_final", True))
+
+
 def reports_schedule(check: Callable[P, R]) -> Callable[P, R]:
-    """Run ``check`` under :func:`reporting` of its ``schedule=`` keyword argument."""
+    """Run ``check`` under :func:`reporting` of its ``schedule=`` keyword argument; where it
+    fails under a schedule that deviates from the natural order, the report also shows the
+    schedule with the fewest deviations that still fails (:func:`fewest_deviations`), on the
+    failure Hypothesis reports (its final replay) or outside Hypothesis."""
 
     @functools.wraps(check)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         schedule = kwargs.get("schedule")
-        with reporting(schedule if isinstance(schedule, fakepg.Schedule) else None):
+        if not isinstance(schedule, fakepg.Schedule):
             return check(*args, **kwargs)
+        try:
+            with reporting(schedule):
+                return check(*args, **kwargs)
+        except Exception as exc:
+            if any(schedule.choices) and _final_example():
+
+                def fails(candidate: fakepg.Schedule) -> bool:
+                    try:
+                        check(*args, **{**kwargs, "schedule": candidate})  # type: ignore[arg-type]
+                    except Exception:
+                        return True
+                    return False
+
+                shrunk = fewest_deviations(schedule, fails)
+                fails(shrunk)  # its timeline, for the report
+                _add_note(exc, "Shrunk to the fewest deviations: " + race_report(shrunk))
+            raise
 
     return run
 
