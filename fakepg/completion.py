@@ -49,6 +49,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import _threads
 from .executor import Timer
 from .faults import interrupt_thread
 from .schedule import _Scheduler
@@ -84,15 +85,15 @@ class Lane:
         self.level = level
         self.queue: deque[_Item] = deque()
         self.wake = threading.Condition(owner.lock)  # notified on post, replacement and close
-        self.thread: threading.Thread | None = None  # the one thread that takes from queue
+        self.thread: _threads.Runner | None = None  # the one thread that takes from queue
         self.current: _Item | None = None  # what ``thread`` is running; None while idle
         self.quiet_since_ns = 0  # the current item's start, or its last collective's end
         # Whether the timer holds this lane's one stall check (see _watch_locked): one entry
         # per lane, not one per callback run.
         self.watched = False
         self.in_flight = 0  # collectives its callbacks issued that are not finished yet
-        self.in_callback: set[threading.Thread] = set()  # threads inside item.run now
-        self.retired: list[threading.Thread] = []  # replaced after a stall; joined at close
+        self.in_callback: set[_threads.Runner] = set()  # threads inside item.run now
+        self.retired: list[_threads.Runner] = []  # replaced after a stall; joined at close
 
 
 class Completions:
@@ -151,19 +152,18 @@ class Completions:
             lane.wake.notify()
 
     def _start_locked(self, lane: Lane) -> None:
-        thread = threading.Thread(
+        thread = _threads.Job(
             target=self._work,
             args=(lane,),
             name=f"{self._name}-rank{lane.rank}-completion{lane.level}",
-            daemon=True,
         )
         lane.thread = thread
         lane.current = None
         thread.start()
 
     def _work(self, lane: Lane) -> None:
-        _local.lane = lane
-        me = threading.current_thread()
+        _local.lane = lane  # cleared at the end: see Note [Thread-local state of cached threads]
+        me = _threads.current()
         scheduler = self._scheduler
         try:
             while True:
@@ -205,6 +205,8 @@ class Completions:
                     self._on_failure(lane.rank, item.what, error)
         except CallbackStopped:
             return  # arrived after the callback had returned: this thread was retired anyway
+        finally:
+            _local.lane = None
 
     # ---------------------------------------------------------------------------------------
     # Stalls. See Note [Completion lanes].
@@ -237,7 +239,7 @@ class Completions:
         self._on_failure(lane.rank, what, None)
         self._stop(lane, stuck)
 
-    def _replace_locked(self, lane: Lane) -> threading.Thread:
+    def _replace_locked(self, lane: Lane) -> _threads.Runner:
         """Give the lane a fresh thread; return the stuck one (it exits once its callback
         returns, if ever)."""
         stuck = lane.thread
@@ -246,7 +248,7 @@ class Completions:
         self._start_locked(lane)
         return stuck
 
-    def _stop(self, lane: Lane, stuck: threading.Thread) -> None:
+    def _stop(self, lane: Lane, stuck: _threads.Runner) -> None:
         # Under the lock, so that a thread that has left the callback (it needs the lock to
         # say so) is never interrupted in the lane's own code.
         with self.lock:
@@ -255,7 +257,7 @@ class Completions:
 
     # ---------------------------------------------------------------------------------------
 
-    def close(self, grace: float) -> list[threading.Thread]:
+    def close(self, grace: float) -> list[_threads.Runner]:
         """Deliver what is queued, then stop and join every lane thread. A lane still busy
         after ``grace`` seconds is treated as stuck (its thread interrupted, the rest of its
         queue delivered by a fresh thread, joined for ``grace`` more). Returns the threads
@@ -267,7 +269,7 @@ class Completions:
             lanes = list(self._lanes.values())
             for lane in lanes:
                 lane.wake.notify_all()
-        me = threading.current_thread()
+        me = _threads.current()
         deadline = time.monotonic() + grace
         for lane in lanes:
             for thread in self._threads(lane):
@@ -290,6 +292,6 @@ class Completions:
                         left.append(thread)
         return left
 
-    def _threads(self, lane: Lane) -> list[threading.Thread]:
+    def _threads(self, lane: Lane) -> list[_threads.Runner]:
         with self.lock:
             return [*lane.retired, *([lane.thread] if lane.thread is not None else [])]

@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import _threads
+
 __all__: list[str] = []
 
 
@@ -38,7 +40,7 @@ class Executor:
         # _lock guards _threads and _closed: workers are started at most once, never after
         # close, and close sees every started worker.
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[_threads.Job] = []
         self._closed = False
 
     def submit(self, task: Callable[[], None]) -> None:
@@ -51,9 +53,7 @@ class Executor:
 
     def _start_locked(self) -> None:
         for i in range(self.num_threads):
-            thread = threading.Thread(
-                target=self._work, name=f"{self._name}-worker-{i}", daemon=True
-            )
+            thread = _threads.Job(target=self._work, name=f"{self._name}-worker-{i}")
             thread.start()
             self._threads.append(thread)
 
@@ -64,7 +64,7 @@ class Executor:
                 return
             task()
 
-    def close(self, timeout: float = 10.0) -> list[threading.Thread]:
+    def close(self, timeout: float = 10.0) -> list[_threads.Job]:
         """Stop the workers after the queued tasks; return those still alive after ``timeout``."""
         with self._lock:
             if self._closed:
@@ -74,7 +74,7 @@ class Executor:
         for _ in threads:
             self._queue.put(None)
         for thread in threads:
-            if thread is not threading.current_thread():
+            if thread is not _threads.current():
                 thread.join(timeout)
         return [t for t in threads if t.is_alive()]
 
@@ -97,7 +97,7 @@ class Timer:
         self._cond = threading.Condition(threading.Lock())
         self._heap: list[tuple[int, int, Callable[[], None]]] = []
         self._count = 0  # tie-breaker: equal deadlines run in submission order
-        self._thread: threading.Thread | None = None
+        self._thread: _threads.Job | None = None
         self._closed = False
 
     def call_at(self, deadline_ns: int, callback: Callable[[], None]) -> None:
@@ -108,9 +108,7 @@ class Timer:
             heapq.heappush(self._heap, entry)
             self._count += 1
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"{self._name}-timer", daemon=True
-                )
+                self._thread = _threads.Job(target=self._run, name=f"{self._name}-timer")
                 self._thread.start()
             if self._heap[0] is entry:  # a new earliest deadline: the thread sleeps too long
                 self._cond.notify()
@@ -128,13 +126,13 @@ class Timer:
                 _, _, callback = heapq.heappop(self._heap)
             callback()
 
-    def close(self, timeout: float = 10.0) -> list[threading.Thread]:
+    def close(self, timeout: float = 10.0) -> list[_threads.Job]:
         with self._cond:
             self._closed = True
             self._heap.clear()
             thread = self._thread
             self._cond.notify()
-        if thread is None or thread is threading.current_thread():
+        if thread is None or thread is _threads.current():
             return []
         thread.join(timeout)
         return [thread] if thread.is_alive() else []

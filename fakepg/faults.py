@@ -8,7 +8,8 @@ also derives from ``TimeoutError`` so ``except TimeoutError`` works as with real
 from __future__ import annotations
 
 import ctypes
-import threading
+
+from ._threads import Runner
 
 __all__ = [
     "CollectiveMismatch",
@@ -47,7 +48,7 @@ def format_ranks(ranks: list[int] | set[int] | range) -> str:
     return "ranks " + ", ".join(str(r) for r in ordered)
 
 
-def interrupt_thread(thread: threading.Thread, exc_type: type[BaseException]) -> bool:
+def interrupt_thread(thread: Runner, exc_type: type[BaseException]) -> bool:
     """Ask ``thread`` to raise ``exc_type`` at its next Python bytecode; True if delivered.
 
     CPython's ``PyThreadState_SetAsyncExc`` is the only way to cancel a rank that is busy in

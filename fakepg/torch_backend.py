@@ -114,6 +114,7 @@ in fakepg.collectives). :func:`run_torch` does all of it for you::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -128,6 +129,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from reducer.process_group import ReduceOp
 
+from . import _threads
 from .netmodel import NetworkModel
 from .schedule import Schedule, wait_event
 from .work import Work
@@ -177,6 +179,7 @@ def register_torch_backend() -> None:
         _install_monitored_barrier()
         _install_batch_isend_irecv()
         _install_forward_pass_work_handle()
+        _threads.after_each_job(_reset_thread_groups)
         if not hasattr(dist.Backend, _BACKEND.upper()):
             dist.Backend.register_backend(
                 _BACKEND, _create_backend, extended_api=True, devices=["cpu", "cuda"]
@@ -859,6 +862,22 @@ class _PerThreadWorlds:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._current(), name, value)
+
+
+def _reset_thread_groups() -> None:
+    """On a cached thread after a job: the thread's torch.distributed state as a new thread's
+    (a default group its job left behind destroyed, the group counter from zero), so that the
+    group names torch computes on every rank of the next world agree. See Note [Thread-local
+    state of cached threads] in fakepg._threads."""
+    worlds = _c10d._world
+    if not isinstance(worlds, _PerThreadWorlds) or threading.get_ident() == worlds._owner:
+        return
+    mine = getattr(worlds._local, "world", None)
+    if mine is not None and mine.pg_map:
+        with contextlib.suppress(Exception):  # a half-initialized group: dropped below anyway
+            dist.destroy_process_group()
+    worlds._local.world = None
+    _thread_default.world = None
 
 
 def _install_per_thread_worlds() -> None:

@@ -76,6 +76,8 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # on the main thread (a reference, a check) after torch.set_num_threads(1). A process per rank
 # starts with the count its launcher gave it; so each rank thread asks for the process's count
 # first (get_num_threads runs the lazy initialization: torch has no other way to request it).
+# A rank thread may be a cached one (see fakepg._threads) that initialized its count under an
+# earlier torch.set_num_threads; it then takes the count of the thread that runs the world.
 
 # Note [One link per world]
 # With a network model, the world is one simulated link that carries one collective at a time,
@@ -100,6 +102,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from . import _threads
 from . import collectives as _c
 from . import rng as _rng
 from . import streams as _streams
@@ -582,6 +585,7 @@ class World:
             self.abort(exc, rank=rank)
 
         scheduler = self.scheduler
+        threads_here = torch.get_num_threads()
 
         def rank_main(rank: int) -> None:
             try:
@@ -589,7 +593,8 @@ class World:
                     scheduler.enter(rank)
                 try:
                     # See Note [Each rank computes with the process's thread count].
-                    torch.get_num_threads()
+                    if torch.get_num_threads() != threads_here:
+                        torch.set_num_threads(threads_here)
                     # See Note [Each rank runs its own backward].
                     with (
                         torch.autograd.set_multithreading_enabled(False),
@@ -613,7 +618,7 @@ class World:
                 changed.set()
 
         threads = [
-            threading.Thread(target=rank_main, args=(r,), name=f"fakepg-rank-{r}", daemon=True)
+            _threads.Job(target=rank_main, args=(r,), name=f"fakepg-rank-{r}")
             for r in range(self.world_size)
         ]
         if scheduler is not None:
@@ -940,7 +945,7 @@ def run(
 
 
 def _join_ranks(
-    world: World, threads: list[threading.Thread], changed: threading.Event, grace_s: float
+    world: World, threads: list[_threads.Job], changed: threading.Event, grace_s: float
 ) -> list[int]:
     """Wait for every rank thread; once the world is aborted or closed, stop the stragglers.
 

@@ -1,0 +1,561 @@
+"""The testing library against torch's own test machinery: the same test written three ways.
+
+One test, one step of torch's DDP on a small MLP (width, batch and data drawn by Hypothesis;
+the reduced gradients and the parameters after an SGD step compared with the mean of the
+ranks' local gradients), run
+
+- ``fakepg``: with this library (``check_data_parallel``, ``check_comm_hook``) on the fake
+  world;
+- ``threaded``: on torch's threaded process group
+  (``torch.testing._internal.distributed.multi_threaded_pg``), the ranks on threads started
+  for each example as ``MultiThreadedTestCase`` starts them for each test;
+- ``gloo spawn``: one process per rank on gloo, spawned for each example as torch's
+  ``MultiProcessTestCase`` spawns them for each test;
+- ``gloo pool``: one process per rank on gloo, spawned once and handed every example.
+
+The anchors check what the library checks: each rank's reduced gradients and parameters
+against the mean of the local ones (computed on the calling thread from plain models), with
+``torch.testing.assert_close``'s default tolerance (their reductions' order is not pinned).
+
+Rows: (a) ``check_data_parallel`` on torch's DDP at W = 2, 3, 4: examples per second;
+(b) a comm hook check (torch's ``allreduce_hook``) at W = 2: examples per second; (c) a
+seeded bug, a comm hook that forgets to divide by the world size once a bucket holds more
+than 96 elements, found and shrunk at W = 2: seconds to the first failing example and to
+the end of shrinking (median over ``--seeds`` seeds), and the shrunk width.
+
+``--suite``: torch's own DDP test suite, CPU-mapped (``benchmarks/torch_ddp_suite.py --mode
+cpu --impl torch``), on gloo processes, whole run (slow: minutes).
+
+    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 40] [--seeds 3]
+        [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--suite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for _path in (str(HERE), str(ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from _common import machine, table  # noqa: E402
+
+IN, OUT, BATCH = 4, 3, 2
+MAX_WIDTH = 32
+# The seeded bug: the hook divides only buckets of at most this many elements.
+BUG_ELEMENTS = 96
+
+
+@dataclass(frozen=True)
+class Example:
+    """What Hypothesis draws: the MLP's hidden width, its seed and the data's."""
+
+    world_size: int
+    width: int
+    seed: int
+    data: int
+
+
+def examples(world_size: int) -> st.SearchStrategy[Example]:
+    return st.builds(
+        Example,
+        st.just(world_size),
+        st.integers(1, MAX_WIDTH),
+        st.integers(0, 2**16),
+        st.integers(0, 2**16),
+    )
+
+
+def make_model(example: Example) -> nn.Module:
+    """The MLP, its parameters from ``example.seed`` (the same on every call, any thread)."""
+    g = torch.Generator().manual_seed(example.seed)
+    model = nn.Sequential(
+        nn.utils.skip_init(nn.Linear, IN, example.width),  # type: ignore[no-untyped-call]
+        nn.Tanh(),
+        nn.utils.skip_init(nn.Linear, example.width, OUT),  # type: ignore[no-untyped-call]
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def inputs(example: Example) -> list[Tensor]:
+    g = torch.Generator().manual_seed(example.data)
+    return [torch.randn(BATCH, IN, generator=g) for _ in range(example.world_size)]
+
+
+def loss(output: Tensor) -> Tensor:
+    return output.double().pow(2).sum()
+
+
+LR = 0.1
+
+
+# -------------------------------------------------------------------------------------------
+# The hooks: torch's allreduce hook, and the seeded bug.
+
+
+def buggy_hook(state: object, bucket: Any) -> torch.futures.Future[Tensor]:
+    """torch's allreduce hook with the divide missing on buckets of more than BUG_ELEMENTS."""
+    buffer = bucket.buffer()
+    group = state if state is not None else dist.group.WORLD
+    size = dist.get_world_size(group)  # type: ignore[arg-type]
+    if buffer.numel() <= BUG_ELEMENTS:
+        buffer.div_(size)
+    fut: Any = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    done: torch.futures.Future[Tensor] = fut.then(lambda f: f.value()[0])
+    return done
+
+
+# torch's DDP checks a hook's annotations as objects; this module's are strings.
+buggy_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def good_hook() -> Callable[..., Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook
+
+
+HOOKS: dict[str, Callable[[], Callable[..., Any] | None]] = {
+    "none": lambda: None,
+    "allreduce": good_hook,
+    "bug": lambda: buggy_hook,
+}
+
+
+# -------------------------------------------------------------------------------------------
+# One rank's step and the anchors' check, shared by the threaded group and gloo.
+
+
+def rank_step(example: Example, rank: int, hook: str) -> tuple[list[Tensor], list[Tensor]]:
+    """On a rank with the default group up: DDP, one step; the reduced gradients, and the
+    parameters after SGD."""
+    model = make_model(example)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    fn = HOOKS[hook]()
+    if fn is not None:
+        ddp.register_comm_hook(None, fn)
+    loss(ddp(inputs(example)[rank])).backward()  # type: ignore[no-untyped-call]
+    grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-LR)  # type: ignore[arg-type]
+    return grads, [p.detach().clone() for p in model.parameters()]
+
+
+def expect(example: Example, results: Sequence[tuple[list[Tensor], list[Tensor]]]) -> None:
+    """The anchors' check: every rank's gradients and parameters against the mean of the
+    ranks' local gradients, from plain models on this thread."""
+    xs = inputs(example)
+    local = []
+    for rank in range(example.world_size):
+        plain = make_model(example)
+        loss(plain(xs[rank])).backward()  # type: ignore[no-untyped-call]
+        local.append([p.grad for p in plain.parameters()])
+    mean = [torch.stack(column).mean(0) for column in zip(*local, strict=True)]
+    start = [p.detach() for p in make_model(example).parameters()]
+    after = [p - LR * g for p, g in zip(start, mean, strict=True)]
+    for rank, (grads, params) in enumerate(results):
+        for i, (got, want) in enumerate(zip(grads, mean, strict=True)):
+            torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} grad {i}: {m}")  # noqa: B023
+        for i, (got, want) in enumerate(zip(params, after, strict=True)):
+            torch.testing.assert_close(got, want, msg=lambda m: f"rank {rank} param {i}: {m}")  # noqa: B023
+
+
+# -------------------------------------------------------------------------------------------
+# The ways.
+
+
+def fakepg_way(hook: str) -> Callable[[Example], None]:
+    """This library: the check on the fake world."""
+    from reducer.testing import TrainingScenario, check_comm_hook, check_data_parallel, torch_ddp
+
+    def check(example: Example) -> None:
+        scenario = TrainingScenario(
+            make_model=lambda: make_model(example),
+            inputs=(tuple((x,) for x in inputs(example)),),
+            loss=loss,
+            lr=LR,
+        )
+        fn = HOOKS[hook]()
+        if fn is None:
+            check_data_parallel(torch_ddp(), scenario)
+        else:
+            check_comm_hook(fn, scenario)
+
+    return check
+
+
+@contextlib.contextmanager
+def threaded_group() -> Iterator[None]:
+    """torch's threaded process group installed, as MultiThreadedTestCase installs it."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    hook = sys.excepthook  # each init_process_group wraps it: put back the one from before
+    c10d: Any = torch._C._distributed_c10d
+    mtpg._install_threaded_pg()  # type: ignore[no-untyped-call]
+    c10d._set_thread_isolation_mode(True)
+    try:
+        yield
+    finally:
+        mtpg._uninstall_threaded_pg()  # type: ignore[no-untyped-call]
+        sys.excepthook = hook
+        # The fake world's backend, registered earlier in this process, keeps isolation on.
+        fake = type(dist.distributed_c10d._world).__name__ == "_PerThreadWorlds"
+        c10d._set_thread_isolation_mode(fake)
+
+
+def threaded_way(hook: str) -> Callable[[Example], None]:
+    """torch's threaded process group: threads started for each example."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    def check(example: Example) -> None:
+        w = example.world_size
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        results: list[Any] = [None] * w
+        errors: list[BaseException] = []
+
+        def rank_main(rank: int) -> None:
+            try:
+                dist.init_process_group("threaded", rank=rank, world_size=w, store=store)
+                try:
+                    with torch.autograd.set_multithreading_enabled(False):
+                        results[rank] = rank_step(example, rank, hook)
+                finally:
+                    dist.destroy_process_group()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(w)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60.0)
+        mtpg.ProcessLocalGroup.reset()  # type: ignore[no-untyped-call]
+        if errors:
+            raise errors[0]
+        expect(example, results)
+
+    return check
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gloo_rank(rank: int, world_size: int, port: int, conn: Any, once: Any) -> None:
+    """A gloo rank: run each example received on ``conn`` (or ``once``), send the result."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        while True:
+            job = once if once is not None else conn.recv()
+            if job is None:
+                break
+            example, hook = job
+            try:
+                conn.send(("ok", rank_step(example, rank, hook)))
+            except Exception as exc:
+                conn.send(("error", repr(exc)))
+            if once is not None:
+                break
+    finally:
+        dist.destroy_process_group()
+
+
+class GlooPool:
+    """``world_size`` gloo ranks in processes, spawned once, handed one example at a time."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.conns = []
+        self.procs = []
+        for rank in range(world_size):
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_gloo_rank, args=(rank, world_size, port, theirs, None))
+            p.start()
+            self.conns.append(mine)
+            self.procs.append(p)
+
+    def run(self, example: Example, hook: str) -> list[Any]:
+        for c in self.conns:
+            c.send((example, hook))
+        return [_result(c.recv()) for c in self.conns]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(30)
+
+
+def _result(reply: tuple[str, Any]) -> Any:
+    if reply[0] != "ok":
+        raise RuntimeError(f"a gloo rank failed: {reply[1]}")
+    return reply[1]
+
+
+def gloo_spawn_run(example: Example, hook: str) -> list[Any]:
+    """One process per rank spawned for this example alone, as a torch test case spawns."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    conns, procs = [], []
+    for rank in range(example.world_size):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(
+            target=_gloo_rank, args=(rank, example.world_size, port, theirs, (example, hook))
+        )
+        p.start()
+        conns.append(mine)
+        procs.append(p)
+    try:
+        return [_result(c.recv()) for c in conns]
+    finally:
+        for p in procs:
+            p.join(30)
+
+
+def gloo_way(hook: str, pool: GlooPool | None) -> Callable[[Example], None]:
+    def check(example: Example) -> None:
+        results = pool.run(example, hook) if pool else gloo_spawn_run(example, hook)
+        expect(example, results)
+
+    return check
+
+
+# -------------------------------------------------------------------------------------------
+# Timing under Hypothesis.
+
+
+@dataclass
+class Run:
+    examples: int
+    seconds: float
+    first_failure: float | None = None
+    shrunk: Example | None = None
+
+
+def hypothesis_run(
+    check: Callable[[Example], None],
+    strategy: st.SearchStrategy[Example],
+    *,
+    max_examples: int,
+    seed: int,
+    shrink: bool,
+) -> Run:
+    """Run ``check`` under Hypothesis (no database, seeded); count and time the examples,
+    the first failure, and the whole run (shrinking included)."""
+    count = 0
+    first: list[float] = []
+    last_failing: list[Example] = []
+    start = time.perf_counter()
+
+    @hypothesis_seed(seed)
+    @settings(
+        max_examples=max_examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+        print_blob=False,
+    )
+    @given(strategy)
+    def prop(example: Example) -> None:
+        nonlocal count
+        count += 1
+        try:
+            check(example)
+        except Exception:
+            if not first:
+                first.append(time.perf_counter() - start)
+            last_failing.append(example)
+            raise
+
+    failed = False
+    try:
+        prop()
+    except Exception:
+        failed = True
+    seconds = time.perf_counter() - start
+    run = Run(count, seconds)
+    if failed:
+        run.first_failure = first[0] if first else None
+        run.shrunk = last_failing[-1] if last_failing else None
+    return run
+
+
+WAYS = ("fakepg", "threaded", "gloo-pool", "gloo-spawn")
+
+
+def make_check(way: str, hook: str, world_size: int, stack: contextlib.ExitStack) -> Any:
+    if way == "fakepg":
+        return fakepg_way(hook)
+    if way == "threaded":
+        stack.enter_context(threaded_group())
+        return threaded_way(hook)
+    if way == "gloo-pool":
+        pool = GlooPool(world_size)
+        stack.callback(pool.close)
+        return gloo_way(hook, pool)
+    return gloo_way(hook, None)
+
+
+def throughput(way: str, hook: str, world_size: int, n: int, seed: int) -> float:
+    with contextlib.ExitStack() as stack:
+        check = make_check(way, hook, world_size, stack)
+        # One untimed example: imports, the pool's start-up, first-call costs.
+        check(Example(world_size, 4, 0, 0))
+        run = hypothesis_run(check, examples(world_size), max_examples=n, seed=seed, shrink=False)
+    return run.examples / run.seconds
+
+
+def bug_hunt(way: str, seeds: Sequence[int], examples_cap: int) -> list[Run]:
+    runs = []
+    with contextlib.ExitStack() as stack:
+        check = make_check(way, "bug", 2, stack)
+        check(Example(2, 4, 0, 0))
+        for s in seeds:
+            runs.append(
+                hypothesis_run(check, examples(2), max_examples=examples_cap, seed=s, shrink=True)
+            )
+    return runs
+
+
+def suite(timeout: int) -> list[list[object]]:
+    """torch's DDP suite CPU-mapped on gloo processes, whole run, timed."""
+    command = [
+        sys.executable, str(HERE / "torch_ddp_suite.py"), "--mode", "cpu", "--impl", "torch",
+        "--quiet", "--timeout", str(timeout),
+    ]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    summary = [ln for ln in done.stdout.splitlines() if ln.startswith("summary")]
+    return [["torch's DDP suite, cpu-mapped", "gloo processes", seconds, " ".join(summary)]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=40, help="examples per row and way")
+    parser.add_argument("--spawn-examples", type=int, default=3, help="for gloo-spawn")
+    parser.add_argument("--world-sizes", default="2,3,4")
+    parser.add_argument("--seeds", type=int, default=3, help="bug hunts per way (median)")
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--skip-bug", action="store_true")
+    parser.add_argument("--suite", action="store_true", help="also torch's DDP suite on gloo")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    ways = [w for w in args.ways.split(",") if w]
+    for way in ways:
+        if way not in WAYS:
+            raise SystemExit(f"--ways: {way!r} is none of {', '.join(WAYS)}")
+    print(f"# the testing library against torch's test machinery\n# machine: {machine()}\n")
+    rows: list[list[object]] = []
+    cases = [(f"(a) check_data_parallel, W={w}", "none", w) for w in _ints(args.world_sizes)]
+    cases.append(("(b) check_comm_hook (allreduce_hook), W=2", "allreduce", 2))
+    for name, hook, w in cases:
+        rates = {}
+        for way in ways:
+            n = args.spawn_examples if way == "gloo-spawn" else args.examples
+            rates[way] = throughput(way, hook, w, n, seed=0)
+        rows.append([name, *_rate_cells(rates, ways)])
+    headers = ["examples/s", *ways, *(f"fakepg / {w}" for w in ways if w != "fakepg")]
+    print(table(headers, rows))
+    if not args.skip_bug:
+        print(
+            f"\n# (c) the seeded bug (no divide once a bucket holds > {BUG_ELEMENTS} elements), "
+            f"W=2, median of {args.seeds} seeds\n"
+        )
+        bug_rows = []
+        seeds = list(range(args.seeds))
+        for way in ways:
+            hunt_seeds = seeds[:1] if way == "gloo-spawn" else seeds
+            runs = bug_hunt(way, hunt_seeds, 200)
+            found = [r for r in runs if r.first_failure is not None]
+            if not found:
+                bug_rows.append([way, len(runs), 0, "-", "-", "-", "-"])
+                continue
+            bug_rows.append(
+                [
+                    way,
+                    len(runs),
+                    len(found),
+                    statistics.median(r.first_failure or 0.0 for r in found),
+                    statistics.median(r.seconds for r in found),
+                    statistics.median(r.examples for r in found),
+                    sorted({r.shrunk.width for r in found if r.shrunk}),
+                ]
+            )
+        print(
+            table(
+                [
+                    "way",
+                    "runs",
+                    "found",
+                    "s to first failure",
+                    "s to shrunk",
+                    "examples run",
+                    "shrunk width",
+                ],
+                bug_rows,
+            )
+        )
+    if args.suite:
+        print("\n# torch's own DDP suite\n")
+        print(table(["suite", "on", "seconds", "result"], suite(300)))
+
+
+def _rate_cells(rates: dict[str, float], ways: list[str]) -> list[object]:
+    cells: list[object] = [rates[w] for w in ways]
+    if "fakepg" in rates:
+        cells += [f"{rates['fakepg'] / rates[w]:.2f}x" for w in ways if w != "fakepg"]
+    return cells
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+if __name__ == "__main__":
+    main()
