@@ -14,7 +14,7 @@ The convention every page follows (Sybil parses the pages; the evaluators are he
 - any other block (```text, ```toml, ```json without the marker) is shown, never run.
 
 Pages whose blocks take more than a few seconds run in the full run only (``slow``); a page
-is slow unless it is listed in ``QUICK_PAGES``.
+is slow unless it is listed in ``QUICK_PAGES`` or has nothing to run.
 """
 
 from __future__ import annotations
@@ -38,8 +38,16 @@ from sybil.parsers.markdown.lexers import RawFencedCodeBlockLexer
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Pages whose examples run in a few seconds: the quick run (-m "not slow") runs them too.
-QUICK_PAGES = frozenset({"docs/howto/torch-versions.md", "docs/design/layout.md"})
+# Pages whose examples run in a few seconds: the quick run (-m "not slow") runs them too, and
+# every page with nothing to run.
+QUICK_PAGES = frozenset(
+    {
+        "docs/design/fake-world.md",
+        "docs/howto/reducer-in-your-code.md",
+        "docs/howto/torch-versions.md",
+        "docs/tutorials/races.md",
+    }
+)
 
 # The stdout of the last block run on a page, for the ```text block that shows it.
 _LAST_OUTPUT = "__docs_last_output__"
@@ -210,9 +218,14 @@ def run_page(path: Path) -> list[str]:
     return failures
 
 
+def _runs_anything(page: str) -> bool:
+    return any(True for _ in _sybil().parse(ROOT / page))
+
+
 def _page_params() -> Iterable[object]:
     for page in pages():
-        marks = () if page in QUICK_PAGES else (pytest.mark.slow,)
+        quick = page in QUICK_PAGES or not _runs_anything(page)
+        marks = () if quick else (pytest.mark.slow,)
         yield pytest.param(page, id=page, marks=marks)
 
 

@@ -649,11 +649,12 @@ def test_torchrun_flags_a_launch_cannot_honour_are_refused(
 
 
 def test_the_launch_examples_name_scripts_that_exist() -> None:
-    """Every ``python -m reducer launch`` example in the README and in the command's help runs
-    a script of this repository (a newcomer copies them)."""
+    """Every ``python -m reducer launch`` example in the README, the docs and the command's help
+    runs a script of this repository (a newcomer copies them)."""
     from reducer.tools import launch
 
-    texts = [(ROOT / "README.md").read_text(), launch.__doc__ or ""]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    texts = [*(page.read_text() for page in pages), launch.__doc__ or ""]
     examples = [
         line
         for text in texts
