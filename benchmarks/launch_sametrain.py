@@ -11,6 +11,12 @@ repeat (drift and other load hit all alike): the anchor ``--no-check`` (neither 
 ``--no-check --same-training`` (the evidence alone), and the default (the replica check and the
 evidence), with ``--no-same-training`` (the replica check alone) for reference.
 
+On two shared cores the launch's step times move by tens of percent from run to run, more than
+the evidence costs; so the evidence's own work is also timed alone, on one thread: the
+nanoGPT-style model's step (two micro-steps, AdamW, one intra-op thread) with the recorder
+installed (this thread as rank 0, the model taken as the wrapper) against the same step
+without, alternating step by step; medians over every step.
+
     python benchmarks/launch_sametrain.py                  # N = 2, 4
     python benchmarks/launch_sametrain.py --nprocs 2 --repeats 3 --steps 10
 """
@@ -69,6 +75,40 @@ def mlp_step_ms(nproc: int, flags: list[str]) -> float:
     return seconds / steps * 1e3
 
 
+def recorder_cost(steps: int, rounds: int) -> tuple[float, float]:
+    """Median ms per step of the nanoGPT-style model on this thread, without and with the
+    recorder (see the module's docstring)."""
+    import torch
+
+    sys.path.insert(0, str(NANOGPT.parent))
+    import nanogpt_train as gpt
+
+    from reducer.sametrain._evidence import Recorder
+
+    torch.manual_seed(0)
+    model = gpt.GPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def one_step() -> float:
+        start = time.perf_counter()
+        for _ in range(2):
+            x, y = gpt.get_batch(4)
+            (model(x, y) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return (time.perf_counter() - start) * 1e3
+
+    torch.set_num_threads(1)
+    plain, recorded = [], []
+    for _ in range(rounds * steps):  # step by step, alternating: load hits both alike
+        plain.append(one_step())
+        recorder = Recorder(1, lambda: 0)
+        with recorder:
+            recorder.watch(model)
+            recorded.append(one_step())
+    return median(plain), median(recorded)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nprocs", default="2,4")
@@ -93,6 +133,14 @@ def main() -> None:
                 ms = median(times[name])
                 rows.append([nproc, script, name, ms, min(times[name]), ms / anchor])
     print(table(["N", "script", "variant", "step ms", "min ms", "vs anchor"], rows))
+    plain, recorded = recorder_cost(steps=50, rounds=args.repeats)
+    print()
+    print(
+        table(
+            ["one thread, nanoGPT-style step", "plain ms", "recorded ms", "evidence us", "ratio"],
+            [["median of steps", plain, recorded, (recorded - plain) * 1e3, recorded / plain]],
+        )
+    )
 
 
 if __name__ == "__main__":
