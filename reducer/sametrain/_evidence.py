@@ -173,7 +173,7 @@ def _candidates(wrapper: nn.Module) -> list[tuple[str, nn.Module]]:
     inner = getattr(wrapper, "module", wrapper)
     kinds = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
     return [
-        (f"{name or 'model'} ({type(module).__name__})", module)
+        (f"'{name}' ({type(module).__name__})" if name else type(module).__name__, module)
         for name, module in inner.named_modules()
         if isinstance(module, kinds) and not isinstance(module, nn.SyncBatchNorm)
     ]
