@@ -132,10 +132,19 @@ def fingerprint(value: Any) -> str:
     for tensor in _tensors(value):
         t = tensor.detach()
         digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        if t.numel():
+        if not t.numel():
+            continue
+        if t.device.type == "cpu" and t.is_contiguous() and t.dtype in _NUMPY_DTYPES:
+            digest.update(t.numpy().data)  # the fast path: the tensor's memory, no copy
+        else:
             flat = t.to("cpu").contiguous().reshape(-1)
             digest.update(flat.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+_NUMPY_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8}
+)
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:
@@ -159,19 +168,30 @@ def _wrapper_types() -> tuple[type[nn.Module], ...]:
     return (nn.parallel.DistributedDataParallel, reducer.DistributedDataParallel)
 
 
-def _modules_of(wrapper: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The wrapped model's active Dropout modules and unsynced training BatchNorms."""
+def _candidates(wrapper: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The wrapped model's Dropout modules and unsynced BatchNorms, named."""
     inner = getattr(wrapper, "module", wrapper)
+    kinds = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+    return [
+        (f"'{name}' ({type(module).__name__})" if name else type(module).__name__, module)
+        for name, module in inner.named_modules()
+        if isinstance(module, kinds) and not isinstance(module, nn.SyncBatchNorm)
+    ]
+
+
+def _modules_of(
+    candidates: list[tuple[str, nn.Module]],
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of the candidates, the active Dropout modules and the BatchNorms in training mode."""
     dropout, batchnorm = [], []
-    for name, module in inner.named_modules():
+    for name, module in candidates:
         if not module.training:
             continue
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            dropout.append(f"{name or 'model'} ({type(module).__name__})")
-        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
-            module, nn.SyncBatchNorm
-        ):
-            batchnorm.append(f"{name or 'model'} ({type(module).__name__})")
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                dropout.append(name)
+        else:
+            batchnorm.append(name)
     return tuple(dropout), tuple(batchnorm)
 
 
@@ -212,9 +232,8 @@ class Recorder:
         self.rank_of = rank_of
         self.ranks = [RankEvidence(r) for r in range(world_size)]
         self._undo: list[Callable[[], None]] = []
-        self._wrappers: tuple[type[nn.Module], ...] = ()
-        # Modules whose forwards count as a wrapper's (a training step under test has none).
-        self.models: set[int] = set()
+        # id(wrapper) -> (the wrapper, held so that its id is not reused; its candidates)
+        self._candidates: dict[int, tuple[nn.Module, list[tuple[str, nn.Module]]]] = {}
 
     def _current(self) -> RankEvidence | None:
         rank = self.rank_of()
@@ -249,13 +268,14 @@ class Recorder:
     # ---------------------------------------------------------------------------------------
 
     def _install(self) -> None:
-        from torch.nn.modules import module as _module
         from torch.optim import optimizer as _optimizer
         from torch.utils.data import DataLoader, DistributedSampler
         from torch.utils.data import dataloader as _dataloader
 
-        self._wrappers = _wrapper_types()
-        self._undo.append(_module.register_module_forward_pre_hook(self._on_forward).remove)
+        # The wrappers' forward methods, not a global module hook: a global hook sends every
+        # module's call through torch's slow path.
+        for wrapper in _wrapper_types():
+            self._patch(wrapper, "forward", self._wrapper_forward)
         self._undo.append(_optimizer.register_optimizer_step_pre_hook(self._before_step).remove)
         self._undo.append(_optimizer.register_optimizer_step_post_hook(self._after_step).remove)
         self._patch(Tensor, "backward", self._backward)
@@ -265,13 +285,30 @@ class Recorder:
         self._patch(_dataloader._BaseDataLoaderIter, "__next__", self._loader_next)
         self._patch(DistributedSampler, "set_epoch", self._set_epoch)
 
+    def watch(self, module: nn.Module) -> None:
+        """Record ``module``'s forwards as a wrapper's (a training step under test has no
+        wrapper), until the recorder exits."""
+        self._undo.append(module.register_forward_pre_hook(self._on_forward).remove)
+
+    def _wrapper_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            recorder._on_forward(module, args)
+            return original(module, *args, **kwargs)
+
+        forward.__doc__ = original.__doc__
+        return forward
+
     def _on_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if not isinstance(module, self._wrappers) and id(module) not in self.models:
-            return
         record = self._current()
         if record is None or not module.training or not torch.is_grad_enabled():
             return
-        dropout, batchnorm = _modules_of(module)
+        known = self._candidates.get(id(module))
+        if known is None:  # once per wrapper: a model's modules are set before training
+            known = self._candidates[id(module)] = (module, _candidates(module))
+        candidates = known[1]
+        dropout, batchnorm = _modules_of(candidates)
         record.forwards.append(
             ForwardEv(
                 record.steps,

@@ -53,6 +53,7 @@ class Verdict:
     findings: list[Finding] = field(default_factory=list)
     silenced: list[Finding] = field(default_factory=list)  # declared deliberate
     notes: list[str] = field(default_factory=list)  # what was checked, what could not be
+    seen: list[str] = field(default_factory=list)  # what the evidence holds, one line each
 
     @property
     def same(self) -> bool:
@@ -77,6 +78,7 @@ class Verdict:
             f"evidence: {self.steps} optimizer step(s), {self.forwards} training forward(s) "
             "per rank",
         ]
+        lines += [f"  {line}" for line in self.seen]
         for finding in self.findings:
             lines += [
                 f"FINDING ({finding.cause}): {finding.text}",
@@ -104,6 +106,7 @@ def judge(
         if world < 2:
             verdict.notes.append("one rank: nothing to compare")
         return verdict
+    verdict.seen += _seen(ranks)
     found: list[Finding] = []
     same_batches = _same_batches(ranks, found, seeds)
     if not same_batches:
@@ -121,6 +124,36 @@ def judge(
 
 # -------------------------------------------------------------------------------------------
 # Data.
+
+
+def _seen(ranks: Sequence[RankEvidence]) -> list[str]:
+    """What the evidence holds: the training loaders and the loss functions (rank 0's)."""
+    lines = []
+    for loaders in _training_loaders(ranks):
+        first = loaders[0]
+        epochs = len(first.epochs)
+        if first.num_replicas is None:
+            lines.append(
+                f"data: DataLoader #{first.order} with a {first.sampler}, {epochs} epoch(s)"
+            )
+            continue
+        calls = len(ranks[0].samplers.get(first.sampler_id, []))
+        lines.append(
+            f"data: DataLoader #{first.order} with a DistributedSampler (num_replicas="
+            f"{first.num_replicas}, shuffle={first.shuffle}), {epochs} epoch(s), set_epoch "
+            f"called {calls} time(s) on rank 0"
+        )
+    if not lines:
+        lines.append("data: no DataLoader fed the model: its inputs' fingerprints are compared")
+    losses = sorted(
+        {f"{loss.name} ({loss.reduction})" for b in ranks[0].backwards for loss in b.losses}
+    )
+    backwards = len(ranks[0].backwards)
+    lines.append(
+        f"loss: {', '.join(losses) if losses else 'no torch loss function seen'}, "
+        f"{backwards} backward(s) on rank 0"
+    )
+    return lines
 
 
 def _by_key(ranks: Sequence[RankEvidence]) -> dict[tuple[int, int], list[ForwardEv]]:

@@ -62,7 +62,8 @@ def check_same_training(
     recorder = Recorder(world + 1, lambda: getattr(local, "rank", None))  # rank W: the replay
     replicas = [copy.deepcopy(base) for _ in range(world)]
     single = copy.deepcopy(base)
-    recorder.models = {id(m) for m in (*replicas, single)}
+    for watched in (*replicas, single):
+        recorder.watch(watched)
     grads: list[list[Tensor]] = []
     with recorder:
         for rank, replica in enumerate(replicas):
