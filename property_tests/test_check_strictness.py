@@ -9,16 +9,21 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
   comparison with any tolerance lets it pass;
 - the world sizes: a wrapper that divides by W where torch's DDP multiplies by ``1.0 / W``
   (the same bits at every power of two) must be found by the scenarios within the ``ci``
-  profile's examples: scenarios that never draw three ranks never find it.
+  profile's examples: scenarios that never draw three ranks never find it;
+- the roundings: with the default (any of torch's roundings accepted), a wrapper that gives
+  exactly one rounding (drawn) passes and the report names it, and a wrapper one ulp away
+  (up or down, drawn) from every rounding, element by element, fails: an acceptance of
+  near values, where several roundings are candidates, lets it pass.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, find, given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from reducer.testing import TrainingScenario, check_data_parallel, generated_training_scenarios
@@ -111,3 +116,89 @@ def check_division_is_found() -> TrainingScenario:
 def test_the_scenarios_find_a_division_that_differs_only_at_three_ranks() -> None:
     found = check_division_is_found()
     assert found.world_size == 3, f"found at world size {found.world_size}"
+
+
+# -- the roundings and their one-ulp neighbours ------------------------------------------------
+
+
+def _rank_order_sum(terms: list[Tensor]) -> Tensor:
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def roundings_of(column: list[Tensor]) -> dict[str, Tensor]:
+    """torch's three roundings of the average of ``column`` (rank order), written out here
+    rather than taken from the code under test."""
+    world = len(column)
+    return {
+        "reciprocal": _rank_order_sum([g * (1.0 / world) for g in column]),
+        "divide": _rank_order_sum([g / world for g in column]),
+        "sum_then_divide": _rank_order_sum(column) / world,
+    }
+
+
+class _Rounded(NaiveDataParallel):
+    """Every gradient, once accumulated, is gathered from every rank and replaced by the
+    average with ``rounding``, moved ``ulps`` (-1, 0, +1) units in the last place; an
+    element moved onto another rounding moves on, so that a moved gradient equals no
+    rounding anywhere."""
+
+    rounding: ClassVar[str] = "reciprocal"
+    ulps: ClassVar[int] = 0
+
+    def _reduce(self, p: Tensor) -> None:
+        assert p.grad is not None
+        world = self.pg.size()
+        gathered = [torch.empty_like(p.grad) for _ in range(world)]
+        self.pg.allgather([gathered], [p.grad.detach().clone()]).wait()
+        every = roundings_of(gathered)
+        value = every[self.rounding]
+        if self.ulps:
+            toward = torch.full_like(value, float("inf") if self.ulps > 0 else float("-inf"))
+            value = torch.nextafter(value, toward)
+            for _ in range(len(every)):  # past any rounding it landed on
+                on_one = torch.zeros_like(value, dtype=torch.bool)
+                for other in every.values():
+                    on_one |= value == other
+                value = torch.where(on_one, torch.nextafter(value, toward), value)
+        p.grad.copy_(value)
+
+
+def rounded(rounding: str, ulps: int) -> type[NaiveDataParallel]:
+    """The wrapper that gives ``rounding`` moved by ``ulps``: see :class:`_Rounded`."""
+    return type(f"Rounded_{rounding}_{ulps}", (_Rounded,), {"rounding": rounding, "ulps": ulps})
+
+
+RoundingCase = tuple[TrainingScenario, str, int]
+
+
+@st.composite
+def rounding_cases(draw: st.DrawFn) -> RoundingCase:
+    """(scenario, a rounding, its neighbour: 0 for itself, -1 or +1 ulp); a neighbour two
+    times in three."""
+    s = draw(strictness_scenarios())
+    rounding = draw(st.sampled_from(["reciprocal", "divide", "sum_then_divide"]))
+    return s, rounding, draw(st.sampled_from([1, -1, 0]))
+
+
+def check_roundings_and_neighbours(case: RoundingCase) -> None:
+    """The property: with the default (any rounding), a rounding passes and is reported; a
+    value one ulp away from every rounding fails, as not bitwise equal."""
+    s, rounding, ulps = case
+    wrapper = rounded(rounding, ulps)
+    if ulps == 0:
+        report = check_data_parallel(wrapper, s)
+        assert rounding in report.roundings, (rounding, report.roundings)
+        return
+    with pytest.raises(AssertionError, match="not bitwise equal to the exact reference"):
+        check_data_parallel(wrapper, s)
+
+
+@given(rounding_cases())
+def test_the_default_check_takes_every_rounding_and_no_neighbour(case: RoundingCase) -> None:
+    s, rounding, ulps = case
+    note_size(len(list(s.make_model().parameters())), s.world_size)
+    event(f"{rounding}, moved {ulps} ulp, world size {s.world_size}")
+    check_roundings_and_neighbours(case)

@@ -41,6 +41,8 @@ from .mutants import CATALOGUE, Mutant, applied
 from .test_check_strictness import (
     check_division_is_found,
     check_one_ulp_is_caught,
+    check_roundings_and_neighbours,
+    rounding_cases,
     strictness_scenarios,
 )
 from .test_cluster_files import check_rate_spelling, rate_spellings
@@ -59,6 +61,7 @@ from .test_launch_preimport import check_preimport, scripts
 from .test_misuse import ANY_FLOAT, check_loss_scales, check_model_factory, model_factories
 from .test_multi_iteration import TrainingMachine
 from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
+from .test_stream_order import StreamScenario, check_stream_order, stream_scenarios
 from .test_torch_comm_hooks import (
     MAGNITUDES,
     SCENARIOS,
@@ -68,9 +71,11 @@ from .test_torch_comm_hooks import (
 from .test_torch_equivalence import check_bucket_assignment
 from .test_training_steps import (
     OUR_MICRO,
+    check_hierarchical_averaging,
     check_micro_batches_ours,
     check_micro_batches_torch,
     check_post_local_sgd,
+    hierarchical_cases,
     local_sgd_cases,
     two_synced_micro_batches,
 )
@@ -162,6 +167,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example.parameters, example.world_size
     if isinstance(example, BucketScenario):
         return example.parameter_count, example.world_size
+    if isinstance(example, StreamScenario):  # collectives of one small tensor: no model
+        return 0, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -786,6 +793,24 @@ CASES: dict[str, Case] = {
     # One rank is enough: the gradient one ulp off the exact one passes a tolerance.
     "check compares with a tolerance": Case(
         strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1
+    ),
+    # One rank is enough: every rounding is its gradient, and its neighbour is none.
+    "check takes a value one ulp from a rounding for it": Case(
+        rounding_cases(), check_roundings_and_neighbours, lambda c: c[0].world_size == 1
+    ),
+    # Two ranks, groups of one and of two: step 0 is divided by both periods.
+    "hierarchical averaging picks the smallest period": Case(
+        hierarchical_cases(), check_hierarchical_averaging, lambda c: c[0].world_size == 2
+    ),
+    # Two ranks, the first's input written on a stream the side stream never waits for.
+    "stream order waits for the last issuer only": Case(
+        stream_scenarios(), check_stream_order, lambda s: s.world_size == 2
+    ),
+    # Two ranks, uneven steps without join().
+    "replica check reads join from a truthy configuration": Case(
+        check_scenarios(("plain",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and not s.join,
     ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
