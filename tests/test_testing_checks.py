@@ -354,3 +354,22 @@ def test_a_check_builds_the_model_once_per_rank_and_copy_plus_the_determinism_ch
     # An optimizer= is built on the first copy: that one is not reused.
     check_data_parallel(torch_ddp(), scenario, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert len(built) == 2 * world_size + 1
+
+
+def test_a_comm_hook_check_starts_no_timer_thread_per_hook_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every hook call's deadline waits on one shared thread, not a threading.Timer each."""
+
+    def no_timer(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a threading.Timer was started for a hook call")
+
+    def relayed(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        # A future of its own (the watched kind), completed from the collective's.
+        out: torch.futures.Future[Tensor] = torch.futures.Future()
+        _divide_the_sum(state, bucket).add_done_callback(lambda f: out.set_result(f.value()))
+        return out
+
+    relayed.__annotations__ = _divide_the_sum.__annotations__
+    monkeypatch.setattr("threading.Timer", no_timer)
+    check_comm_hook(relayed, TrainingScenario(_mlp, _inputs(2, 3)))
