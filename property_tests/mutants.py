@@ -1275,7 +1275,9 @@ def _finite_scale_unchecked(value: object, argument: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def _model_built_once(make_model: Callable[[], torch.nn.Module], argument: str) -> Any:
+def _model_built_once(
+    make_model: Callable[[], torch.nn.Module], argument: str, *, spare: Any = None
+) -> Any:
     """The model factory called once, not checked for determinism: an unseeded factory
     reaches the ranks and shows as a gradient mismatch blamed on the wrapper."""
     return make_model()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import reducer
 from reducer.testing import (
@@ -328,3 +329,47 @@ def test_gradients_on_the_wrong_parameter_are_diagnosed() -> None:
             TrainingScenario(_twins, inputs),
             after_backward=SwappedParallel.finish_gradient_synchronization,
         )
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_check_builds_the_model_once_per_rank_and_copy_plus_the_determinism_check(
+    world_size: int,
+) -> None:
+    """The two builds that show the factory deterministic serve as plain copies of the
+    reference: two, then one per rank, then the reference's others (W + 2 in all where W >= 2,
+    not 2W + 2: a cost of every example)."""
+    built = []
+
+    def make() -> nn.Module:
+        built.append(1)
+        return _mlp()
+
+    scenario = TrainingScenario(make, _inputs(world_size, 1))
+    check_data_parallel(torch_ddp(), scenario)
+    assert len(built) == 2 + world_size + max(0, world_size - 2)
+    built.clear()
+    check_comm_hook(default_hooks.allreduce_hook, scenario)
+    assert len(built) == 2 + world_size + max(0, world_size - 2)
+    built.clear()
+    # An optimizer= is built on the first copy: that one is not reused.
+    check_data_parallel(torch_ddp(), scenario, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert len(built) == 2 * world_size + 1
+
+
+def test_a_comm_hook_check_starts_no_timer_thread_per_hook_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every hook call's deadline waits on one shared thread, not a threading.Timer each."""
+
+    def no_timer(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a threading.Timer was started for a hook call")
+
+    def relayed(state: object, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        # A future of its own (the watched kind), completed from the collective's.
+        out: torch.futures.Future[Tensor] = torch.futures.Future()
+        _divide_the_sum(state, bucket).add_done_callback(lambda f: out.set_result(f.value()))
+        return out
+
+    relayed.__annotations__ = _divide_the_sum.__annotations__
+    monkeypatch.setattr("threading.Timer", no_timer)
+    check_comm_hook(relayed, TrainingScenario(_mlp, _inputs(2, 3)))

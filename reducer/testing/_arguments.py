@@ -239,10 +239,13 @@ def mixed_precision_option(options: Mapping[str, Any], argument: str) -> None:
 # The scenario's model and inputs.
 
 
-def deterministic_model(make_model: Callable[[], nn.Module], argument: str) -> nn.Module:
+def deterministic_model(
+    make_model: Callable[[], nn.Module], argument: str, *, spare: list[nn.Module] | None = None
+) -> nn.Module:
     """Build the model twice (the calling thread's random stream left as it was): both must
     have the same parameters and buffers, bit for bit, since every rank and the reference
-    build their own copy. Returns the first."""
+    build their own copy. Returns the first; the second is appended to ``spare`` (a copy the
+    reference may use as one rank's plain model instead of building one more)."""
     if not callable(make_model):
         raise InvalidArgumentType(
             f"{argument} is {describe(make_model)}; expected a function that builds the "
@@ -275,6 +278,8 @@ def deterministic_model(make_model: Callable[[], nn.Module], argument: str) -> n
             "factory: make_model=lambda: (torch.manual_seed(0), MyModel())[1], or copy fixed "
             "weights in (a torch.Generator seeded in the factory)"
         )
+    if spare is not None:
+        spare.append(second)
     return first
 
 

@@ -93,9 +93,12 @@ def judge(
     broadcast_buffers: bool,
     check_strides: bool,
     bounds: Bounds,
+    built: Sequence[torch.nn.Module] = (),
 ) -> CheckReport:
+    """Replay ``s`` on plain models (``built``: some already built by ``make_model`` and
+    untouched, used first) and compare every rank's trace with what ``reference`` says."""
     world = s.world_size
-    plain = _Plain(s, reference.optimizer or optimizer)
+    plain = _Plain(s, reference.optimizer or optimizer, built)
     models, names, params, optims = plain.models, plain.names, plain.params, plain.optims
     ignored = frozenset(i for i, n in enumerate(names) if n in s.ignored)
     matched: Counter[str] = Counter()
@@ -221,9 +224,15 @@ class _Plain:
     the scenario says, whose local gradients the reference turns into what each rank must
     hold (each step's :class:`StepGradients`)."""
 
-    def __init__(self, s: TrainingScenario, optimizer: OptimizerFactory | None) -> None:
+    def __init__(
+        self,
+        s: TrainingScenario,
+        optimizer: OptimizerFactory | None,
+        built: Sequence[torch.nn.Module] = (),
+    ) -> None:
         self.s = s
-        self.models = [s.make_model() for _ in range(s.world_size)]
+        kept = list(built[: s.world_size])
+        self.models = kept + [s.make_model() for _ in range(s.world_size - len(kept))]
         self.names = tuple(name for name, _ in self.models[0].named_parameters())
         self.params = [list(m.parameters()) for m in self.models]
         make_opt = optimizer or (lambda ps: SGD(ps, s.lr))

@@ -11,9 +11,11 @@ after each step.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import io
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -430,10 +432,8 @@ def _watched(
                 if not outer.done():
                     outer.set_exception(error)  # type: ignore[arg-type]
 
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
-        outer.add_done_callback(lambda _: timer.cancel())
+        key = _DEADLINES.add(timeout, expire)
+        outer.add_done_callback(lambda _: _DEADLINES.cancel(key))
         inner.add_done_callback(relay)
         return outer
 
@@ -442,6 +442,61 @@ def _watched(
     watched.__name__ = getattr(hook, "__name__", "hook")
     watched.__qualname__ = getattr(hook, "__qualname__", "hook")
     return watched
+
+
+class _Deadlines:
+    """One thread for every watched hook's deadline (a thread per hook call would cost each
+    example of a check more than its collectives): ``add(seconds, expire)`` calls ``expire``
+    on that thread once the time is up, unless ``cancel`` came first. ``expire`` must not
+    block. Started on first use; it exits when it has nothing left to wait for.
+
+    # Guarantees: add and cancel are safe from any thread; _cond guards every field. A
+    # cancelled entry drops its function at once (the heap keeps only its time and key).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Callable[[], None]] = {}
+        self._count = 0
+        self._running = False
+
+    def add(self, seconds: float, expire: Callable[[], None]) -> int:
+        with self._cond:
+            self._count += 1
+            key = self._count
+            self._live[key] = expire
+            heapq.heappush(self._heap, (time.monotonic() + seconds, key))
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="hook-deadlines", daemon=True).start()
+            elif self._heap[0][1] == key:
+                self._cond.notify()  # a new earliest deadline
+            return key
+
+    def cancel(self, key: int) -> None:
+        with self._cond:
+            self._live.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)  # cancelled
+                if not self._heap:
+                    self._running = False
+                    return
+                due, key = self._heap[0]
+                now = time.monotonic()
+                if due > now:
+                    self._cond.wait(due - now)
+                    continue
+                heapq.heappop(self._heap)
+                expire = self._live.pop(key)
+            expire()
+
+
+_DEADLINES = _Deadlines()
 
 
 def _module_of(wrapper: nn.Module) -> nn.Module:

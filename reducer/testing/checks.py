@@ -92,13 +92,15 @@ def _explain_user_lines_only() -> None:
 def _quiet_torch_logs() -> Iterator[None]:
     _explain_user_lines_only()
     loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    # Only those that would let DEBUG or INFO through: setLevel clears the cache of every
+    # logger of the process (thousands, with torch's), a cost paid per example otherwise.
+    louder = [(lg, lg.level) for lg in loggers if lg.getEffectiveLevel() < logging.WARNING]
+    for lg, _ in louder:
+        lg.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
+        for lg, level in louder:
             lg.setLevel(level)
 
 
@@ -166,10 +168,11 @@ def _preflight(
     optimizer: object = None,
     train_step: object = None,
     after_backward: object = None,
-) -> None:
+) -> list[nn.Module]:
     """A check's arguments, before any rank starts (see :mod:`reducer.testing._arguments`):
     their kinds, the model factory's determinism, and the optimizer the reference will build
-    on the calling thread."""
+    on the calling thread. Returns the models it built and left untouched, for the
+    reference's plain copies (so that a check builds the model W + 2 times, not W + 4)."""
     if not isinstance(scenario, TrainingScenario):
         drawn = hasattr(scenario, "example") and hasattr(scenario, "map")  # a strategy
         raise InvalidArgumentType(
@@ -209,7 +212,10 @@ def _preflight(
                 f"{owner}: {name}= is {_arguments.describe(value)}; expected a function {signature}"
             )
     _arguments.mixed_precision_option(scenario.options, f"{owner}: scenario.options")
-    model = _arguments.deterministic_model(scenario.make_model, "TrainingScenario: make_model")
+    spare: list[nn.Module] = []  # the second build: see deterministic_model
+    model = _arguments.deterministic_model(
+        scenario.make_model, "TrainingScenario: make_model", spare=spare
+    )
     plain: Any = reference.optimizer or optimizer
     if plain is not None:
         argument = (
@@ -220,6 +226,8 @@ def _preflight(
             "this one for its plain models too)"
         )
         _arguments.reference_optimizer(plain, list(model.parameters()), argument)
+        return spare  # the first one's parameters went to an optimizer: not reused
+    return [model, *spare]
 
 
 @reports_schedule
@@ -265,7 +273,7 @@ def check_data_parallel(
     """
     s = scenario
     ref = _reference_for(reference, scaling, average)
-    _preflight(
+    built = _preflight(
         "check_data_parallel",
         make_wrapper,
         s,
@@ -306,6 +314,7 @@ def check_data_parallel(
         broadcast_buffers=broadcast_buffers,
         check_strides=check_strides,
         bounds=Bounds(),
+        built=built,
     )
 
 
@@ -348,7 +357,7 @@ def check_comm_hook(
     _arguments.hook(hook, state)
     wrapper = make_wrapper if make_wrapper is not None else torch_ddp()
     reference = _reference_for(None, scaling, average)
-    _preflight("check_comm_hook", wrapper, scenario, reference)
+    built = _preflight("check_comm_hook", wrapper, scenario, reference)
     if scenario.reload_after is not None:
         raise ValueError(
             "check_comm_hook: a reloaded wrapper has no comm hook (torch's pickling drops the "
@@ -380,4 +389,5 @@ def check_comm_hook(
         broadcast_buffers=True,
         check_strides=False,
         bounds=bounds,
+        built=built,
     )
