@@ -50,7 +50,7 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from . import devices, imports, process, singletons
+from . import children, devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -567,7 +567,9 @@ class _Launch:
             sys.path.insert(0, self.target.path0)
         dist.init_process_group = c10d.init_process_group = init
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
-        self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
+        self.main, restore_process = process.install(
+            self.rank_of_thread, self.stdout, self.stderr, self.environ
+        )
         restore_imports = imports.serialise(timeout=min(30.0, self.world.timeout / 2))
         restore_devices: Any = lambda: None  # noqa: E731
         if self.devices is not None:
@@ -577,9 +579,36 @@ class _Launch:
             )
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
+        restore_children = children.install(self.environ.bound)
+        interval = sys.getswitchinterval()
+
+        def in_child() -> None:
+            # Runs last in a forked child (see .children): the forking rank's environment and
+            # output become the process's, and its collectives are refused.
+            assert self.environ is not None and self.stdout is not None
+            assert self.stderr is not None
+            rank = self.rank_of_thread()
+            children.become_environment(real_environ, self.environ.copy())
+            os.environ = real_environ  # noqa: B003 (the real one back)
+            self._thread_rank.rank = None
+            self.running = False
+            if self.check is not None:
+                self.check.unbind()
+            child_lock = threading.Lock()
+            self.stdout.after_fork(child_lock)
+            self.stderr.after_fork(child_lock)
+            self.world._issue = _refuse_in_child(rank)
+            dist.init_process_group = c10d.init_process_group = torch_init
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+            sys.setswitchinterval(interval)
+
+        remove_child_hook = children.in_forked_child(in_child)
         try:
             yield
         finally:
+            remove_child_hook()
+            restore_children()
             if handler is not None:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
@@ -870,6 +899,16 @@ class _Launch:
                 "launch abandoned its thread"
             )
         return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
+
+
+def _refuse_in_child(rank: int | None) -> Any:
+    """The fake world's entry for every collective, in a forked child: refused, saying why."""
+
+    def refuse(channel: Any, rank_: int, fingerprint: Any, *args: Any, **kwargs: Any) -> Any:
+        what = f"torch.distributed {fingerprint.kind}"
+        raise children.ChildCollectiveError(children.collective_message(rank, what))
+
+    return refuse
 
 
 def _library_dirs() -> tuple[str, ...]:

@@ -33,7 +33,8 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .threads import RankOutput
+from . import children
+from .threads import INHERITED_ENVIRON, INHERITED_MAIN, RankOutput, ThreadEnviron
 
 __all__: list[str] = []
 
@@ -72,6 +73,8 @@ class MainModules(types.ModuleType):
         module: types.ModuleType | None = getattr(
             object.__getattribute__(self, "_local"), "module", None
         )
+        if module is None:  # a thread a rank started: that rank's
+            module = getattr(threading.current_thread(), INHERITED_MAIN, None)
         if module is None:
             real: types.ModuleType = object.__getattribute__(self, "_real")
             return real
@@ -164,11 +167,16 @@ def _signal_message(signum: Any, rank: int) -> str:
 
 
 def install(
-    rank_of_thread: Callable[[], int | None], stdout: RankOutput, stderr: RankOutput
+    rank_of_thread: Callable[[], int | None],
+    stdout: RankOutput,
+    stderr: RankOutput,
+    environ: ThreadEnviron | None = None,
 ) -> tuple[MainModules, Callable[[], None]]:
     """Make the process-wide calls above per rank until the returned function is called;
-    the ``__main__`` stand-in, which each rank thread binds to its module."""
+    the ``__main__`` stand-in, which each rank thread binds to its module. A thread a rank
+    thread starts shares that rank's ``__main__`` and environment (``environ``'s view)."""
     real_exit = os._exit
+    real_start = threading.Thread.start
     real_signal = signal.signal
     real_main = sys.modules["__main__"]
     real_stdin = sys.stdin
@@ -208,17 +216,44 @@ def install(
                 return
             super().__setattr__(name, value)
 
+    def start(thread: threading.Thread) -> None:
+        # Before the thread runs: what its code reads (pickle's __main__, os.environ) is the
+        # starting rank's, as in a torchrun worker (a Pool's task thread pickles __main__.f).
+        module = object.__getattribute__(main, "_target")()
+        if module is not real_main:
+            setattr(thread, INHERITED_MAIN, module)
+        env = None if environ is None else environ.bound()
+        if env is not None:
+            setattr(thread, INHERITED_ENVIRON, env)
+        real_start(thread)
+
     os._exit = _exit
     signal.signal = signal_
+    threading.Thread.start = start  # type: ignore[method-assign, assignment]
     sys.stdin = RankInput(real_stdin, rank_of_thread)
     sys.modules["__main__"] = main
     sys.__class__ = _PerRankSys
 
+    def in_child() -> None:
+        # A forked child is a process of its own: the real calls back, and the forking rank's
+        # run of the script as its __main__ (pickle finds the script's classes there).
+        forking_main = main._target()
+        sys.__class__ = types.ModuleType
+        sys.modules["__main__"] = forking_main
+        sys.stdin = real_stdin
+        signal.signal = real_signal
+        os._exit = real_exit
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+
+    remove_hook = children.in_forked_child(in_child)
+
     def restore() -> None:
+        remove_hook()
         sys.__class__ = types.ModuleType
         sys.modules["__main__"] = real_main
         sys.stdin = real_stdin
         signal.signal = real_signal
         os._exit = real_exit
+        threading.Thread.start = real_start  # type: ignore[method-assign]
 
     return main, restore
