@@ -216,3 +216,34 @@ def test_the_fork_hooks_run_in_the_child_only_while_registered() -> None:
     os.close(write_end)
     with os.fdopen(read, "rb") as got:
         assert got.read() == b"hook"  # the first child only; the parent ran none
+
+
+def test_a_free_threaded_python_runs_the_launch_and_is_said_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is refused with the GIL off (sys._is_gil_enabled() False, as on 3.13t): the
+    launch runs the script and says that rank threads run Python in parallel."""
+    from reducer.tools.launch import gil_note
+
+    assert gil_note(gil_enabled=True) is None
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    script = write(
+        tmp_path,
+        "train.py",
+        """\
+        import os
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(3, 2) * int(os.environ["RANK"])).sum().backward()
+        optimizer.step()
+        print("stepped")
+        """,
+    )
+    assert launch(str(script)) == 0
+    captured = capsys.readouterr()
+    assert "[launch] free-threaded Python (the GIL is off)" in captured.err
+    assert "[rank0]: stepped" in captured.out and "[rank1]: stepped" in captured.out
+    assert "[check] verdict: the ranks stayed in sync" in captured.err

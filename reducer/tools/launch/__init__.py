@@ -277,6 +277,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
+    note = gil_note()
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     check = _replica_check(args, world, nproc)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     launch.check = check
@@ -296,6 +299,21 @@ def run(args: argparse.Namespace) -> int:
     code = 0 if check.stopped else launch.report(sys.stderr)
     check.print_summary()
     return int(check.exit_code(code))
+
+
+def gil_note(*, gil_enabled: bool | None = None) -> str | None:
+    """What the launch says at start on a free-threaded Python (the GIL off: ``gil_enabled``,
+    by default ``sys._is_gil_enabled()``), where it runs everything it runs with the GIL; None
+    with the GIL on (every Python before 3.13, and free-threaded builds that re-enabled it)."""
+    if gil_enabled is None:
+        is_enabled = getattr(sys, "_is_gil_enabled", None)
+        gil_enabled = True if is_enabled is None else bool(is_enabled())
+    if gil_enabled:
+        return None
+    return (
+        "[launch] free-threaded Python (the GIL is off): rank threads run Python in parallel, "
+        "as torchrun's processes do; --switch-interval has no effect"
+    )
 
 
 @dataclass(frozen=True, slots=True)
