@@ -10,8 +10,10 @@ while a launch runs:
 - ``sys.stdout``/``sys.stderr`` assigned on a rank thread redirect that rank's output only
   (``sys``'s class is swapped for :class:`_PerRankSys` for the duration: module attribute
   assignment has no other hook);
-- ``sys.stdin`` and ``input()`` read end-of-file on rank threads, with a note (threads of one
-  process reading one terminal at once is undefined, and Python aborts on it);
+- ``sys.stdin`` (its ``buffer`` too) and ``input()`` read end-of-file on rank threads, with a
+  note, and file descriptor 0 is the null device while the ranks run (``os.read(0, n)``,
+  ``sys.__stdin__``): threads of one process reading one stdin at once would each get an
+  arbitrary part of it, or Python aborts;
 - ``signal.signal`` on a rank thread raises a ValueError that says why and what to do;
 - ``sys.modules["__main__"]`` is :class:`MainModules`: on a rank thread, that rank's run of
   the script (a module of its own), so that pickle finds the script's classes and functions
@@ -130,6 +132,12 @@ class RankInput(io.TextIOBase):
     def read(self, size: int | None = -1) -> str:
         return "" if self._rank_reads() else str(self.real.read(size))
 
+    @property
+    def buffer(self) -> Any:
+        """The binary stream under stdin: empty on rank threads (``sys.stdin.buffer.read()``
+        gives every rank b""), the real one elsewhere."""
+        return io.BytesIO() if self._rank_reads() else self.real.buffer
+
     def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
         return "" if self._rank_reads() else str(self.real.readline(size))
 
@@ -164,6 +172,23 @@ def _signal_message(signum: Any, rank: int) -> str:
         "script's signal handling under torchrun. The launch handles Ctrl-C itself (it prints "
         "where every rank is and stops them)."
     )
+
+
+def _stdin_to_devnull() -> int | None:
+    """Point file descriptor 0 at the null device (a read there is end-of-file) and return a
+    copy of what it was, to put back; None where the process has no fd 0. Reads that bypass
+    ``sys.stdin`` (``sys.__stdin__``, ``os.read(0, n)``, ``open(0)``) then give every rank
+    end-of-file too, instead of whatever part of piped input a rank happens to read first."""
+    try:
+        saved = os.dup(0)
+    except OSError:
+        return None
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    return saved
 
 
 def install(
@@ -227,6 +252,7 @@ def install(
             setattr(thread, INHERITED_ENVIRON, env)
         real_start(thread)
 
+    stdin_fd = _stdin_to_devnull()
     os._exit = _exit
     signal.signal = signal_
     threading.Thread.start = start  # type: ignore[method-assign, assignment]
@@ -249,6 +275,9 @@ def install(
 
     def restore() -> None:
         remove_hook()
+        if stdin_fd is not None:
+            os.dup2(stdin_fd, 0)
+            os.close(stdin_fd)
         sys.__class__ = types.ModuleType
         sys.modules["__main__"] = real_main
         sys.stdin = real_stdin
