@@ -337,7 +337,7 @@ def _device_plan(nproc: int, *, cuda_as_cpu: bool) -> _DevicePlan | None:
             "tensors on the CPU, autocast and GradScaler for 'cuda' run on the CPU, and "
             "device_ids are dropped"
         )
-        return _DevicePlan(devices.as_cpu, True, said)
+        return _DevicePlan(devices.cpu_for(nproc), True, said)
     if not torch.cuda.is_available():
         return None
     count = torch.cuda.device_count()
