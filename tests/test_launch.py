@@ -712,6 +712,55 @@ def test_autocast_and_a_grad_scaler_for_cuda_run_on_the_cpu(
     assert len(sums) == 2 and sums[0] == sums[1]
 
 
+def test_cuda_as_cpu_refuses_what_a_real_node_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Device indices at or beyond device_count() fail as CUDA fails them ("invalid device
+    ordinal"), wherever the script names one; what the CPU cannot stand for is named."""
+    script = tmp_path / "ordinals.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import os
+            import torch
+            local_rank = int(os.environ["LOCAL_RANK"])
+            x = torch.ones(2)
+            attempts = {
+                "set_device": lambda: torch.cuda.set_device(local_rank + 4),
+                "factory": lambda: torch.zeros(2, device=f"cuda:{torch.cuda.device_count()}"),
+                "to": lambda: x.to(torch.device("cuda", 2)),
+                "cuda": lambda: x.cuda(7),
+                "device": lambda: torch.cuda.device(2),
+                "properties": lambda: torch.cuda.get_device_properties(2),
+                "graph": lambda: torch.cuda.CUDAGraph(),
+            }
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                except (RuntimeError, AssertionError) as exc:
+                    print(name, type(exc).__name__, str(exc).split(" (")[0])
+                else:
+                    print(name, "accepted")
+            torch.cuda.set_device(local_rank)  # in range: accepted, as on the node
+            state = torch.cuda.get_rng_state()
+            print("current", torch.cuda.current_device(), torch.equal(state, torch.get_rng_state()))
+            """
+        )
+    )
+    assert cli.main(["launch", "--nproc", "2", "--cuda-as-cpu", str(script)]) == 0
+    out = capsys.readouterr().out
+    invalid = "AcceleratorError CUDA error: invalid device ordinal"
+    for rank in (0, 1):
+        for name in ("set_device", "factory", "to", "cuda", "device"):
+            assert f"[rank{rank}]: {name} {invalid}" in out
+        assert f"[rank{rank}]: properties AssertionError Invalid device id" in out
+        assert (
+            f"[rank{rank}]: graph RuntimeError torch.cuda.CUDAGraph under --cuda-as-cpu: "
+            "the CPU cannot stand for it"
+        ) in out
+        assert f"[rank{rank}]: current {rank} True" in out
+
+
 def test_device_maps() -> None:
     from reducer.tools.launch import devices
 
