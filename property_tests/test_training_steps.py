@@ -187,6 +187,7 @@ def test_this_projects_ddp_gives_torchs_bits_in_any_accumulation(s: TrainingScen
     check_same_bits_as_torch(s)
 
 
+@pytest.mark.slow
 @given(two_synced_micro_batches())
 def test_both_ddps_reduce_a_later_sync_of_a_step_as_the_reference(s: TrainingScenario) -> None:
     # The corner the general scenarios rarely reach (three ranks leaving one head out of a

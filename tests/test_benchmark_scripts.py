@@ -23,6 +23,7 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_property_throughput_runs_every_configuration() -> None:
     out = _run("benchmarks/property_throughput.py", "--examples", "3")
     rows = [line for line in out.splitlines() if line.startswith("|") and "ranks" in line]
@@ -71,6 +72,7 @@ def test_published_figures_prints_predicted_beside_published() -> None:
     assert f"{done} of 4 published figures reproduced within their tolerance" in out
 
 
+@pytest.mark.slow
 def test_fakepg_collectives_time_every_way() -> None:
     out = _run(
         "benchmarks/fakepg_allreduce.py",
@@ -95,6 +97,7 @@ def test_fakepg_collectives_time_every_way() -> None:
         assert (row[10].strip() != "") == (row[1].strip() == "reduce_scatter"), out
 
 
+@pytest.mark.slow
 def test_schedule_throughput_measures_every_workload() -> None:
     out = _run("benchmarks/schedule_throughput.py", "--examples", "2")
     rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]

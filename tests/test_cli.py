@@ -36,6 +36,7 @@ def help_of(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 # -- one entry point, every tool ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_lists_every_tool_model_and_preset() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "reducer", "--help"], capture_output=True, text=True, timeout=120

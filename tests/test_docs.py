@@ -340,3 +340,12 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_the_readmes_links_name_files_that_exist() -> None:
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    local = [target for target in targets if "://" not in target]
+    assert local, "the README links to the docs"
+    missing = [target for target in local if not (ROOT / target).exists()]
+    assert not missing, missing

@@ -283,6 +283,7 @@ def test_a_module_runs_with_dash_m(tmp_path: Path, capsys: pytest.CaptureFixture
     ]
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
     script = write(
         tmp_path,

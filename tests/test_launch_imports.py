@@ -49,6 +49,7 @@ def fresh_replacingpkg() -> Iterator[None]:
     yield from _forgetting("replacingpkg", "importrace")
 
 
+@pytest.mark.slow
 def test_a_lazy_import_inside_a_function_on_every_rank_at_once(
     fresh_lazypkg: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
