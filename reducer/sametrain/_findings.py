@@ -165,11 +165,13 @@ def _by_key(ranks: Sequence[RankEvidence]) -> dict[tuple[int, int], list[Forward
     return {k: v for k, v in sorted(keyed.items()) if len(v) == len(ranks)}
 
 
-def _groups(values: Sequence[str]) -> list[list[int]]:
-    """Ranks grouped by equal value, only the groups of two or more."""
+def _groups(values: Sequence[str | None]) -> list[list[int]]:
+    """Ranks grouped by equal value (None: unknown, in no group), only the groups of two or
+    more."""
     groups: dict[str, list[int]] = defaultdict(list)
     for rank, value in enumerate(values):
-        groups[value].append(rank)
+        if value is not None:
+            groups[value].append(rank)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -394,6 +396,11 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
     steps = sorted({b.step for r in ranks for b in r.backwards})
     unclear = 0
     judged = 0
+    partial = 0
+    # The usual number of micro-steps per step: a step with fewer (an epoch's last, when the
+    # batches do not divide by the accumulation steps) is left out of the accumulation causes.
+    sizes = [max(sum(1 for b in r.backwards if b.step == step) for r in ranks) for step in steps]
+    usual = max(set(sizes), key=sizes.count) if sizes else 0
     claims: dict[str, tuple[str, str, str]] = {}
     for step in steps:
         units = [[b for b in r.backwards if b.step == step] for r in ranks]
@@ -413,6 +420,9 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
         if _all_near(q_mean, 1.0) or _all_near(q_sum, 1.0):
             continue
         accum = max(len(u) for u in units)
+        if accum != usual:
+            partial += 1
+            continue
         where = _loss_text(step, flat)
         if _all_near(q_mean, q_mean[0]) and _all_near(q_sum, q_sum[0]):
             q = q_sum[0] if reductions == {"sum"} else q_mean[0]
@@ -485,7 +495,12 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
             "call of a torch loss function (or its scale is not a plain ratio); "
             "reducer.testing.check_same_training replays such a step"
         )
-    elif judged == 0 and steps:
+    if partial:
+        notes.append(
+            f"loss scale: {partial} step(s) with fewer micro-steps than the usual {usual} (an "
+            "epoch's last) not judged"
+        )
+    if judged == 0 and steps and not unclear and not partial:
         notes.append("loss scale: not judged: no step had a loss every rank backpropagated")
 
 

@@ -27,7 +27,8 @@ SAMPLES, FEATURES, CLASSES, BATCH, EPOCHS, LR = 48, 8, 4, 4, 2, 0.1
 class Options:
     """One script's choices (the defaults are a correct script)."""
 
-    model: str = "mlp"  # "mlp" or "cnn" (with BatchNorm)
+    model: str = "mlp"  # "mlp", "cnn" (with BatchNorm) or "kwargs" (HF-shaped: called with
+    # keyword arguments, the loss computed inside, returned in a dict)
     batchnorm: str = "frozen"  # the CNN's BatchNorm: "frozen" (eval, as when fine-tuning),
     # "train" (statistics of each rank's batch) or "sync" (SyncBatchNorm: GPU only)
     dropout: float = 0.0
@@ -40,6 +41,19 @@ class Options:
     accumulation: int = 2
     divide: int = 1  # how many times the loss is divided by the accumulation steps
     deliberate: tuple[str, ...] = ()
+    amp: bool = False  # a GradScaler scales the loss and unscales the gradients
+
+
+class KwargsModel(nn.Module):
+    """HF-shaped: ``model(input=x, labels=y)["loss"]``."""
+
+    def __init__(self, net: nn.Module, reduction: str) -> None:
+        super().__init__()
+        self.net, self.reduction = net, reduction
+
+    def forward(self, input: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(input)
+        return {"loss": F.cross_entropy(logits, labels, reduction=self.reduction)}
 
 
 class Flip(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -58,16 +72,17 @@ class Flip(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def dataset(model: str) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
-    shape = (SAMPLES, FEATURES) if model == "mlp" else (SAMPLES, 2, 4, 4)
+    shape = (SAMPLES, 2, 4, 4) if model == "cnn" else (SAMPLES, FEATURES)
     return TensorDataset(torch.randn(shape, generator=g), torch.arange(SAMPLES) % CLASSES)
 
 
 def build(opts: Options) -> nn.Module:
     torch.manual_seed(0)
-    if opts.model == "mlp":
-        return nn.Sequential(
+    if opts.model in ("mlp", "kwargs"):
+        net = nn.Sequential(
             nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(opts.dropout), nn.Linear(16, CLASSES)
         )
+        return net if opts.model == "mlp" else KwargsModel(net, opts.reduction)
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
         nn.BatchNorm2d(4),
@@ -129,19 +144,24 @@ def train(opts: Options, rank: int, world: int) -> nn.Module:
     data: Dataset[Any] = Flip(base) if opts.augment else base
     batches = loader(opts, data, rank, world)
     optimizer = torch.optim.SGD(raw.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", enabled=opts.amp)
     micro = 0
     for epoch in range(EPOCHS):
         sampler = batches.sampler
         if opts.set_epoch and isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
         for x, y in batches:
-            loss = F.cross_entropy(model(x), y, reduction=opts.reduction)
+            if opts.model == "kwargs":
+                loss = model(input=x, labels=y)["loss"]
+            else:
+                loss = F.cross_entropy(model(x), y, reduction=opts.reduction)
             for _ in range(opts.divide):
                 loss = loss / opts.accumulation
-            loss.backward()
+            scaler.scale(loss).backward()
             micro += 1
             if micro % opts.accumulation == 0:
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad()
     return raw
 
@@ -168,7 +188,7 @@ def reference(opts: Options, world: int) -> list[torch.Tensor]:
     rank's micro-batches of the step, read as a correct DistributedSampler or the script's own
     disjoint split would give them), a mean loss, BatchNorm over the global batch, no
     dropout or augmentation."""
-    model = build(replace(opts, dropout=0.0))
+    model = build(replace(opts, dropout=0.0, reduction="mean"))
     freeze(model, opts)
     data = dataset(opts.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -195,7 +215,10 @@ def reference(opts: Options, world: int) -> list[torch.Tensor]:
             group = [b for batches in per_rank for b in batches[start : start + opts.accumulation]]
             x = torch.cat([b[0] for b in group])
             y = torch.cat([b[1] for b in group])
-            F.cross_entropy(model(x), y).backward()
+            if opts.model == "kwargs":
+                model(input=x, labels=y)["loss"].backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
     return [p.detach() for p in model.parameters()]
