@@ -101,6 +101,27 @@ def test_the_evidence_names_ranks_steps_and_batches(capsys: pytest.CaptureFixtur
     assert "ranks 0 and 1 both read 4 sample(s) (dataset indices [20, 21, 22, 23])" in err
 
 
+@pytest.mark.slow  # imports transformers and lightning: several seconds each
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("hf_gpt2.py", (), set()),
+        ("hf_gpt2.py", ("--one-seed",), {"same-seed"}),
+        ("lightning_module.py", (), set()),
+        ("lightning_module.py", ("--summed",), {"summed-loss"}),
+        ("lightning_module.py", ("--no-distributed-sampler",), {"same-batches"}),
+    ],
+)
+def test_hf_and_lightning_scripts(
+    capsys: pytest.CaptureFixture[str], script: str, args: tuple[str, ...], expected: set[str]
+) -> None:
+    pytest.importorskip("transformers" if script.startswith("hf") else "lightning")
+    code = cli.main(["launch", "--nproc", "2", "--timeout", "60", str(CORPUS / script), *args])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert findings(err) == expected, err
+
+
 def test_nanogpt_shaped_script_gets_no_finding(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = launch(capsys, ROOT / "tests" / "scripts" / "nanogpt_train.py", 2)
     assert code == 0
