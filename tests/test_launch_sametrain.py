@@ -43,6 +43,7 @@ EXPECTED: dict[str, set[str]] = {
     "one_replica": {"same-batches"},
     "no_set_epoch": {"repeated-shuffle"},
     "overlap": {"overlapping-shards"},
+    "padded": {"overlapping-shards"},
     "summed_loss": {"summed-loss"},
     "accum_forgotten": {"accumulation-scale"},
     "accum_twice": {"accumulation-scale"},

@@ -286,10 +286,20 @@ def _overlap(ranks: Sequence[RankEvidence], found: list[Finding], notes: list[st
             ):
                 pad = -first.dataset_len % len(ranks)
                 if total <= pad:
-                    notes.append(
-                        f"DistributedSampler padding: {first.dataset_len} samples on "
-                        f"{len(ranks)} ranks, {total} sample(s) read twice per epoch (as "
-                        "torch pads; drop_last=True avoids it)"
+                    (a, b), common = next(iter(shared.items()))
+                    found.append(
+                        Finding(
+                            "overlapping-shards",
+                            f"samples are read twice every epoch: the DistributedSampler pads "
+                            f"{first.dataset_len} samples to {first.dataset_len + pad}, a "
+                            f"multiple of the {len(ranks)} ranks (drop_last=False), with "
+                            "samples it already gave another rank",
+                            f"epoch {epoch} of DataLoader #{first.order}: ranks {a} and {b} "
+                            f"both read dataset indices {sorted(common)[:5]}; {total} sample(s) "
+                            "read twice in all",
+                            "DistributedSampler(dataset, drop_last=True), or a dataset size "
+                            "divisible by world_size",
+                        )
                     )
                     return
             (a, b), common = next(iter(shared.items()))

@@ -42,6 +42,7 @@ class Options:
     divide: int = 1  # how many times the loss is divided by the accumulation steps
     deliberate: tuple[str, ...] = ()
     amp: bool = False  # a GradScaler scales the loss and unscales the gradients
+    samples: int = SAMPLES  # fewer: a DistributedSampler pads them to a multiple of the ranks
 
 
 class KwargsModel(nn.Module):
@@ -70,10 +71,10 @@ class Flip(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (x if torch.rand(()) < 0.5 else -x), y
 
 
-def dataset(model: str) -> TensorDataset:
+def dataset(model: str, samples: int = SAMPLES) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
-    shape = (SAMPLES, 2, 4, 4) if model == "cnn" else (SAMPLES, FEATURES)
-    return TensorDataset(torch.randn(shape, generator=g), torch.arange(SAMPLES) % CLASSES)
+    shape = (samples, 2, 4, 4) if model == "cnn" else (samples, FEATURES)
+    return TensorDataset(torch.randn(shape, generator=g), torch.arange(samples) % CLASSES)
 
 
 def build(opts: Options) -> nn.Module:
@@ -140,7 +141,7 @@ def train(opts: Options, rank: int, world: int) -> nn.Module:
     raw = model
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    base = dataset(opts.model)
+    base = dataset(opts.model, opts.samples)
     data: Dataset[Any] = Flip(base) if opts.augment else base
     batches = loader(opts, data, rank, world)
     optimizer = torch.optim.SGD(raw.parameters(), lr=LR)
@@ -186,11 +187,12 @@ def main(opts: Options) -> None:
 def reference(opts: Options, world: int) -> list[torch.Tensor]:
     """What the script means, as one process: each optimizer step on the global batch (every
     rank's micro-batches of the step, read as a correct DistributedSampler or the script's own
-    disjoint split would give them), a mean loss, BatchNorm over the global batch, no
-    dropout or augmentation."""
+    disjoint split would give them, each sample once per epoch), a mean loss, BatchNorm over
+    the global batch, no dropout or augmentation."""
     model = build(replace(opts, dropout=0.0, reduction="mean"))
     freeze(model, opts)
-    data = dataset(opts.model)
+    base = dataset(opts.model, opts.samples)
+    data = TensorDataset(*base.tensors, torch.arange(opts.samples))  # samples know their index
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     fixed = replace(
         opts,
@@ -211,10 +213,14 @@ def reference(opts: Options, world: int) -> list[torch.Tensor]:
                 each.sampler.set_epoch(epoch)
         per_rank = [list(each) for each in samplers]
         count = len(per_rank[0])
+        seen: set[int] = set()
         for start in range(0, count, opts.accumulation):
             group = [b for batches in per_rank for b in batches[start : start + opts.accumulation]]
-            x = torch.cat([b[0] for b in group])
-            y = torch.cat([b[1] for b in group])
+            index = torch.cat([b[2] for b in group])
+            once = torch.tensor([int(i) not in seen for i in index])  # a padded sample: once
+            seen.update(int(i) for i in index)
+            x = torch.cat([b[0] for b in group])[once]
+            y = torch.cat([b[1] for b in group])[once]
             if opts.model == "kwargs":
                 model(input=x, labels=y)["loss"].backward()
             else:
