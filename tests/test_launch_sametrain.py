@@ -48,6 +48,7 @@ EXPECTED: dict[str, set[str]] = {
     "accum_forgotten": {"accumulation-scale"},
     "accum_twice": {"accumulation-scale"},
     "uneven": {"uneven-batches"},
+    "uneven_join": {"uneven-batches"},
     "cnn_batchnorm": {"per-rank-batchnorm"},
     "same_dropout": {"same-seed"},
     "same_augment": {"same-seed"},

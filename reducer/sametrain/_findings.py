@@ -412,9 +412,11 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
     sizes = [max(sum(1 for b in r.backwards if b.step == step) for r in ranks) for step in steps]
     usual = max(set(sizes), key=sizes.count) if sizes else 0
     claims: dict[str, tuple[str, str, str]] = {}
+    last = [max((b.step for b in r.backwards), default=-1) for r in ranks]
     for step in steps:
         units = [[b for b in r.backwards if b.step == step] for r in ranks]
         if any(not u for u in units):
+            _ran_out(step, units, last, claims)
             continue
         flat = [(rank, b) for rank, u in enumerate(units) for b in u]
         terms = [_term(b) for _, b in flat]
@@ -512,6 +514,31 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
         )
     if judged == 0 and steps and not unclear and not partial:
         notes.append("loss scale: not judged: no step had a loss every rank backpropagated")
+
+
+def _ran_out(
+    step: int,
+    units: Sequence[Sequence[BackwardEv]],
+    last: Sequence[int],
+    claims: dict[str, tuple[str, str, str]],
+) -> None:
+    """A step only some ranks took, the others having backpropagated their last before it:
+    uneven inputs under a wrapper's join(), whose ranks that ran out add zeros to the average
+    (without join() the ranks would not meet; the replica check says so)."""
+    present = [r for r, u in enumerate(units) if u]
+    gone = [r for r, u in enumerate(units) if not u]
+    if not present or any(last[r] >= step for r in gone) or "uneven-batches" in claims:
+        return
+    world = len(units)
+    claims["uneven-batches"] = (
+        f"uneven inputs: ranks {gone} ran out of batches and only ranks {present} took step "
+        f"{step}; DDP's join() averages their gradients with zeros over all {world} ranks, so "
+        f"the step is {len(present)}/{world} of one process's on those batches",
+        f"step {step}: backpropagated on ranks {present} only; ranks {gone} had backpropagated "
+        f"their last at step(s) {sorted({last[r] for r in gone})}",
+        "give every rank as many batches (DistributedSampler pads, or drop_last=True), or "
+        "join(divide_by_initial_world_size=False)",
+    )
 
 
 def _term(backward: BackwardEv) -> tuple[str, int, float] | None:

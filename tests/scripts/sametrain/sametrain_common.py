@@ -9,6 +9,7 @@ each step's global batch: the truth the tests compare the ranks' weights with.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, replace
@@ -34,7 +35,8 @@ class Options:
     dropout: float = 0.0
     seed_per_rank: bool = True  # torch.manual_seed(seed + rank) after building the model
     augment: bool = False  # a random sign flip of each sample when fetched
-    sampler: str = "distributed"  # "distributed", "none", "one-replica", "split", "overlap"
+    sampler: str = "distributed"  # "distributed", "none", "one-replica", "split", "overlap",
+    # "join" (a split whose last rank has one batch fewer, trained under DDP's join())
     set_epoch: bool = True
     uneven: bool = False  # hand-rolled shards of unequal size, batches in proportion
     reduction: str = "mean"
@@ -118,8 +120,11 @@ def loader(opts: Options, data: Dataset[Any], rank: int, world: int) -> DataLoad
     if opts.sampler == "one-replica":
         sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=0)
         return DataLoader(data, batch_size=BATCH, sampler=sampler)
-    if opts.sampler == "split":
-        return DataLoader(Subset(data, list(range(rank, SAMPLES, world))), batch_size=BATCH)
+    if opts.sampler in ("split", "join"):
+        indices = list(range(rank, SAMPLES, world))
+        if opts.sampler == "join" and rank == world - 1:
+            indices = indices[:-BATCH]
+        return DataLoader(Subset(data, indices), batch_size=BATCH)
     if opts.sampler == "overlap":  # consecutive windows that share their edges
         size = SAMPLES // world
         start = max(0, rank * size - BATCH)
@@ -146,6 +151,13 @@ def train(opts: Options, rank: int, world: int) -> nn.Module:
     batches = loader(opts, data, rank, world)
     optimizer = torch.optim.SGD(raw.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=opts.amp)
+    joining = model.join() if opts.sampler == "join" else contextlib.nullcontext()
+    with joining:
+        _epochs(opts, model, batches, optimizer, scaler)
+    return raw
+
+
+def _epochs(opts: Options, model: nn.Module, batches: Any, optimizer: Any, scaler: Any) -> None:
     micro = 0
     for epoch in range(EPOCHS):
         sampler = batches.sampler
@@ -164,7 +176,6 @@ def train(opts: Options, rank: int, world: int) -> nn.Module:
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad()
-    return raw
 
 
 def main(opts: Options) -> None:
@@ -196,13 +207,13 @@ def reference(opts: Options, world: int) -> list[torch.Tensor]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     fixed = replace(
         opts,
-        sampler="distributed" if opts.sampler != "split" else "split",
+        sampler=opts.sampler if opts.sampler in ("split", "join") else "distributed",
         set_epoch=True,
         augment=False,
     )
     samplers = []
     for rank in range(world):
-        if fixed.uneven or fixed.sampler == "split":
+        if fixed.uneven or fixed.sampler in ("split", "join"):
             samplers.append(loader(fixed, data, rank, world))
         else:
             sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
@@ -212,7 +223,7 @@ def reference(opts: Options, world: int) -> list[torch.Tensor]:
             if isinstance(each.sampler, DistributedSampler):
                 each.sampler.set_epoch(epoch)
         per_rank = [list(each) for each in samplers]
-        count = len(per_rank[0])
+        count = max(len(batches) for batches in per_rank)
         seen: set[int] = set()
         for start in range(0, count, opts.accumulation):
             group = [b for batches in per_rank for b in batches[start : start + opts.accumulation]]
