@@ -126,3 +126,22 @@ def test_kwargs_and_mappings_are_fingerprinted() -> None:
     same = [[as_dict(batch(4, 1))], [as_dict(batch(4, 1))]]
     verdict = check_same_training(Kwargs(), loss_fn, same, raise_on_finding=False)
     assert causes(verdict) == {"same-batches"}
+
+
+def test_inputs_the_evidence_cannot_read_do_not_stop_the_step() -> None:
+    """A sparse input cannot be fingerprinted: the step runs, and no batches are matched."""
+
+    class Sparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.net(x.to_dense())  # type: ignore[no-any-return]
+
+    def loss_fn(model: nn.Module, b: Any) -> Tensor:
+        return F.cross_entropy(model(b[0].to_sparse()), b[1])
+
+    same = [[batch(4, 1)], [batch(4, 1)]]
+    verdict = check_same_training(Sparse(), loss_fn, same, raise_on_finding=False)
+    assert "same-batches" not in causes(verdict)

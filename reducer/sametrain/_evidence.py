@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -159,8 +160,15 @@ def _tensors(value: Any) -> Iterator[Tensor]:
             yield from _tensors(value[key])
 
 
-def _has_tensor(value: Any) -> bool:
-    return next(_tensors(value), None) is not None
+def _safe_fingerprint(value: Any) -> str | None:
+    """The fingerprint, or None where ``value`` holds no tensor or one that cannot be read
+    (sparse, meta): the evidence never stops a run."""
+    try:
+        if next(_tensors(value), None) is None:
+            return None
+        return fingerprint(value)
+    except Exception:  # see the docstring
+        return None
 
 
 def _rng() -> str:
@@ -320,7 +328,7 @@ class Recorder:
             ForwardEv(
                 record.steps,
                 record.micro,
-                fingerprint((args, kwargs)) if _has_tensor((args, kwargs)) else None,
+                _safe_fingerprint((args, kwargs)),
                 _rows(args, kwargs),
                 _rng(),
                 dropout,
@@ -357,7 +365,10 @@ class Recorder:
         def backward(self: Tensor, *args: Any, **kwargs: Any) -> Any:
             record = recorder._current()
             if record is not None and self.dim() == 0 and self.requires_grad:
-                value = float(self.detach()) / record.amp  # the loss before a GradScaler's
+                try:
+                    value = float(self.detach()) / record.amp  # the loss before a GradScaler's
+                except Exception:  # the evidence never stops a run
+                    value = math.nan
                 record.amp = 1.0
                 record.backwards.append(
                     BackwardEv(record.steps, record.backwards_in_step, value, record.pending)
@@ -381,8 +392,12 @@ class Recorder:
                 and out.requires_grad
                 and out.dim() == 0
             ):
-                reduction, count = _loss_count(name, args, kwargs)
-                record.pending.append(LossEv(name, reduction, count, float(out.detach())))
+                try:
+                    reduction, count = _loss_count(name, args, kwargs)
+                    value = float(out.detach())
+                except Exception:  # the evidence never stops a run
+                    reduction, count, value = "unknown", 0, 0.0
+                record.pending.append(LossEv(name, reduction, count, value))
             return out
 
         loss.__doc__ = original.__doc__
@@ -400,6 +415,7 @@ class Recorder:
                 and isinstance(outputs, Tensor)
                 and isinstance(scaled, Tensor)
                 and outputs.dim() == 0
+                and outputs.device.type != "meta"
                 and float(outputs.detach()) != 0
             ):
                 record.amp = float(scaled.detach()) / float(outputs.detach())
@@ -452,7 +468,10 @@ class Recorder:
             finally:
                 del iterator._next_index
             got = indices[0] if indices else None
-            batch_indices = _dataset_indices(getattr(iterator, "_dataset", None), got)
+            try:
+                batch_indices = _dataset_indices(getattr(iterator, "_dataset", None), got)
+            except Exception:  # the evidence never stops a run
+                batch_indices = None
             loader.epochs[epoch].append(batch_indices)
             fetch = FetchEv(loader.order, epoch, len(loader.epochs[epoch]) - 1, before, False)
             fetch.drew = _rng() != before

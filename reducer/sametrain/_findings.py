@@ -547,7 +547,7 @@ def _term(backward: BackwardEv) -> tuple[str, int, float] | None:
     if len(losses) != 1 or len(backward.losses) != 1:
         return None
     loss = losses[0]
-    if loss.count <= 0 or loss.value == 0 or not math.isfinite(loss.value):
+    if loss.count <= 0 or loss.value == 0 or not math.isfinite(loss.value * backward.value):
         return None
     return loss.reduction, loss.count, backward.value / loss.value
 
