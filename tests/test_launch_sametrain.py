@@ -36,14 +36,19 @@ EXPECTED: dict[str, set[str]] = {
     "ok_split": set(),
     "ok_summed_declared": set(),
     "ok_cnn_declared": set(),
+    "ok_kwargs": set(),
+    "ok_gradscaler": set(),
+    "kwargs_summed": {"summed-loss"},
     "no_sampler": {"same-batches"},
     "one_replica": {"same-batches"},
     "no_set_epoch": {"repeated-shuffle"},
     "overlap": {"overlapping-shards"},
+    "padded": {"overlapping-shards"},
     "summed_loss": {"summed-loss"},
     "accum_forgotten": {"accumulation-scale"},
     "accum_twice": {"accumulation-scale"},
     "uneven": {"uneven-batches"},
+    "uneven_join": {"uneven-batches"},
     "cnn_batchnorm": {"per-rank-batchnorm"},
     "same_dropout": {"same-seed"},
     "same_augment": {"same-seed"},
@@ -96,6 +101,27 @@ def test_the_evidence_names_ranks_steps_and_batches(capsys: pytest.CaptureFixtur
     assert "1/4 of one process's" in err  # a sum, divided by 2 accumulation steps, 2 ranks
     _, err = launch(capsys, CORPUS / "overlap.py", 2)
     assert "ranks 0 and 1 both read 4 sample(s) (dataset indices [20, 21, 22, 23])" in err
+
+
+@pytest.mark.slow  # imports transformers and lightning: several seconds each
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("hf_gpt2.py", (), set()),
+        ("hf_gpt2.py", ("--one-seed",), {"same-seed"}),
+        ("lightning_module.py", (), set()),
+        ("lightning_module.py", ("--summed",), {"summed-loss"}),
+        ("lightning_module.py", ("--no-distributed-sampler",), {"same-batches"}),
+    ],
+)
+def test_hf_and_lightning_scripts(
+    capsys: pytest.CaptureFixture[str], script: str, args: tuple[str, ...], expected: set[str]
+) -> None:
+    pytest.importorskip("transformers" if script.startswith("hf") else "lightning")
+    code = cli.main(["launch", "--nproc", "2", "--timeout", "60", str(CORPUS / script), *args])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert findings(err) == expected, err
 
 
 def test_nanogpt_shaped_script_gets_no_finding(capsys: pytest.CaptureFixture[str]) -> None:

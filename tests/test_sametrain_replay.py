@@ -101,3 +101,47 @@ def test_arguments_are_checked() -> None:
         check_same_training(mlp(), mean_loss, two_ranks(), deliberate=["sum"])
     with pytest.raises(TypeError, match=r"nn\.Module"):
         check_same_training(lambda x: x, mean_loss, two_ranks())  # type: ignore[arg-type]
+
+
+def test_kwargs_and_mappings_are_fingerprinted() -> None:
+    """A model called with keyword arguments (HF-shaped): its inputs count, so different
+    batches are not taken for the same ones, and equal ones are."""
+
+    class Kwargs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, *, input: Tensor, labels: Tensor) -> Tensor:
+            return F.cross_entropy(self.net(input), labels)
+
+    def loss_fn(model: nn.Module, b: Any) -> Tensor:
+        return model(**b)  # type: ignore[no-any-return]
+
+    def as_dict(b: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+        return {"input": b[0], "labels": b[1]}
+
+    different = [[as_dict(batch(4, 1))], [as_dict(batch(4, 2))]]
+    assert check_same_training(Kwargs(), loss_fn, different).same
+    same = [[as_dict(batch(4, 1))], [as_dict(batch(4, 1))]]
+    verdict = check_same_training(Kwargs(), loss_fn, same, raise_on_finding=False)
+    assert causes(verdict) == {"same-batches"}
+
+
+def test_inputs_the_evidence_cannot_read_do_not_stop_the_step() -> None:
+    """A sparse input cannot be fingerprinted: the step runs, and no batches are matched."""
+
+    class Sparse(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.net(x.to_dense())  # type: ignore[no-any-return]
+
+    def loss_fn(model: nn.Module, b: Any) -> Tensor:
+        return F.cross_entropy(model(b[0].to_sparse()), b[1])
+
+    same = [[batch(4, 1)], [batch(4, 1)]]
+    verdict = check_same_training(Sparse(), loss_fn, same, raise_on_finding=False)
+    assert "same-batches" not in causes(verdict)

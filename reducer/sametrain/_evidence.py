@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class ForwardEv:
 
     step: int  # optimizer steps this rank had taken before it
     micro: int  # training forwards of this rank since its last step, before it
-    fingerprint: str  # hash of every tensor in the forward's arguments
+    fingerprint: str | None  # hash of every tensor in the arguments (None: no tensor found)
     rows: int | None  # the first tensor argument's length (the local batch), if any
     rng: str  # hash of torch's generator state (this rank's) at the forward
     dropout: tuple[str, ...]  # active Dropout modules (p > 0, training)
@@ -118,6 +119,7 @@ class RankEvidence:
     forwards: list[ForwardEv] = field(default_factory=list)
     backwards: list[BackwardEv] = field(default_factory=list)
     pending: list[LossEv] = field(default_factory=list)
+    amp: float = 1.0  # a GradScaler's factor on the loss about to be backpropagated
     loaders: dict[int, LoaderEv] = field(default_factory=dict)  # id(loader) -> evidence
     iterators: dict[int, tuple[Any, LoaderEv, int]] = field(default_factory=dict)
     fetches: list[FetchEv] = field(default_factory=list)
@@ -153,9 +155,20 @@ def _tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _tensors(item)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):  # dicts, and HF's BatchEncoding (a UserDict)
         for key in sorted(value, key=str):
             yield from _tensors(value[key])
+
+
+def _safe_fingerprint(value: Any) -> str | None:
+    """The fingerprint, or None where ``value`` holds no tensor or one that cannot be read
+    (sparse, meta): the evidence never stops a run."""
+    try:
+        if next(_tensors(value), None) is None:
+            return None
+        return fingerprint(value)
+    except Exception:  # see the docstring
+        return None
 
 
 def _rng() -> str:
@@ -284,23 +297,25 @@ class Recorder:
         self._patch(DataLoader, "__iter__", self._loader_iter)
         self._patch(_dataloader._BaseDataLoaderIter, "__next__", self._loader_next)
         self._patch(DistributedSampler, "set_epoch", self._set_epoch)
+        self._patch(torch.amp.GradScaler, "scale", self._amp_scale)
 
     def watch(self, module: nn.Module) -> None:
         """Record ``module``'s forwards as a wrapper's (a training step under test has no
         wrapper), until the recorder exits."""
-        self._undo.append(module.register_forward_pre_hook(self._on_forward).remove)
+        hook = module.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._undo.append(hook.remove)
 
     def _wrapper_forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self
 
         def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            recorder._on_forward(module, args)
+            recorder._on_forward(module, args, kwargs)
             return original(module, *args, **kwargs)
 
         forward.__doc__ = original.__doc__
         return forward
 
-    def _on_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         record = self._current()
         if record is None or not module.training or not torch.is_grad_enabled():
             return
@@ -313,8 +328,8 @@ class Recorder:
             ForwardEv(
                 record.steps,
                 record.micro,
-                fingerprint(args),
-                _rows(args, {}),
+                _safe_fingerprint((args, kwargs)),
+                _rows(args, kwargs),
                 _rng(),
                 dropout,
                 batchnorm,
@@ -350,7 +365,11 @@ class Recorder:
         def backward(self: Tensor, *args: Any, **kwargs: Any) -> Any:
             record = recorder._current()
             if record is not None and self.dim() == 0 and self.requires_grad:
-                value = float(self.detach())
+                try:
+                    value = float(self.detach()) / record.amp  # the loss before a GradScaler's
+                except Exception:  # the evidence never stops a run
+                    value = math.nan
+                record.amp = 1.0
                 record.backwards.append(
                     BackwardEv(record.steps, record.backwards_in_step, value, record.pending)
                 )
@@ -373,13 +392,37 @@ class Recorder:
                 and out.requires_grad
                 and out.dim() == 0
             ):
-                reduction, count = _loss_count(name, args, kwargs)
-                record.pending.append(LossEv(name, reduction, count, float(out.detach())))
+                try:
+                    reduction, count = _loss_count(name, args, kwargs)
+                    value = float(out.detach())
+                except Exception:  # the evidence never stops a run
+                    reduction, count, value = "unknown", 0, 0.0
+                record.pending.append(LossEv(name, reduction, count, value))
             return out
 
         loss.__doc__ = original.__doc__
         loss.__wrapped__ = original  # type: ignore[attr-defined]
         return loss
+
+    def _amp_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self
+
+        def scale(scaler: Any, outputs: Any) -> Any:
+            scaled = original(scaler, outputs)
+            record = recorder._current()
+            if (
+                record is not None
+                and isinstance(outputs, Tensor)
+                and isinstance(scaled, Tensor)
+                and outputs.dim() == 0
+                and outputs.device.type != "meta"
+                and float(outputs.detach()) != 0
+            ):
+                record.amp = float(scaled.detach()) / float(outputs.detach())
+            return scaled
+
+        scale.__doc__ = original.__doc__
+        return scale
 
     def _loader_iter(self, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self
@@ -425,7 +468,10 @@ class Recorder:
             finally:
                 del iterator._next_index
             got = indices[0] if indices else None
-            batch_indices = _dataset_indices(getattr(iterator, "_dataset", None), got)
+            try:
+                batch_indices = _dataset_indices(getattr(iterator, "_dataset", None), got)
+            except Exception:  # the evidence never stops a run
+                batch_indices = None
             loader.epochs[epoch].append(batch_indices)
             fetch = FetchEv(loader.order, epoch, len(loader.epochs[epoch]) - 1, before, False)
             fetch.drew = _rng() != before

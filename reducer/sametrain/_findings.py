@@ -165,11 +165,13 @@ def _by_key(ranks: Sequence[RankEvidence]) -> dict[tuple[int, int], list[Forward
     return {k: v for k, v in sorted(keyed.items()) if len(v) == len(ranks)}
 
 
-def _groups(values: Sequence[str]) -> list[list[int]]:
-    """Ranks grouped by equal value, only the groups of two or more."""
+def _groups(values: Sequence[str | None]) -> list[list[int]]:
+    """Ranks grouped by equal value (None: unknown, in no group), only the groups of two or
+    more."""
     groups: dict[str, list[int]] = defaultdict(list)
     for rank, value in enumerate(values):
-        groups[value].append(rank)
+        if value is not None:
+            groups[value].append(rank)
     return [g for g in groups.values() if len(g) > 1]
 
 
@@ -284,10 +286,20 @@ def _overlap(ranks: Sequence[RankEvidence], found: list[Finding], notes: list[st
             ):
                 pad = -first.dataset_len % len(ranks)
                 if total <= pad:
-                    notes.append(
-                        f"DistributedSampler padding: {first.dataset_len} samples on "
-                        f"{len(ranks)} ranks, {total} sample(s) read twice per epoch (as "
-                        "torch pads; drop_last=True avoids it)"
+                    (a, b), common = next(iter(shared.items()))
+                    found.append(
+                        Finding(
+                            "overlapping-shards",
+                            f"samples are read twice every epoch: the DistributedSampler pads "
+                            f"{first.dataset_len} samples to {first.dataset_len + pad}, a "
+                            f"multiple of the {len(ranks)} ranks (drop_last=False), with "
+                            "samples it already gave another rank",
+                            f"epoch {epoch} of DataLoader #{first.order}: ranks {a} and {b} "
+                            f"both read dataset indices {sorted(common)[:5]}; {total} sample(s) "
+                            "read twice in all",
+                            "DistributedSampler(dataset, drop_last=True), or a dataset size "
+                            "divisible by world_size",
+                        )
                     )
                     return
             (a, b), common = next(iter(shared.items()))
@@ -394,10 +406,17 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
     steps = sorted({b.step for r in ranks for b in r.backwards})
     unclear = 0
     judged = 0
+    partial = 0
+    # The usual number of micro-steps per step: a step with fewer (an epoch's last, when the
+    # batches do not divide by the accumulation steps) is left out of the accumulation causes.
+    sizes = [max(sum(1 for b in r.backwards if b.step == step) for r in ranks) for step in steps]
+    usual = max(set(sizes), key=sizes.count) if sizes else 0
     claims: dict[str, tuple[str, str, str]] = {}
+    last = [max((b.step for b in r.backwards), default=-1) for r in ranks]
     for step in steps:
         units = [[b for b in r.backwards if b.step == step] for r in ranks]
         if any(not u for u in units):
+            _ran_out(step, units, last, claims)
             continue
         flat = [(rank, b) for rank, u in enumerate(units) for b in u]
         terms = [_term(b) for _, b in flat]
@@ -413,6 +432,9 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
         if _all_near(q_mean, 1.0) or _all_near(q_sum, 1.0):
             continue
         accum = max(len(u) for u in units)
+        if accum != usual:
+            partial += 1
+            continue
         where = _loss_text(step, flat)
         if _all_near(q_mean, q_mean[0]) and _all_near(q_sum, q_sum[0]):
             q = q_sum[0] if reductions == {"sum"} else q_mean[0]
@@ -485,8 +507,38 @@ def _loss_scale(ranks: Sequence[RankEvidence], found: list[Finding], notes: list
             "call of a torch loss function (or its scale is not a plain ratio); "
             "reducer.testing.check_same_training replays such a step"
         )
-    elif judged == 0 and steps:
+    if partial:
+        notes.append(
+            f"loss scale: {partial} step(s) with fewer micro-steps than the usual {usual} (an "
+            "epoch's last) not judged"
+        )
+    if judged == 0 and steps and not unclear and not partial:
         notes.append("loss scale: not judged: no step had a loss every rank backpropagated")
+
+
+def _ran_out(
+    step: int,
+    units: Sequence[Sequence[BackwardEv]],
+    last: Sequence[int],
+    claims: dict[str, tuple[str, str, str]],
+) -> None:
+    """A step only some ranks took, the others having backpropagated their last before it:
+    uneven inputs under a wrapper's join(), whose ranks that ran out add zeros to the average
+    (without join() the ranks would not meet; the replica check says so)."""
+    present = [r for r, u in enumerate(units) if u]
+    gone = [r for r, u in enumerate(units) if not u]
+    if not present or any(last[r] >= step for r in gone) or "uneven-batches" in claims:
+        return
+    world = len(units)
+    claims["uneven-batches"] = (
+        f"uneven inputs: ranks {gone} ran out of batches and only ranks {present} took step "
+        f"{step}; DDP's join() averages their gradients with zeros over all {world} ranks, so "
+        f"the step is {len(present)}/{world} of one process's on those batches",
+        f"step {step}: backpropagated on ranks {present} only; ranks {gone} had backpropagated "
+        f"their last at step(s) {sorted({last[r] for r in gone})}",
+        "give every rank as many batches (DistributedSampler pads, or drop_last=True), or "
+        "join(divide_by_initial_world_size=False)",
+    )
 
 
 def _term(backward: BackwardEv) -> tuple[str, int, float] | None:
@@ -495,7 +547,7 @@ def _term(backward: BackwardEv) -> tuple[str, int, float] | None:
     if len(losses) != 1 or len(backward.losses) != 1:
         return None
     loss = losses[0]
-    if loss.count <= 0 or loss.value == 0 or not math.isfinite(loss.value):
+    if loss.count <= 0 or loss.value == 0 or not math.isfinite(loss.value * backward.value):
         return None
     return loss.reduction, loss.count, backward.value / loss.value
 
