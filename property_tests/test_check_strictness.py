@@ -13,7 +13,10 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
 - the roundings: with the default (any of torch's roundings accepted), a wrapper that gives
   exactly one rounding (drawn) passes and the report names it, and a wrapper one ulp away
   (up or down, drawn) from every rounding, element by element, fails: an acceptance of
-  near values, where several roundings are candidates, lets it pass.
+  near values, where several roundings are candidates, lets it pass;
+- the zeros: a wrapper whose exact average has zeros of the other sign (-0.0 for 0.0, as a
+  reduction in another order gives) passes, with any rounding pinned or none: a comparison
+  of bits alone fails it.
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ class _Rounded(NaiveDataParallel):
 
     rounding: ClassVar[str] = "reciprocal"
     ulps: ClassVar[int] = 0
+    flip_zeros: ClassVar[bool] = False  # 0.0 <-> -0.0 (the same value, other bits)
 
     def _reduce(self, p: Tensor) -> None:
         assert p.grad is not None
@@ -163,12 +167,15 @@ class _Rounded(NaiveDataParallel):
                 for other in every.values():
                     on_one |= value == other
                 value = torch.where(on_one, torch.nextafter(value, toward), value)
+        if self.flip_zeros:
+            value = torch.where(value == 0, -value, value)
         p.grad.copy_(value)
 
 
-def rounded(rounding: str, ulps: int) -> type[NaiveDataParallel]:
+def rounded(rounding: str, ulps: int, flip_zeros: bool = False) -> type[NaiveDataParallel]:
     """The wrapper that gives ``rounding`` moved by ``ulps``: see :class:`_Rounded`."""
-    return type(f"Rounded_{rounding}_{ulps}", (_Rounded,), {"rounding": rounding, "ulps": ulps})
+    attributes = {"rounding": rounding, "ulps": ulps, "flip_zeros": flip_zeros}
+    return type(f"Rounded_{rounding}_{ulps}", (_Rounded,), attributes)
 
 
 RoundingCase = tuple[TrainingScenario, str, int]
@@ -202,3 +209,52 @@ def test_the_default_check_takes_every_rounding_and_no_neighbour(case: RoundingC
     note_size(len(list(s.make_model().parameters())), s.world_size)
     event(f"{rounding}, moved {ulps} ulp, world size {s.world_size}")
     check_roundings_and_neighbours(case)
+
+
+class _ZeroColumn(torch.nn.Module):
+    """One Linear layer, no bias, whose input's last column is zero: the last column of
+    its weight's gradient is zero on every rank, exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            self.layer.weight.copy_(torch.arange(6.0).reshape(2, 3) / 7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x)
+        return out
+
+
+ZeroCase = tuple[int, str | None, int]
+
+
+@st.composite
+def signed_zero_cases(draw: st.DrawFn) -> ZeroCase:
+    """(world size, the rounding pinned or None for any, input seed)."""
+    world = draw(st.sampled_from([1, 2, 3]))
+    pinned = draw(st.sampled_from([None, "reciprocal", "divide", "sum_then_divide"]))
+    return world, pinned, draw(st.integers(0, 2**16))
+
+
+def check_signed_zeros_pass(case: ZeroCase) -> None:
+    """The property: the exact rounding with its zeros of the other sign passes."""
+    world, pinned, seed = case
+    generator = torch.Generator().manual_seed(seed)
+
+    def batch() -> Tensor:
+        x = torch.randn(2, 3, generator=generator)
+        x[:, -1] = 0.0
+        return x
+
+    inputs = tuple(tuple((batch(),) for _ in range(world)) for _ in range(1))
+    s = TrainingScenario(_ZeroColumn, inputs)
+    wrapper = rounded(pinned or "reciprocal", 0, flip_zeros=True)
+    check_data_parallel(wrapper, s, scaling=pinned)  # type: ignore[arg-type]
+
+
+@given(signed_zero_cases())
+def test_zeros_of_the_other_sign_are_the_same_average(case: ZeroCase) -> None:
+    note_size(1, case[0])
+    event(f"world size {case[0]}, pinned {case[1]}")
+    check_signed_zeros_pass(case)
