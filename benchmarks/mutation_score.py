@@ -72,15 +72,17 @@ TARGETS: dict[str, Target] = {
         ("_Hierarchical.__init__", "_Hierarchical.parameter_groups_at", "_consecutive"),
         ("property_tests/test_training_steps.py", "-k", "hierarchical"),
     ),
+    # The search for a wrapper wrong only at three ranks (the scenarios' property) reruns
+    # the check 25 times: left out here, where the check itself is mutated.
     "judge-roundings": Target(
         "reducer/testing/_judge.py",
         ("_judge_one", "_same"),
-        ("property_tests/test_check_strictness.py",),
+        ("property_tests/test_check_strictness.py", "-k", "not division"),
     ),
     "averages": Target(
         "reducer/_averages.py",
         ("average", "averages", "_terms", "bits_equal", "rank_order_sum"),
-        ("property_tests/test_check_strictness.py",),
+        ("property_tests/test_check_strictness.py", "-k", "not division"),
     ),
     "replica-join": Target(
         "reducer/tools/check/_check.py",

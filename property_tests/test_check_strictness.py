@@ -16,11 +16,16 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
   near values, where several roundings are candidates, lets it pass;
 - the zeros: a wrapper whose exact average has zeros of the other sign (-0.0 for 0.0, as a
   reduction in another order gives) passes, with any rounding pinned or none: a comparison
-  of bits alone fails it.
+  of bits alone fails it;
+- what is there and what is not: on a model with a head no rank uses and a buffer, a
+  wrapper that leaves the head without a gradient passes; one that drops a used
+  parameter's gradient, gives the unused head a gradient of zeros, or keeps the buffer in
+  another dtype (the same values) fails, each with its own message.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import pytest
@@ -258,3 +263,85 @@ def test_zeros_of_the_other_sign_are_the_same_average(case: ZeroCase) -> None:
     note_size(1, case[0])
     event(f"world size {case[0]}, pinned {case[1]}")
     check_signed_zeros_pass(case)
+
+
+class _HeadAndBuffer(torch.nn.Module):
+    """A layer, a head no rank ever uses, and a buffer forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.layer = torch.nn.Linear(3, 2, bias=False)
+        self.unused = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+        self.register_buffer("shift", torch.full((2,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x) + self.shift
+        return out
+
+
+MISTAKES = ("none", "drop", "fill_unused", "buffer_dtype")
+_MESSAGES = {
+    "drop": "expected a gradient, got None",
+    "fill_unused": "expected no gradient (unused on every rank), got a gradient",
+    "buffer_dtype": "buffer 'shift': not bitwise equal to the reference",
+}
+
+
+class _Mistaken(_Rounded):
+    """The exact average (reciprocal), with one mistake (see :data:`MISTAKES`)."""
+
+    mistake: ClassVar[str] = "none"
+
+    def _reduce(self, p: Tensor) -> None:
+        super()._reduce(p)
+        module = self.module
+        assert isinstance(module, _HeadAndBuffer)
+        if self.mistake == "drop":
+            p.grad = None
+        elif self.mistake == "fill_unused":
+            module.unused.weight.grad = torch.zeros_like(module.unused.weight)
+
+    def forward(self, *args: Any) -> Any:
+        out = super().forward(*args)
+        module = self.module
+        assert isinstance(module, _HeadAndBuffer)
+        if self.mistake == "buffer_dtype":
+            module.shift = module.shift.double()  # the same values, another dtype
+        return out
+
+
+MistakeCase = tuple[int, str, int]
+
+
+@st.composite
+def mistake_cases(draw: st.DrawFn) -> MistakeCase:
+    """(world size, the mistake, input seed)."""
+    world = draw(st.sampled_from([1, 2, 3]))
+    return world, draw(st.sampled_from(MISTAKES)), draw(st.integers(0, 2**16))
+
+
+def check_mistakes(case: MistakeCase) -> None:
+    """The property: no mistake passes; each mistake fails with its message."""
+    world, mistake, seed = case
+    generator = torch.Generator().manual_seed(seed)
+    inputs = tuple(
+        tuple((torch.randn(2, 3, generator=generator),) for _ in range(world)) for _ in range(1)
+    )
+    s = TrainingScenario(_HeadAndBuffer, inputs)
+    wrapper = type(f"Mistaken_{mistake}", (_Mistaken,), {"mistake": mistake})
+    if mistake == "none":
+        check_data_parallel(wrapper, s)
+        return
+    with pytest.raises(AssertionError, match=re.escape(_MESSAGES[mistake])):
+        check_data_parallel(wrapper, s)
+
+
+@given(mistake_cases())
+def test_missing_extra_and_retyped_values_fail_with_their_message(case: MistakeCase) -> None:
+    note_size(2, case[0])
+    event(f"mistake: {case[1]}")
+    check_mistakes(case)
