@@ -12,7 +12,7 @@ mutant is equivalent: docs/design/mutation-testing.md). Not part of CI: a target
 minutes (every mutant reruns the property tests that reach it).
 
     PYTHONPATH=$PWD python benchmarks/mutation_score.py [TARGET ...] [--list] [--show]
-        [--limit-s 600] [--mutmut PATH] [--workdir DIR]
+        [--limit-s 600] [--mutmut PATH] [--workdir DIR [--resume]]
 
 mutmut is not a dependency of the project: install it where you run this
 (``python -m venv --system-site-packages /tmp/mut && /tmp/mut/bin/pip install mutmut==3.8.1``,
@@ -131,19 +131,24 @@ _STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests
 _STATUS.update({24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 34: "skipped"})
 
 
-def run_target(name: str, target: Target, mutmut: str, limit_s: float, work: Path) -> Result:
+def run_target(
+    name: str, target: Target, mutmut: str, limit_s: float, work: Path, *, resume: bool = False
+) -> Result:
+    """Run ``target`` in ``work/name``: a fresh copy of the project, or, with ``resume``,
+    the copy a run stopped by its time limit left (mutmut checks only what it has not)."""
     folder = work / name
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    for item in COPIED:
-        source = ROOT / item
-        if source.is_dir():
-            shutil.copytree(source, folder / item, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, folder / item)
-    config = folder / "pyproject.toml"
-    config.write_text(_narrowed_config(config.read_text(), target))
+    if not (resume and (folder / "mutants").exists()):
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        for item in COPIED:
+            source = ROOT / item
+            if source.is_dir():
+                shutil.copytree(source, folder / item, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, folder / item)
+        config = folder / "pyproject.toml"
+        config.write_text(_narrowed_config(config.read_text(), target))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy, not ROOT
     env.update(HYPOTHESIS_PROFILE="ci", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     globs = [mutant_glob(target, f) for f in target.functions]
@@ -226,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit-s", type=float, default=600.0, help="per target")
     parser.add_argument("--mutmut", default=shutil.which("mutmut") or "mutmut")
     parser.add_argument("--workdir", type=Path, help="keep the copies here (default: a temp)")
+    parser.add_argument(
+        "--resume", action="store_true", help="go on where a run in --workdir stopped"
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, t in TARGETS.items():
@@ -239,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mutation_score_"))
     results = []
     for name in args.targets or list(TARGETS):
-        result = run_target(name, TARGETS[name], args.mutmut, args.limit_s, work)
+        result = run_target(
+            name, TARGETS[name], args.mutmut, args.limit_s, work, resume=args.resume
+        )
         results.append(result)
         print(f"{name}: {dict(result.counts)} in {result.seconds:.0f} s", file=sys.stderr)
     print(f"mutmut against the property tests alone; per target at most {args.limit_s:.0f} s\n")
