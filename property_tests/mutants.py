@@ -42,6 +42,9 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+import fakepg._schedule.explore
+import fakepg._schedule.probe
+import fakepg._schedule.timeline
 import fakepg.clusterfile
 import fakepg.collectives
 import fakepg.rng
@@ -94,6 +97,7 @@ _Scheduler = fakepg.schedule._Scheduler
 _StreamOrder = fakepg.streams.StreamOrder
 _Hierarchical = reducer.testing.algorithms._Hierarchical
 _judge_one = reducer.testing._judge._judge_one
+_Pct = fakepg._schedule.explore.Pct
 
 
 # -------------------------------------------------------------------------------------------
@@ -590,6 +594,28 @@ class IgnoreChoices(_Scheduler):
     def _choose_locked(self, options: list[tuple[str, Any]]) -> tuple[int, tuple[int, int] | None]:
         super()._choose_locked(options)  # consumes the choice, as the real one does
         return 0, None
+
+
+class OldestFirst(_Scheduler):
+    """A decision to complete a collective completes the oldest ready one, whichever the
+    schedule drew: collectives in flight together always complete in issue order."""
+
+    def _complete_locked(self, ready: Any) -> Any:
+        return super()._complete_locked(self._ready[0])
+
+
+def _replay_without_policy(taken: Sequence[int], schedule: Any) -> Any:
+    """A run's decisions replayed in the early completion policy, whatever the run's was: a
+    late-policy run, pasted back, takes other options."""
+    return fakepg.schedule.Schedule(list(taken))
+
+
+class PctEarlyChanges(_Pct):
+    """PCT's change points drawn only among the first 8 choice points: a run whose race
+    follows a constructor's broadcasts never sees a priority change there."""
+
+    def change_points(self) -> list[int]:
+        return sorted(self.draws.draw(min(8, self.horizon.steps)) for _ in range(self.depth - 1))
 
 
 class CompleteAtOnce(_Scheduler):
@@ -1575,6 +1601,22 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     # The fake world's controlled scheduler.
     ("schedule choices ignored", "scheduler", _in("fakepg.world", "_Scheduler", IgnoreChoices)),
     ("completions at once", "scheduler", _in("fakepg.world", "_Scheduler", CompleteAtOnce)),
+    ("completions oldest first", "scheduler", _in("fakepg.world", "_Scheduler", OldestFirst)),
+    (
+        "replay drops the completion policy",
+        "scheduler",
+        _in("fakepg._schedule.timeline", "replay", _replay_without_policy),
+    ),
+    (
+        "C++ backward wait not seen as blocked",
+        "scheduler",
+        _in("fakepg._schedule.probe", "_ENGINE_FRAMES", frozenset()),
+    ),
+    (
+        "PCT change points only early",
+        "scheduler",
+        _in("fakepg._schedule.explore", "Pct", PctEarlyChanges),
+    ),
     # Checkpointing, higher-order and repeated backward.
     (
         "finalize at a checkpoint's inner end",

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from torch.nn.parallel.distributed import _MixedPrecision
 
+import fakepg
 import reducer
-from reducer.testing import TrainingScenario
+from reducer.testing import TrainingScenario, schedules
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
 from reducer.testing.scenario import SYNC_MODES
@@ -831,6 +832,30 @@ MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
 # The scheduler's mutants: each lets a race of property_tests/test_schedules.py through (no
 # schedule shows it), so the race property fails.
 SCHEDULING = {"schedule choices ignored", "completions at once"}
+# The exploration's mutants: each fails a property of property_tests/test_schedules.py run
+# as it is, on its shrunk example where it has one (two ranks; torch's DDP at one rank with
+# two parameters), and the real code passes it.
+EXPLORATION: dict[str, Callable[[], None]] = {
+    "completions oldest first": test_schedules.every_completion_order_is_drawn,
+    "replay drops the completion policy": lambda: _replay_fails("two in flight"),
+    "C++ backward wait not seen as blocked": lambda: test_schedules.ddp_averages_under_schedule(
+        1, fakepg.Schedule()
+    ),
+    "PCT change points only early": test_schedules.change_points_reach_the_end,
+}
+
+
+def _replay_fails(name: str) -> None:
+    """The replay property over drawn schedules (the late policy among them)."""
+
+    @given(schedule=schedules())
+    @settings(max_examples=50, database=None, deadline=None, derandomize=True)
+    def replays(schedule: fakepg.Schedule) -> None:
+        test_schedules.replay_is_the_run(name, schedule)
+
+    replays()
+
+
 # A mutant of the scenarios: the property that kills it is a search, not a check of one
 # example (it must find, within the ci profile's examples, a wrapper wrong only at W = 3).
 SEARCHES: dict[str, Callable[[], object]] = {
@@ -850,9 +875,9 @@ def test_every_slow_case_is_a_case() -> None:
 
 
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING | set(SEARCHES) == set(
-        CATALOGUE
-    )
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING | set(SEARCHES) | set(
+        EXPLORATION
+    ) == set(CATALOGUE)
     assert len(CATALOGUE) >= 25
 
 
@@ -866,6 +891,13 @@ def test_the_race_property_kills_the_scheduler_mutants(name: str) -> None:
     assert missed, f"{name}: every race is still found"
     for race in missed:
         test_schedules.race_is_found_and_shrunk(race)  # the real scheduler shows it
+
+
+@pytest.mark.parametrize("name", sorted(EXPLORATION))
+def test_the_exploration_properties_kill_their_mutants(name: str) -> None:
+    with applied(CATALOGUE[name]):
+        assert _fails(EXPLORATION[name]), f"{name}: the property still holds"
+    EXPLORATION[name]()  # the real code passes it
 
 
 def _search(mutant: Mutant, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> Any:

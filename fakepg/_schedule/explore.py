@@ -29,7 +29,7 @@ class Draws:
     run's n-th (what makes an explored schedule a value), drawn anew only past them."""
 
     def __init__(self, draw: Draw) -> None:
-        self._draw = draw
+        self._draw: Draw | None = draw
         self._values: list[int] = []
         self._next = 0
 
@@ -39,11 +39,16 @@ class Draws:
     def draw(self, n: int) -> int:
         if self._next < len(self._values):
             value = self._values[self._next] % n
+        elif self._draw is None:
+            value = 0
         else:
             try:
                 value = int(self._draw(n)) % n
-            except Exception:  # the source is gone (a finished Hypothesis example): natural
-                value = 0
+            except BaseException:
+                # The source is spent: a Hypothesis example that drew all it may (it marks
+                # itself overrun, and raises StopTest, which must not end a rank's thread) or
+                # that is over. The rest of the run takes the natural order.
+                self._draw, value = None, 0
             self._values.append(value)
         self._next += 1
         return value

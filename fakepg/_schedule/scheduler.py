@@ -50,7 +50,7 @@ class Scheduler:
         self._gen = 0  # bumped at each hand-over: the monitor's "has the holder moved?"
         self._active = False
         self._run = 0  # numbers the runs: a monitor serves one
-        self._monitor = Monitor(self, self._lock)
+        self._monitor = Monitor(self, self._lock, timeout=timeout)
         self._quiet = threading.Condition(self._lock)  # notified when nobody holds the baton
 
     @property
@@ -233,6 +233,21 @@ class Scheduler:
         """On the monitor's thread, for the holder it took outside."""
         self._switch(None)
 
+    def holder_stuck(self, holder: Actor, held: float) -> None:
+        """On the monitor's thread: ``holder`` has held the turn ``held`` s, more than the
+        world's timeout, without reaching a point. See Note [A holder that never comes
+        back] in fakepg._schedule.monitor."""
+        with self._lock:
+            if not self._active or self._holder is not holder:
+                return
+            why = (
+                f"{holder.label} held the turn {held:.3g} s without reaching a scheduling point "
+                "or being seen blocked (a wait the scheduler does not recognize, or a "
+                "computation longer than the world's timeout)"
+            )
+            rank, error = self._deadlock_locked(why)
+        self._on_deadlock(rank, error)
+
     # ---------------------------------------------------------------------------------------
     # Deciding and handing over.
 
@@ -404,5 +419,7 @@ class Scheduler:
 def _who(kind: str, target: Any) -> Key | str:
     """Who an option runs, as PCT gives priorities: an actor (a rank's thread, a rank's
     callbacks) by its key; every completion is the network's."""
+    if kind == "complete":
+        return "network"
     key: Key = target.key
-    return "network" if kind == "complete" else key
+    return key

@@ -289,8 +289,11 @@ def run(args: argparse.Namespace) -> int:
     launch.check = check
     launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     launch.switch_interval = float(getattr(args, "switch_interval", _SWITCH_INTERVAL_S))
-    with world, check or contextlib.nullcontext(), launch.installed(), sametrain.recording(
-        same, launch.rank_of_thread
+    with (
+        world,
+        check or contextlib.nullcontext(),
+        launch.installed(),
+        sametrain.recording(same, launch.rank_of_thread),
     ):
         if not launch.preimport():
             return _INTERRUPTED
