@@ -54,7 +54,7 @@ TARGETS: dict[str, Target] = {
     "streams": Target("fakepg/streams.py", (), ("property_tests/test_stream_order.py",)),
     "rebuild-sync": Target(
         "reducer/ddp/_setup.py",
-        ("sync_bucket_indices", "bucket_limits"),
+        ("sync_bucket_indices",),
         ("property_tests/test_wrapper_options.py", "-k", "caps"),
     ),
     "rebuild": Target(
@@ -64,7 +64,7 @@ TARGETS: dict[str, Target] = {
     ),
     "mixed-precision": Target(
         "reducer/ddp/_mixed_precision.py",
-        ("setup", "_twin_attributes", "to_low_precision", "to_full_precision"),
+        ("setup", "_twin_attributes"),
         ("property_tests/test_wrappers.py", "-k", "mixed_precision"),
     ),
     "hierarchical": Target(
@@ -86,7 +86,7 @@ TARGETS: dict[str, Target] = {
     ),
     "replica-join": Target(
         "reducer/tools/check/_check.py",
-        ("ReplicaCheck._joining", "ReplicaCheck._broken_meeting"),
+        ("ReplicaCheck._joining",),
         ("property_tests/test_replica_check.py", "-k", "plain"),
     ),
 }

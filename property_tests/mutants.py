@@ -1309,8 +1309,8 @@ def _model_built_once(
     return make_model()
 
 
-class LastIssuerStreamOrder(_StreamOrder):
-    """The side stream of a CUDA collective waits only for the last issuing rank's stream:
+class LastLauncherStreamOrder(_StreamOrder):
+    """The side stream of a CUDA collective waits only for the last launching rank's stream:
     the other ranks' inputs may be read before the kernels that write them."""
 
     def __init__(self, side: Any, ready: Sequence[tuple[Any, Any]]) -> None:
@@ -1876,9 +1876,9 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.testing.algorithms", "_Hierarchical", SmallestPeriodFirst),
     ),
     (
-        "stream order waits for the last issuer only",
+        "stream order waits for the last launching rank only",
         "fake world",
-        _in("fakepg.streams", "StreamOrder", LastIssuerStreamOrder),
+        _in("fakepg.streams", "StreamOrder", LastLauncherStreamOrder),
     ),
     (
         "check compares with a tolerance",

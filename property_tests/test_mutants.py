@@ -804,7 +804,7 @@ CASES: dict[str, Case] = {
         hierarchical_cases(), check_hierarchical_averaging, lambda c: c[0].world_size == 2
     ),
     # Two ranks, the first's input written on a stream the side stream never waits for.
-    "stream order waits for the last issuer only": Case(
+    "stream order waits for the last launching rank only": Case(
         stream_scenarios(), check_stream_order, lambda s: s.world_size == 2
     ),
     # Two ranks, uneven steps without join().

@@ -1,7 +1,7 @@
-"""Property 12: the fake world keeps NCCL's stream order, whoever issues from which stream.
+"""Property 12: the fake world keeps NCCL's stream order, whoever launches from which stream.
 
 A collective on CUDA tensors must read every rank's input after the kernels that wrote it,
-whatever stream each rank wrote and issued it from, and whatever a rank queues after
+whatever stream each rank wrote and launched it from, and whatever a rank queues after
 ``wait()`` must read the result (see Note [Stream order of a collective] in fakepg.streams).
 No GPU here: a simulated CUDA API keeps, per stream, the set of kernels that anything queued
 next on it comes after (its happens-before set); an event records a stream's set, a stream
@@ -10,10 +10,10 @@ are on ``cuda:0``.
 
 Drawn: two or three ranks (one is no order at all), one or two collectives in a row
 (allreduce, broadcast, allgather) over tensors on cuda:0, cuda:1 or the CPU, and for each
-rank and collective the stream it writes its inputs on and issues from: its thread's
+rank and collective the stream it writes its inputs on and launches from: its thread's
 default stream or one of several streams of its own; and how it waits (``wait()`` or its
 future). Every part of a collective must run after every rank's producer (a collective
-that waits only for the last issuing rank's stream reads the others' inputs unwritten), on
+that waits only for the last launching rank's stream reads the others' inputs unwritten), on
 the one side stream of its device, and every rank's stream after ``wait()`` must come after
 every part; CPU tensors have no stream order at all.
 """
@@ -142,7 +142,7 @@ class SimCuda:
 @contextmanager
 def simulated_cuda(devices_of: Callable[[], tuple[torch.device, ...]]) -> Iterator[SimCuda]:
     """The world's stream order on a simulated CUDA API; the i-th tensor of a collective
-    is taken to be on ``devices_of()[i]`` (the issuing rank's current collective)."""
+    is taken to be on ``devices_of()[i]`` (the launching rank's current collective)."""
     api = SimCuda()
     saved = streams.cuda, streams.cuda_devices
     real = streams.cuda_devices  # the world's own rule, on the specs moved
@@ -162,20 +162,20 @@ def simulated_cuda(devices_of: Callable[[], tuple[torch.device, ...]]) -> Iterat
 @dataclass(frozen=True)
 class StreamScenario:
     """Per collective in a row: its kind, the devices of its tensors (the same on every
-    rank), and per rank the stream it writes and issues from (None: its thread's default
+    rank), and per rank the stream it writes and launches from (None: its thread's default
     stream; k: its own stream k of each device)."""
 
     world_size: int
     kinds: tuple[str, ...]
     devices: tuple[tuple[str, ...], ...]  # [collective][tensor]
-    issuing: tuple[tuple[int | None, ...], ...]  # [collective][rank]
+    launching: tuple[tuple[int | None, ...], ...]  # [collective][rank]
     future: bool  # wait through the future rather than wait()
 
 
 @st.composite
 def stream_scenarios(draw: st.DrawFn) -> StreamScenario:
     """Two or three ranks, one or two collectives, each over tensors on cuda:0, cuda:1 or
-    the CPU (one or two tensors; allgather one), the issuing streams drawn per rank and
+    the CPU (one or two tensors; allgather one), the launching streams drawn per rank and
     collective from the default and three others (several ranks on different streams)."""
     world = draw(st.sampled_from([2, 3]))
     count = draw(st.integers(1, 2))
@@ -186,11 +186,11 @@ def stream_scenarios(draw: st.DrawFn) -> StreamScenario:
         for kind in kinds
     )
     choice = st.sampled_from([1, None, 2, 0])
-    issuing = tuple(tuple(draw(choice) for _ in range(world)) for _ in range(count))
-    return StreamScenario(world, kinds, devices, issuing, draw(st.booleans()))
+    launching = tuple(tuple(draw(choice) for _ in range(world)) for _ in range(count))
+    return StreamScenario(world, kinds, devices, launching, draw(st.booleans()))
 
 
-def _issue(pg: fakepg.FakeProcessGroup, kind: str, xs: list[torch.Tensor]) -> Any:
+def _launch(pg: fakepg.FakeProcessGroup, kind: str, xs: list[torch.Tensor]) -> Any:
     if kind == "allreduce":
         return pg.allreduce(xs)
     if kind == "broadcast":
@@ -213,20 +213,20 @@ def check_stream_order(s: StreamScenario) -> None:
     after_wait: dict[tuple[int, int], dict[torch.device, frozenset[str]]] = {}
     values: dict[tuple[int, int], float] = {}
     # After a wait of collective i returns, every part of it has run and none of i + 1 (this
-    # rank has not issued it): the parts seen so far are those of collectives 0..i.
+    # rank has not launched it): the parts seen so far are those of collectives 0..i.
     boundaries: dict[tuple[int, int], int] = {}
-    issuing = threading.local()
+    launching = threading.local()
 
     def devices_of() -> tuple[torch.device, ...]:
-        return tuple(DEVICES[n] for n in s.devices[issuing.index])
+        return tuple(DEVICES[n] for n in s.devices[launching.index])
 
     with simulated_cuda(devices_of) as api:
 
         def rank_main(pg: fakepg.FakeProcessGroup) -> None:
             rank = pg.rank()
             for index, kind in enumerate(s.kinds):
-                issuing.index = index
-                choice = s.issuing[index][rank]
+                launching.index = index
+                choice = s.launching[index][rank]
                 cuda = _cuda_of(s.devices[index])
                 xs = [torch.full((4,), float(rank + 1)) for _ in s.devices[index]]
                 with contextlib.ExitStack() as stack:
@@ -236,7 +236,7 @@ def check_stream_order(s: StreamScenario) -> None:
                             stack.enter_context(api.stream(own))
                     for device in cuda:  # the kernels writing the inputs on this device
                         api.current_stream(device).before.add(f"produce{index}-r{rank}@{device}")
-                    work = _issue(pg, kind, xs)
+                    work = _launch(pg, kind, xs)
                     if s.future:
                         work.get_future().wait()
                     else:
@@ -266,7 +266,7 @@ def check_stream_order(s: StreamScenario) -> None:
             missing = producers - part.before
             assert not missing, (
                 f"collective {index} ({kind}): its {part.kernel} may run before "
-                f"{sorted(missing)} (ranks issued from streams {s.issuing[index]}: None is "
+                f"{sorted(missing)} (ranks launched from streams {s.launching[index]}: None is "
                 "a thread's default)"
             )
         if s.future:  # the future completes on the rank's completion lane: its streams
@@ -290,10 +290,10 @@ def check_stream_order(s: StreamScenario) -> None:
 
 
 @given(stream_scenarios())
-def test_collectives_keep_the_stream_order_of_every_issuing_rank(s: StreamScenario) -> None:
+def test_collectives_keep_the_stream_order_of_every_launching_rank(s: StreamScenario) -> None:
     note_size(0, s.world_size)
     event(f"{s.world_size} ranks, {len(s.kinds)} collective(s)")
-    event(f"distinct issuing streams: {len(set(s.issuing[0]))}")
+    event(f"distinct launching streams: {len(set(s.launching[0]))}")
     event(f"devices of the first: {sorted(set(s.devices[0]))}")
     check_stream_order(s)
 

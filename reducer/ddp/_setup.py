@@ -524,7 +524,7 @@ def sync_bucket_indices(
     """Rank 0's bucket indices, for every rank (torch's ``Reducer::sync_bucket_indices``).
 
     Each rank buckets its own ready order with its own limits; ranks built with different
-    caps (``bucket_cap_mb`` per rank) would then issue different collectives. As torch's,
+    caps (``bucket_cap_mb`` per rank) would then start different collectives. As torch's,
     rank 0's buckets win: one broadcast of the flattened indices and the bucket count (its
     length, the parameter count plus one, is the same on every rank), then one of the
     bucket sizes, whose length every rank knows from the first.
