@@ -18,7 +18,9 @@ See Note [Controlled scheduling] in :mod:`fakepg.schedule`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
@@ -27,7 +29,16 @@ from hypothesis import strategies as st
 import fakepg
 from fakepg._schedule import explore as _explore
 
-__all__ = ["fewest_deviations", "race_report", "reporting", "schedules"]
+from ._judge import CheckReport
+
+__all__ = [
+    "RaceWindowNotReached",
+    "fewest_deviations",
+    "in_flight",
+    "race_report",
+    "reporting",
+    "schedules",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -158,6 +169,42 @@ def fewest_deviations(
     return best
 
 
+class RaceWindowNotReached(UserWarning):
+    """A check passed under a schedule in which no collective was ever left in flight across
+    a later operation of its rank: no race between a rank and its collectives was tried."""
+
+
+def in_flight(schedule: fakepg.Schedule) -> tuple[int, int]:
+    """From ``schedule``'s last run: (how many collectives were left in flight across a later
+    operation of the rank that issued them, how many were issued), counted per rank.
+
+    A collective is left in flight across a later operation when its rank went on before it
+    completed: the rank issued another collective, one of its callbacks ran, it returned,
+    or it resumed from waiting for something else. Only then can the rank's code touch the
+    collective's buffers (write, read, divide them, run the next backward) while it is in
+    flight, which is where races between a rank and its collectives live."""
+    open_: dict[tuple[int, str], bool] = {}  # (rank, collective) -> the rank went on since
+    left = issued = 0
+    for e in schedule.timeline:
+        rank = e.rank
+        if e.event == "complete":
+            for key in [k for k in open_ if k[1] == e.collective]:
+                left += open_.pop(key)
+            continue
+        if rank is None or e.event == "wait":
+            continue
+        went_on = e.event in ("issue", "callback", "return", "run", "resume")
+        if went_on:
+            for key in open_:
+                if key[0] == rank and not (e.event == "resume" and key[1] == e.collective):
+                    open_[key] = True
+        if e.event == "issue":
+            open_[(rank, e.collective)] = False
+            issued += 1
+    left += sum(open_.values())  # never completed (the run failed meanwhile)
+    return left, issued
+
+
 def _final_example() -> bool:
     """Not inside a Hypothesis example, or inside its final replay (the one it reports)."""
     try:
@@ -182,7 +229,7 @@ def reports_schedule(check: Callable[P, R]) -> Callable[P, R]:
             return check(*args, **kwargs)
         try:
             with reporting(schedule):
-                return check(*args, **kwargs)
+                result = check(*args, **kwargs)
         except Exception as exc:
             if any(schedule.choices) and _final_example():
 
@@ -197,8 +244,30 @@ def reports_schedule(check: Callable[P, R]) -> Callable[P, R]:
                 fails(shrunk)  # its timeline, for the report
                 _add_note(exc, "Shrunk to the fewest deviations: " + race_report(shrunk))
             raise
+        return _with_coverage(result, schedule)
 
     return run
+
+
+def _with_coverage(result: R, schedule: fakepg.Schedule) -> R:
+    """A passing check's report, with what its schedule covered; a warning where no
+    collective was ever in flight across a later operation of its rank."""
+    left, issued = in_flight(schedule)
+    if issued and not left:
+        warnings.warn(
+            RaceWindowNotReached(
+                f"the check passed under {schedule!r}, but none of the {issued} collectives "
+                "was left in flight across a later operation of its rank (a write or read of "
+                "its buffer, a division, the next backward): no race between a rank and its "
+                "collectives was tried. Draw schedules with reducer.testing.schedules() "
+                "(the late completion policy leaves every collective in flight as long as "
+                "allowed)"
+            ),
+            stacklevel=3,
+        )
+    if isinstance(result, CheckReport):
+        return dataclasses.replace(result, in_flight=(left, issued))
+    return result
 
 
 def _add_note(exc: BaseException, note: str) -> None:
