@@ -42,7 +42,8 @@ def allreduce_in_callback_hook(state, bucket):  # type: ignore[no-untyped-def]
 
     def reduce(_: torch.futures.Future[Any]) -> Tensor:
         assert all(f.item() == 1.0 for f in flags)
-        return dist.all_reduce(t, async_op=True).get_future().wait()[0]
+        reduced: Tensor = dist.all_reduce(t, async_op=True).get_future().wait()[0]
+        return reduced
 
     return fut.then(reduce)
 
