@@ -18,7 +18,10 @@ See Note [Controlled scheduling] in :mod:`fakepg.schedule`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import random
+import warnings
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
@@ -27,7 +30,16 @@ from hypothesis import strategies as st
 import fakepg
 from fakepg._schedule import explore as _explore
 
-__all__ = ["fewest_deviations", "race_report", "reporting", "schedules"]
+from ._judge import CheckReport
+
+__all__ = [
+    "RaceWindowNotReached",
+    "fewest_deviations",
+    "in_flight",
+    "race_report",
+    "reporting",
+    "schedules",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,9 +61,7 @@ def schedules(
     """A :class:`fakepg.Schedule` that decides, at every choice point of the run however many
     there are, by ``explore``:
 
-    - ``"walk"``: a random choice at each point, each drawn from the example's data as the
-      run reaches it (so Hypothesis shrinks each toward 0, the natural option: a shrunk race
-      names only the switches that break the code);
+    - ``"walk"``: a uniform random choice at each point, drawn as the run reaches it;
     - ``"pct"``: probabilistic concurrency testing: random priorities for the ranks' threads,
       their callbacks and the network, and up to ``depth - 1`` priority change points drawn
       uniformly over the run's number of choice points (the longest run this strategy has
@@ -64,7 +74,21 @@ def schedules(
     switch at all); None draws it. ``max_choices``: instead, a fixed list of at most that many
     choices (each in 0..7, taken modulo the options at its point; past its end the natural
     order), the strategy of earlier versions. See Note [Exploration] in
-    :mod:`fakepg._schedule.timeline`."""
+    :mod:`fakepg._schedule.timeline`.
+
+    A failing check reports the run's decisions shrunk to the fewest deviations from the
+    natural order (:func:`fewest_deviations`), as a plain schedule that replays it.
+
+    # Note [Exploration draws from a seed]
+    # Each example draws one seed, and its walk or PCT draws from a generator seeded with it,
+    # as many times as its run has choice points. Drawn from the example's data instead, one
+    # draw per choice point, Hypothesis would shrink each choice toward the natural one; but
+    # the number of draws then follows the run, and a run whose number of choice points
+    # varies between replays (torch's C++ DDP blocked outside the scheduler, whose wake-ups
+    # the scheduler samples: Note [Blocked outside the scheduler]) would fail as a flaky
+    # strategy although the code under test is correct. The seed's generator also draws
+    # PCT's priorities and change points uniformly, which its guarantee assumes and
+    # Hypothesis's integers (biased toward their bounds) would not."""
     if max_choices is not None and (
         isinstance(max_choices, bool) or not isinstance(max_choices, int) or max_choices < 0
     ):
@@ -87,7 +111,8 @@ def schedules(
     @st.composite
     def explored(draw: st.DrawFn) -> fakepg.Schedule:
         kind, late = draw(kinds), draw(modes)
-        source = draw(st.randoms(use_true_random=False)).randrange
+        # See Note [Exploration draws from a seed].
+        source = random.Random(draw(st.integers(0, 2**64 - 1))).randrange
         exploration: _explore.Exploration
         if kind == "walk":
             exploration = _explore.Walk(source)
@@ -136,8 +161,9 @@ def fewest_deviations(
 
     First no deviation at all, under either completion policy; then each deviation of the
     recorded run is dropped in turn and kept out where the code still fails (a schedule
-    found by PCT deviates wherever priorities differ, while its race needs a few of them).
-    Each try is a run of ``fails``; at most ``rounds`` passes."""
+    found by PCT deviates wherever priorities differ, while its race needs a few of them);
+    where more than one remains, a single switch at each of the first choice points. Each
+    try is a run of ``fails``; at most ``rounds`` passes of dropping."""
     for late in (False, True):
         bare = fakepg.Schedule(adversarial=late)
         if fails(bare):
@@ -155,7 +181,54 @@ def fewest_deviations(
                 best, shrunk = candidate.recorded(), True
         if not shrunk:
             break
+    if sum(1 for c in best.choices if c) > 1:
+        # One switch anywhere among the first choice points, under either policy.
+        for point in range(min(len(best.choices), _ONE_SWITCH_POINTS)):
+            for late in (best.adversarial, not best.adversarial):
+                candidate = fakepg.Schedule({point: 1}, adversarial=late)
+                if fails(candidate):
+                    return candidate.recorded()
     return best
+
+
+# How far fewest_deviations looks for a single switch, when dropping deviations leaves more.
+_ONE_SWITCH_POINTS = 32
+
+
+class RaceWindowNotReached(UserWarning):
+    """A check passed under a schedule in which no collective was ever left in flight across
+    a later operation of its rank: no race between a rank and its collectives was tried."""
+
+
+def in_flight(schedule: fakepg.Schedule) -> tuple[int, int]:
+    """From ``schedule``'s last run: (how many collectives were left in flight across a later
+    operation of the rank that issued them, how many were issued), counted per rank.
+
+    A collective is left in flight across a later operation when its rank went on before it
+    completed: the rank issued another collective, one of its callbacks ran, it returned,
+    or it resumed from waiting for something else. Only then can the rank's code touch the
+    collective's buffers (write, read, divide them, run the next backward) while it is in
+    flight, which is where races between a rank and its collectives live."""
+    open_: dict[tuple[int, str], bool] = {}  # (rank, collective) -> the rank went on since
+    left = issued = 0
+    for e in schedule.timeline:
+        rank = e.rank
+        if e.event == "complete":
+            for key in [k for k in open_ if k[1] == e.collective]:
+                left += open_.pop(key)
+            continue
+        if rank is None or e.event == "wait":
+            continue
+        went_on = e.event in ("issue", "callback", "return", "run", "resume")
+        if went_on:
+            for key in open_:
+                if key[0] == rank and not (e.event == "resume" and key[1] == e.collective):
+                    open_[key] = True
+        if e.event == "issue":
+            open_[(rank, e.collective)] = False
+            issued += 1
+    left += sum(open_.values())  # never completed (the run failed meanwhile)
+    return left, issued
 
 
 def _final_example() -> bool:
@@ -182,7 +255,7 @@ def reports_schedule(check: Callable[P, R]) -> Callable[P, R]:
             return check(*args, **kwargs)
         try:
             with reporting(schedule):
-                return check(*args, **kwargs)
+                result = check(*args, **kwargs)
         except Exception as exc:
             if any(schedule.choices) and _final_example():
 
@@ -197,8 +270,30 @@ def reports_schedule(check: Callable[P, R]) -> Callable[P, R]:
                 fails(shrunk)  # its timeline, for the report
                 _add_note(exc, "Shrunk to the fewest deviations: " + race_report(shrunk))
             raise
+        return _with_coverage(result, schedule)
 
     return run
+
+
+def _with_coverage(result: R, schedule: fakepg.Schedule) -> R:
+    """A passing check's report, with what its schedule covered; a warning where no
+    collective was ever in flight across a later operation of its rank."""
+    left, issued = in_flight(schedule)
+    if issued and not left:
+        warnings.warn(
+            RaceWindowNotReached(
+                f"the check passed under {schedule!r}, but none of the {issued} collectives "
+                "was left in flight across a later operation of its rank (a write or read of "
+                "its buffer, a division, the next backward): no race between a rank and its "
+                "collectives was tried. Draw schedules with reducer.testing.schedules() "
+                "(the late completion policy leaves every collective in flight as long as "
+                "allowed)"
+            ),
+            stacklevel=3,
+        )
+    if isinstance(result, CheckReport):
+        return dataclasses.replace(result, in_flight=(left, issued))
+    return result
 
 
 def _add_note(exc: BaseException, note: str) -> None:
