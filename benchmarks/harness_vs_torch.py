@@ -11,7 +11,9 @@ ranks' local gradients), run
   for each example as ``MultiThreadedTestCase`` starts them for each test;
 - ``gloo spawn``: one process per rank on gloo, spawned for each example as torch's
   ``MultiProcessTestCase`` spawns them for each test;
-- ``gloo pool``: one process per rank on gloo, spawned once and handed every example.
+- ``gloo pool``: one process per rank on gloo, spawned once and handed every example;
+- ``fakepg-cuda`` (on a GPU machine, not by default): the library's check with the model and
+  inputs on the GPU, against ``fakepg`` on the CPU in the same run.
 
 The anchors check what the library checks: each rank's reduced gradients and parameters
 against the mean of the local ones (computed on the calling thread from plain models), with
@@ -29,6 +31,7 @@ cpu --impl torch``), on gloo processes, whole run (slow: minutes).
 
     PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 40] [--rounds 3] [--seeds 3]
         [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--suite]
+    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py --ways fakepg,fakepg-cuda  # a GPU
 """
 
 from __future__ import annotations
@@ -198,14 +201,14 @@ def expect(example: Example, results: Sequence[tuple[list[Tensor], list[Tensor]]
 # The ways.
 
 
-def fakepg_way(hook: str) -> Callable[[Example], None]:
-    """This library: the check on the fake world."""
+def fakepg_way(hook: str, device: str = "cpu") -> Callable[[Example], None]:
+    """This library: the check on the fake world (the model and inputs on ``device``)."""
     from reducer.testing import TrainingScenario, check_comm_hook, check_data_parallel, torch_ddp
 
     def check(example: Example) -> None:
         scenario = TrainingScenario(
-            make_model=lambda: make_model(example),
-            inputs=(tuple((x,) for x in inputs(example)),),
+            make_model=lambda: make_model(example).to(device),
+            inputs=(tuple((x.to(device),) for x in inputs(example)),),
             loss=loss,
             lr=LR,
         )
@@ -434,12 +437,14 @@ def hypothesis_run(
     return run
 
 
-WAYS = ("fakepg", "threaded", "gloo-pool", "gloo-spawn")
+WAYS = ("fakepg", "threaded", "gloo-pool", "gloo-spawn", "fakepg-cuda")
 
 
 def make_check(way: str, hook: str, world_size: int, stack: contextlib.ExitStack) -> Any:
     if way == "fakepg":
         return fakepg_way(hook)
+    if way == "fakepg-cuda":
+        return fakepg_way(hook, "cuda")
     if way == "threaded":
         stack.enter_context(threaded_group())
         return threaded_way(hook)
@@ -506,7 +511,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-sizes", default="2,3,4")
     parser.add_argument("--seeds", type=int, default=3, help="bug hunts per way (median)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per rate (median)")
-    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument(
+        "--ways",
+        default=",".join(WAYS[:4]),
+        help=f"any of {', '.join(WAYS)} (fakepg-cuda: the fake world's check on CUDA tensors)",
+    )
     parser.add_argument("--skip-bug", action="store_true")
     parser.add_argument("--suite", action="store_true", help="also torch's DDP suite on gloo")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
