@@ -533,9 +533,11 @@ def main(argv: list[str] | None = None) -> None:
     n = {w: args.spawn_examples if w == "gloo-spawn" else args.examples for w in ways}
     # Hypothesis's own first run in a process costs more than later ones: paid here.
     hypothesis_run(lambda e: None, examples(2), max_examples=20, seed=0, shrink=False)
+    headers = ["examples/s", *ways, *(f"fakepg / {w}" for w in ways if w != "fakepg")]
     for name, hook, w in cases:
         rows.append([name, *_rate_cells(rates(ways, hook, w, n, args.rounds), ways)])
-    headers = ["examples/s", *ways, *(f"fakepg / {w}" for w in ways if w != "fakepg")]
+        print(table(headers, rows[-1:]).splitlines()[-1], flush=True)  # as it comes
+    print()
     print(table(headers, rows))
     if not args.skip_bug:
         print(
