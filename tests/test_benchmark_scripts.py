@@ -103,7 +103,8 @@ def test_harness_vs_torch_counts_examples_and_shrinks_the_seeded_bug() -> None:
     )  # fmt: skip
     rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
     rates = [row for row in rows if row[1].strip().startswith(("(a)", "(b)"))]
-    assert len(rates) == 2 and all(float(row[2]) > 0 for row in rates), out
+    # Each row once as it is measured, once in the final table.
+    assert len(rates) == 4 and all(float(row[2]) > 0 for row in rates), out
     hunts = {row[1].strip(): row for row in rows if row[1].strip() in ("fakepg", "threaded")}
     # Found by both, shrunk to the narrowest width whose bucket skips the divide (8w + 3 > 96).
     assert set(hunts) == {"fakepg", "threaded"}, out
