@@ -29,7 +29,7 @@ the end of shrinking (median over ``--seeds`` seeds), and the shrunk width.
 ``--suite``: torch's own DDP test suite, CPU-mapped (``benchmarks/torch_ddp_suite.py --mode
 cpu --impl torch``), on gloo processes, whole run (slow: minutes).
 
-    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 40] [--rounds 3] [--seeds 3]
+    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 20] [--rounds 5] [--seeds 3]
         [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--suite]
     PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py --ways fakepg,fakepg-cuda  # a GPU
 """
@@ -456,26 +456,31 @@ def make_check(way: str, hook: str, world_size: int, stack: contextlib.ExitStack
 
 
 def throughput(way: str, hook: str, world_size: int, n: int, seed: int) -> float:
-    with contextlib.ExitStack() as stack:
-        check = make_check(way, hook, world_size, stack)
-        # One untimed example: imports, the pool's start-up, first-call costs.
-        check(Example(world_size, 4, 0, 0))
-        run = hypothesis_run(check, examples(world_size), max_examples=n, seed=seed, shrink=False)
-    return run.examples / run.seconds
+    """Examples per second of one way alone (its start-up, and one example, untimed)."""
+    return rates([way], hook, world_size, {way: n}, 1)[way]
 
 
 def rates(
     ways: Sequence[str], hook: str, world_size: int, n: dict[str, int], rounds: int
 ) -> dict[str, float]:
-    """Per way, the median over ``rounds`` of its examples per second; the ways take turns
-    within each round (the load of a shared machine falls on all alike)."""
+    """Per way, the median over ``rounds`` of its examples per second. Every way is set up
+    first (a pool's processes started, one untimed example each: imports, first calls); then
+    in each round every way runs ``n[way]`` examples in turn, so that the load of a shared
+    machine falls on all alike (gloo-spawn, seconds per example, in the first round only)."""
     samples: dict[str, list[float]] = {w: [] for w in ways}
-    for r in range(rounds):
-        turn = list(ways[r % len(ways) :]) + list(ways[: r % len(ways)])
-        for way in turn:
-            if way == "gloo-spawn" and samples[way]:
-                continue  # seconds per example: one round says it
-            samples[way].append(throughput(way, hook, world_size, n[way], seed=r))
+    with contextlib.ExitStack() as stack:
+        checks = {w: make_check(w, hook, world_size, stack) for w in ways}
+        for check in checks.values():
+            check(Example(world_size, 4, 0, 0))
+        for r in range(rounds):
+            turn = list(ways[r % len(ways) :]) + list(ways[: r % len(ways)])
+            for way in turn:
+                if way == "gloo-spawn" and samples[way]:
+                    continue
+                run = hypothesis_run(
+                    checks[way], examples(world_size), max_examples=n[way], seed=r, shrink=False
+                )
+                samples[way].append(run.examples / run.seconds)
     return {w: statistics.median(v) for w, v in samples.items()}
 
 
@@ -506,11 +511,11 @@ def suite(timeout: int) -> list[list[object]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=40, help="examples per row and way")
+    parser.add_argument("--examples", type=int, default=20, help="examples per round and way")
     parser.add_argument("--spawn-examples", type=int, default=3, help="for gloo-spawn")
     parser.add_argument("--world-sizes", default="2,3,4")
     parser.add_argument("--seeds", type=int, default=3, help="bug hunts per way (median)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per rate (median)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per rate (median)")
     parser.add_argument(
         "--ways",
         default=",".join(WAYS[:4]),
