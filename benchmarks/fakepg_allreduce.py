@@ -2,12 +2,15 @@
 
 For each collective, world size W and size S (float32), every rank issues the collective on
 one tensor of S bytes: allreduce (in place), reduce_scatter (input S, output S / W:
-``reduce_scatter_tensor``) and all_to_all (input and output S: ``all_to_all_single``). In
+``reduce_scatter_tensor``), all_to_all (input and output S: ``all_to_all_single``),
+all_gather (input S / W, output S: ``all_gather_into_tensor``) and broadcast (S, in place,
+from rank 0). In
 the same run it measures torch's threaded group
 (``torch.testing._internal.distributed.multi_threaded_pg``, backend "threaded") on the same
 inputs, and the memory-bandwidth floor: one ``copy_`` that reads and writes as many bytes as
-the collective must (allreduce and all_to_all: W x S read and written; reduce_scatter: W x S
-read, S written). For reduce_scatter, which reads W times what it writes, a second anchor
+the collective must (allreduce, all_to_all and all_gather: W x S read and written;
+reduce_scatter: W x S read, S written; broadcast: (W - 1) x S read and written, one copy per
+receiving rank). For reduce_scatter, which reads W times what it writes, a second anchor
 is one ``torch.sum`` over dim 0 of a (W, S) tensor, the same reads and writes as one torch op
 (``x sum floor``).
 
@@ -115,24 +118,27 @@ def time_ranks(
 
 
 # Per collective: (bytes each rank's output holds, relative to S; a fakepg call; a torch call).
-COLLECTIVES = ("allreduce", "reduce_scatter", "all_to_all")
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_to_all", "all_gather", "broadcast")
 
 
 def _buffers(collective: str, world_size: int, numel: int) -> list[tuple[torch.Tensor, ...]]:
-    """Per rank: (input,) for allreduce, (output, input) otherwise."""
-    if collective == "allreduce":
+    """Per rank: (input,) for allreduce and broadcast (in place), (output, input) otherwise."""
+    if collective in ("allreduce", "broadcast"):
         return [(torch.zeros(numel),) for _ in range(world_size)]
+    if collective == "all_gather":
+        return [(torch.zeros(numel), torch.zeros(numel // world_size)) for _ in range(world_size)]
     out_numel = numel // world_size if collective == "reduce_scatter" else numel
     return [(torch.zeros(out_numel), torch.zeros(numel)) for _ in range(world_size)]
 
 
 def _refill(tensor: torch.Tensor, source: torch.Tensor | None) -> Callable[[], None]:
     """Write the rank's input before each call, as a training step writes its gradients:
-    ``source``'s values (random), or nothing with ``--inputs zeros`` (the old figure: zeros
-    left in place, whose in-place sums stay zero)."""
+    ``source``'s values (random; its first elements for a smaller input), or nothing with
+    ``--inputs zeros`` (the old figure: zeros left in place, whose in-place sums stay zero)."""
     if source is None:
         return lambda: None
-    return lambda: tensor.copy_(source)
+    values = source[: tensor.numel()]
+    return lambda: tensor.copy_(values)
 
 
 def bench_fakepg(
@@ -155,6 +161,10 @@ def bench_fakepg(
             return refill, lambda: pg.allreduce([mine[0]]).wait()
         if collective == "reduce_scatter":
             return refill, lambda: pg.reduce_scatter_tensor(mine[0], mine[1]).wait()
+        if collective == "all_gather":
+            return refill, lambda: pg.allgather_into_tensor(mine[0], mine[1]).wait()
+        if collective == "broadcast":
+            return refill, lambda: pg.broadcast([mine[0]], 0).wait()
         return refill, lambda: pg.all_to_all_single(mine[0], mine[1]).wait()
 
     try:
@@ -188,6 +198,10 @@ def bench_threaded(
             return refill, lambda: dist.all_reduce(mine[0])
         if collective == "reduce_scatter":
             return refill, lambda: dist.reduce_scatter_tensor(mine[0], mine[1])
+        if collective == "all_gather":
+            return refill, lambda: dist.all_gather_into_tensor(mine[0], mine[1])
+        if collective == "broadcast":
+            return refill, lambda: dist.broadcast(mine[0], 0)
         return refill, lambda: dist.all_to_all_single(mine[0], mine[1])
 
     try:
@@ -204,6 +218,8 @@ def moved_bytes(collective: str, world_size: int, nbytes: int) -> int:
     """Bytes the collective must read and write, over all ranks."""
     if collective == "reduce_scatter":
         return world_size * nbytes + nbytes  # every input read once, W outputs of S / W
+    if collective == "broadcast":
+        return 2 * (world_size - 1) * nbytes  # the root's tensor copied into W - 1 others
     return 2 * world_size * nbytes  # every input read once, every output written once
 
 

@@ -8,10 +8,11 @@ DDP with the same two settings (bucket cap 25 MiB). A step is forward and loss u
 autocast, then backward with the reducer's prepare_for_backward and finalize, timed on the
 GPU with CUDA events from before the forward to after backward returns: the GPU's idle time
 while Python issues work counts. GPU kernels take microseconds, so this is where a Python hook
-per parameter costs most. Models: the two of ``reducer_overhead.py`` and a 24-layer
-transformer (294 parameters).
+per parameter costs most. Models: the two of ``reducer_overhead.py`` (8 x Linear(1024), 400
+small parameters) and a transformer of ``--layers`` layers (24: 294 parameters).
 
     python benchmarks/gpu_overhead.py [--steps 40] [--warmup 10] [--bucket-cap-mb 25]
+        [--layers 24]
 
 Without a CUDA GPU or without NCCL it says why and exits 0.
 """
@@ -79,13 +80,13 @@ def tokens(batch_size: int = 8, seq: int = 256, vocab: int = 8192) -> Tensor:
 Model = tuple[Callable[[], nn.Module], Callable[[int], Tensor]]
 
 
-def gpu_models() -> dict[str, Model]:
+def gpu_models(layers: int = 24) -> dict[str, Model]:
     models: dict[str, Model] = {
         name: (build, lambda size, width=width: batch(width, size))
         for name, (build, width) in MODELS.items()
     }
-    models["24-layer transformer (width 512, batch 8 x 256 tokens)"] = (
-        Transformer,
+    models[f"{layers}-layer transformer (width 512, batch 8 x 256 tokens)"] = (
+        lambda: Transformer(layers=layers),
         lambda _size: tokens(),
     )
     return models
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (10)")
     parser.add_argument("--batch", type=int, default=32, help="batch of the two MLPs (32)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--layers", type=int, default=24, help="the transformer's layers (24)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows = [
             row
-            for name, model in gpu_models().items()
+            for name, model in gpu_models(args.layers).items()
             for row in measure(name, model, args, device)
         ]
         print(table(HEADERS, rows))

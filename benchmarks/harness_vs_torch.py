@@ -11,13 +11,16 @@ ranks' local gradients), run
   for each example as ``MultiThreadedTestCase`` starts them for each test;
 - ``gloo spawn``: one process per rank on gloo, spawned for each example as torch's
   ``MultiProcessTestCase`` spawns them for each test;
-- ``gloo pool``: one process per rank on gloo, spawned once and handed every example.
+- ``gloo pool``: one process per rank on gloo, spawned once and handed every example;
+- ``fakepg-cuda`` (on a GPU machine, not by default): the library's check with the model and
+  inputs on the GPU, against ``fakepg`` on the CPU in the same run.
 
 The anchors check what the library checks: each rank's reduced gradients and parameters
 against the mean of the local ones (computed on the calling thread from plain models), with
 ``torch.testing.assert_close``'s default tolerance (their reductions' order is not pinned).
 
-Rows: (a) ``check_data_parallel`` on torch's DDP at W = 2, 3, 4: examples per second;
+Rows: (a) ``check_data_parallel`` on torch's DDP at W = 2, 3, 4: examples per second (median of
+``--rounds`` rounds, the ways taking turns in each);
 (b) a comm hook check (torch's ``allreduce_hook``) at W = 2: examples per second; (c) a
 seeded bug, a comm hook that forgets to divide by the world size once a bucket holds more
 than 96 elements, found and shrunk at W = 2: seconds to the first failing example and to
@@ -26,8 +29,9 @@ the end of shrinking (median over ``--seeds`` seeds), and the shrunk width.
 ``--suite``: torch's own DDP test suite, CPU-mapped (``benchmarks/torch_ddp_suite.py --mode
 cpu --impl torch``), on gloo processes, whole run (slow: minutes).
 
-    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 40] [--seeds 3]
+    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 20] [--rounds 5] [--seeds 3]
         [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--suite]
+    PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py --ways fakepg,fakepg-cuda  # a GPU
 """
 
 from __future__ import annotations
@@ -197,14 +201,14 @@ def expect(example: Example, results: Sequence[tuple[list[Tensor], list[Tensor]]
 # The ways.
 
 
-def fakepg_way(hook: str) -> Callable[[Example], None]:
-    """This library: the check on the fake world."""
+def fakepg_way(hook: str, device: str = "cpu") -> Callable[[Example], None]:
+    """This library: the check on the fake world (the model and inputs on ``device``)."""
     from reducer.testing import TrainingScenario, check_comm_hook, check_data_parallel, torch_ddp
 
     def check(example: Example) -> None:
         scenario = TrainingScenario(
-            make_model=lambda: make_model(example),
-            inputs=(tuple((x,) for x in inputs(example)),),
+            make_model=lambda: make_model(example).to(device),
+            inputs=(tuple((x.to(device),) for x in inputs(example)),),
             loss=loss,
             lr=LR,
         )
@@ -293,7 +297,10 @@ def _gloo_rank(rank: int, world_size: int, port: int, conn: Any, once: Any) -> N
                 break
             example, hook = job
             try:
-                conn.send(("ok", rank_step(example, rank, hook)))
+                grads, params = rank_step(example, rank, hook)
+                # As arrays, by value: a tensor is sent as a shared-memory handle, which the
+                # receiver cannot open once this process has exited.
+                conn.send(("ok", ([g.numpy() for g in grads], [p.numpy() for p in params])))
             except Exception as exc:
                 conn.send(("error", repr(exc)))
             if once is not None:
@@ -332,7 +339,8 @@ class GlooPool:
 def _result(reply: tuple[str, Any]) -> Any:
     if reply[0] != "ok":
         raise RuntimeError(f"a gloo rank failed: {reply[1]}")
-    return reply[1]
+    grads, params = reply[1]
+    return [torch.from_numpy(g) for g in grads], [torch.from_numpy(p) for p in params]
 
 
 def gloo_spawn_run(example: Example, hook: str) -> list[Any]:
@@ -372,6 +380,7 @@ class Run:
     examples: int
     seconds: float
     first_failure: float | None = None
+    first_examples: int = 0  # examples run up to the first failure, it included
     shrunk: Example | None = None
 
 
@@ -387,6 +396,7 @@ def hypothesis_run(
     the first failure, and the whole run (shrinking included)."""
     count = 0
     first: list[float] = []
+    first_count: list[int] = []
     last_failing: list[Example] = []
     start = time.perf_counter()
 
@@ -409,6 +419,7 @@ def hypothesis_run(
         except Exception:
             if not first:
                 first.append(time.perf_counter() - start)
+                first_count.append(count)
             last_failing.append(example)
             raise
 
@@ -421,16 +432,19 @@ def hypothesis_run(
     run = Run(count, seconds)
     if failed:
         run.first_failure = first[0] if first else None
+        run.first_examples = first_count[0] if first_count else 0
         run.shrunk = last_failing[-1] if last_failing else None
     return run
 
 
-WAYS = ("fakepg", "threaded", "gloo-pool", "gloo-spawn")
+WAYS = ("fakepg", "threaded", "gloo-pool", "gloo-spawn", "fakepg-cuda")
 
 
 def make_check(way: str, hook: str, world_size: int, stack: contextlib.ExitStack) -> Any:
     if way == "fakepg":
         return fakepg_way(hook)
+    if way == "fakepg-cuda":
+        return fakepg_way(hook, "cuda")
     if way == "threaded":
         stack.enter_context(threaded_group())
         return threaded_way(hook)
@@ -442,12 +456,32 @@ def make_check(way: str, hook: str, world_size: int, stack: contextlib.ExitStack
 
 
 def throughput(way: str, hook: str, world_size: int, n: int, seed: int) -> float:
+    """Examples per second of one way alone (its start-up, and one example, untimed)."""
+    return rates([way], hook, world_size, {way: n}, 1)[way]
+
+
+def rates(
+    ways: Sequence[str], hook: str, world_size: int, n: dict[str, int], rounds: int
+) -> dict[str, float]:
+    """Per way, the median over ``rounds`` of its examples per second. Every way is set up
+    first (a pool's processes started, one untimed example each: imports, first calls); then
+    in each round every way runs ``n[way]`` examples in turn, so that the load of a shared
+    machine falls on all alike (gloo-spawn, seconds per example, in the first round only)."""
+    samples: dict[str, list[float]] = {w: [] for w in ways}
     with contextlib.ExitStack() as stack:
-        check = make_check(way, hook, world_size, stack)
-        # One untimed example: imports, the pool's start-up, first-call costs.
-        check(Example(world_size, 4, 0, 0))
-        run = hypothesis_run(check, examples(world_size), max_examples=n, seed=seed, shrink=False)
-    return run.examples / run.seconds
+        checks = {w: make_check(w, hook, world_size, stack) for w in ways}
+        for check in checks.values():
+            check(Example(world_size, 4, 0, 0))
+        for r in range(rounds):
+            turn = list(ways[r % len(ways) :]) + list(ways[: r % len(ways)])
+            for way in turn:
+                if way == "gloo-spawn" and samples[way]:
+                    continue
+                run = hypothesis_run(
+                    checks[way], examples(world_size), max_examples=n[way], seed=r, shrink=False
+                )
+                samples[way].append(run.examples / run.seconds)
+    return {w: statistics.median(v) for w, v in samples.items()}
 
 
 def bug_hunt(way: str, seeds: Sequence[int], examples_cap: int) -> list[Run]:
@@ -477,11 +511,16 @@ def suite(timeout: int) -> list[list[object]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=40, help="examples per row and way")
+    parser.add_argument("--examples", type=int, default=20, help="examples per round and way")
     parser.add_argument("--spawn-examples", type=int, default=3, help="for gloo-spawn")
     parser.add_argument("--world-sizes", default="2,3,4")
     parser.add_argument("--seeds", type=int, default=3, help="bug hunts per way (median)")
-    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per rate (median)")
+    parser.add_argument(
+        "--ways",
+        default=",".join(WAYS[:4]),
+        help=f"any of {', '.join(WAYS)} (fakepg-cuda: the fake world's check on CUDA tensors)",
+    )
     parser.add_argument("--skip-bug", action="store_true")
     parser.add_argument("--suite", action="store_true", help="also torch's DDP suite on gloo")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -496,28 +535,38 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[list[object]] = []
     cases = [(f"(a) check_data_parallel, W={w}", "none", w) for w in _ints(args.world_sizes)]
     cases.append(("(b) check_comm_hook (allreduce_hook), W=2", "allreduce", 2))
-    for name, hook, w in cases:
-        rates = {}
-        for way in ways:
-            n = args.spawn_examples if way == "gloo-spawn" else args.examples
-            rates[way] = throughput(way, hook, w, n, seed=0)
-        rows.append([name, *_rate_cells(rates, ways)])
+    n = {w: args.spawn_examples if w == "gloo-spawn" else args.examples for w in ways}
+    # Hypothesis's own first run in a process costs more than later ones: paid here.
+    hypothesis_run(lambda e: None, examples(2), max_examples=20, seed=0, shrink=False)
     headers = ["examples/s", *ways, *(f"fakepg / {w}" for w in ways if w != "fakepg")]
+    for name, hook, w in cases:
+        rows.append([name, *_rate_cells(rates(ways, hook, w, n, args.rounds), ways)])
+        print(table(headers, rows[-1:]).splitlines()[-1], flush=True)  # as it comes
+    print()
     print(table(headers, rows))
     if not args.skip_bug:
         print(
             f"\n# (c) the seeded bug (no divide once a bucket holds > {BUG_ELEMENTS} elements), "
             f"W=2, median of {args.seeds} seeds\n"
         )
-        bug_rows = []
+        bug_rows: list[list[object]] = []
         seeds = list(range(args.seeds))
+        spawn_rate = spawn_seconds = None
         for way in ways:
-            hunt_seeds = seeds[:1] if way == "gloo-spawn" else seeds
-            runs = bug_hunt(way, hunt_seeds, 200)
+            if way == "gloo-spawn":
+                # Every example spawns its ranks: the hunt's examples (counted on the pool)
+                # times the seconds of one spawned example, not run (minutes).
+                spawn_rate = throughput(way, "bug", 2, args.spawn_examples, seed=0)
+                continue
+            runs = bug_hunt(way, seeds, 200)
             found = [r for r in runs if r.first_failure is not None]
             if not found:
                 bug_rows.append([way, len(runs), 0, "-", "-", "-", "-"])
                 continue
+            examples_run = statistics.median(r.examples for r in found)
+            first_examples = statistics.median(r.first_examples for r in found)
+            if way == "gloo-pool":
+                spawn_seconds = (first_examples, examples_run)
             bug_rows.append(
                 [
                     way,
@@ -525,8 +574,21 @@ def main(argv: list[str] | None = None) -> None:
                     len(found),
                     statistics.median(r.first_failure or 0.0 for r in found),
                     statistics.median(r.seconds for r in found),
-                    statistics.median(r.examples for r in found),
+                    examples_run,
                     sorted({r.shrunk.width for r in found if r.shrunk}),
+                ]
+            )
+        if spawn_rate and spawn_seconds:
+            first, total = spawn_seconds
+            bug_rows.append(
+                [
+                    "gloo-spawn (estimated)",
+                    0,
+                    "-",
+                    first / spawn_rate,
+                    total / spawn_rate,
+                    total,
+                    "as gloo-pool",
                 ]
             )
         print(

@@ -25,6 +25,17 @@ tensors that no rank touches until the collective's ``Work`` completes.
 # runs the element loops (a ufunc call costs far less than a torch op and releases the GIL, so
 # parts run in parallel); dtypes NumPy lacks (bfloat16) and non-CPU tensors use the same loop
 # in torch.
+
+# Note [Cache-blocked fan-out]
+# A collective that copies one source into several destinations (broadcast: the root's
+# tensor into every other rank's; all_gather: each rank's input into its chunk of every
+# rank's output) copies it block by block, each block of about 256 KiB into every
+# destination while it is in the core's cache, instead of one whole copy per destination.
+# The source is then read from memory once, not once per destination: the bytes moved are
+# those of the writes alone, below the floor of one copy per destination. The element range
+# is cut into parts that the workers copy in parallel (NumPy, GIL released); where NumPy
+# cannot view a tensor, whole copies as before. Copies are exact, so the bits are those of
+# the per-destination copies.
 """
 
 from __future__ import annotations
@@ -332,18 +343,59 @@ def allgather_tasks(outputs: list[list[list[Tensor]]], inputs: list[list[Tensor]
     return [for_rank(dst) for dst in range(len(outputs))]
 
 
-def broadcast_tasks(tensors: list[list[Tensor]], root: int) -> list[Task]:
-    """One task per non-root rank: ``tensors[dst][i] = tensors[root][i]``."""
+def broadcast_tasks(tensors: list[list[Tensor]], root: int, max_parts: int = 1) -> list[Task]:
+    """``tensors[dst][i] = tensors[root][i]`` for every other rank: a fan-out per tensor
+    (see Note [Cache-blocked fan-out]), else one task per non-root rank."""
+    others = [dst for dst in range(len(tensors)) if dst != root]
+    tasks: list[Task] = []
+    slow: list[int] = []  # indices of the tensors NumPy cannot copy
+    for i, theirs in enumerate(tensors[root]):
+        fan = _fan_out_tasks(theirs, [tensors[dst][i] for dst in others], max_parts)
+        if fan is None:
+            slow.append(i)
+        else:
+            tasks += fan
 
     def for_rank(dst: int) -> Task:
         def run() -> None:
             with torch.no_grad():
-                for mine, theirs in zip(tensors[dst], tensors[root], strict=True):
-                    mine.detach().copy_(theirs)
+                for i in slow:
+                    tensors[dst][i].detach().copy_(tensors[root][i])
 
         return run
 
-    return [for_rank(dst) for dst in range(len(tensors)) if dst != root]
+    return tasks + ([for_rank(dst) for dst in others] if slow else [])
+
+
+def _fan_out_tasks(src: Tensor, dsts: list[Tensor], max_parts: int) -> list[Task] | None:
+    """Tasks that copy ``src`` into every one of ``dsts`` (each of its shape and dtype),
+    block by block, in parallel parts; None where NumPy cannot view them all (contiguous CPU
+    tensors of a dtype NumPy has). See Note [Cache-blocked fan-out]."""
+    if not dsts or src.numel() == 0:
+        return []
+    views = [
+        _as_numpy(t) if t.layout == torch.strided and t.is_contiguous() else None
+        for t in [src, *dsts]
+    ]
+    if any(v is None for v in views) or any(t.dtype != src.dtype for t in dsts):
+        return None
+    arrays = [v for v in views if v is not None]
+    if any(a.size != arrays[0].size for a in arrays):
+        return None
+    source, targets = arrays[0], arrays[1:]
+    block = max(1, _BLOCK_BYTES // source.itemsize)
+
+    def part(lo: int, hi: int) -> Task:
+        def run() -> None:
+            for start in range(lo, hi, block):
+                end = min(start + block, hi)
+                piece = source[start:end]
+                for t in targets:
+                    _np_copy(t[start:end], piece)
+
+        return run
+
+    return [part(lo, hi) for lo, hi in _parts(source.size, max_parts)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,11 +552,28 @@ def scatter_tasks(root_inputs: list[Tensor], outputs: list[Tensor]) -> list[Task
 
 
 def allgather_into_tensor_tasks(
-    outputs: list[list[Tensor]], inputs: list[list[Tensor]]
+    outputs: list[list[Tensor]], inputs: list[list[Tensor]], max_parts: int = 1
 ) -> list[Task]:
     """allgather_into_tensor (coalesced: several pairs): the ``src``-th flat chunk of
-    ``outputs[dst][i]`` = ``inputs[src][i]``; one task per destination."""
+    ``outputs[dst][i]`` = ``inputs[src][i]``: a fan-out of each input into its chunk of
+    every output (see Note [Cache-blocked fan-out]), else one task per destination."""
     size = len(outputs)
+    fans: list[Task] = []
+    for i in range(len(outputs[0])):
+        if not all(outputs[dst][i].is_contiguous() for dst in range(size)):
+            break
+        chunks = [flat_chunks(outputs[dst][i], size) for dst in range(size)]
+        for src in range(size):
+            flat = inputs[src][i].detach().reshape(-1)
+            fan = _fan_out_tasks(flat, [chunks[dst][src] for dst in range(size)], max_parts)
+            if fan is None:
+                break
+            fans += fan
+        else:
+            continue
+        break  # some pair NumPy cannot copy: every pair the whole-copy way
+    else:
+        return fans
 
     def for_rank(dst: int) -> Task:
         def run() -> None:

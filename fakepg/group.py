@@ -146,9 +146,10 @@ class FakeProcessGroup:
         tensors = _args.check_tensor_list(tensors, "broadcast", _c.RULES)
         root = _args.check_rank(root, self.size(), "broadcast", "root", _c.RULES)
         fingerprint = _c.Fingerprint("broadcast", None, root, _specs(tensors))
+        max_parts = self._max_parts()
 
         def plan(per_rank: list[list[Tensor]]) -> list[_c.Task]:
-            return _c.broadcast_tasks(per_rank, root)
+            return _c.batched(_c.broadcast_tasks(per_rank, root, max_parts), max_parts)
 
         return self._issue(fingerprint, tensors, tensors, plan, _nbytes(tensors), "broadcast")
 
@@ -334,7 +335,7 @@ class FakeProcessGroup:
 
         def plan(per_rank: list[tuple[list[Tensor], list[Tensor]]]) -> list[_c.Task]:
             tasks = _c.allgather_into_tensor_tasks(
-                [o for o, _ in per_rank], [i for _, i in per_rank]
+                [o for o, _ in per_rank], [i for _, i in per_rank], max_parts
             )
             return _c.batched(tasks, max_parts)
 

@@ -88,13 +88,31 @@ def test_fakepg_collectives_time_every_way() -> None:
         "--explain",
     )
     rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
-    cells = [row for row in rows if row[1].strip() in ("allreduce", "reduce_scatter", "all_to_all")]
+    names = ("allreduce", "reduce_scatter", "all_to_all", "all_gather", "broadcast")
+    cells = [row for row in rows if row[1].strip() in names]
     # Each collective once as it prints, once in the final table; every timing way filled in.
-    assert len(cells) == 6, out
+    assert len(cells) == 10, out
     for row in cells:
         ms = [row[4], row[11], row[13], row[15]]  # ranks refilled, then the three other ways
         assert all(float(v) > 0 for v in ms), out
         assert (row[10].strip() != "") == (row[1].strip() == "reduce_scatter"), out
+
+
+@pytest.mark.slow
+def test_harness_vs_torch_counts_examples_and_shrinks_the_seeded_bug() -> None:
+    out = _run(
+        "benchmarks/harness_vs_torch.py",
+        "--ways", "fakepg,threaded", "--world-sizes", "2", "--examples", "3",
+        "--rounds", "1", "--seeds", "1",
+    )  # fmt: skip
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]
+    rates = [row for row in rows if row[1].strip().startswith(("(a)", "(b)"))]
+    # Each row once as it is measured, once in the final table.
+    assert len(rates) == 4 and all(float(row[2]) > 0 for row in rates), out
+    hunts = {row[1].strip(): row for row in rows if row[1].strip() in ("fakepg", "threaded")}
+    # Found by both, shrunk to the narrowest width whose bucket skips the divide (8w + 3 > 96).
+    assert set(hunts) == {"fakepg", "threaded"}, out
+    assert all(row[3].strip() == "1" and row[7].strip() == "[12]" for row in hunts.values()), out
 
 
 @pytest.mark.slow

@@ -302,3 +302,57 @@ def _wait(work: fakepg.Work) -> fakepg.Work:
 
 def _thread_name() -> str:
     return threading.current_thread().name
+
+
+# Larger than one 256 KiB block and one 64 Ki-element part: several of each.
+_BIG = 3 * 64 * 1024 + 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bfloat16])
+def test_broadcast_of_large_tensors_copies_every_bit(dtype: torch.dtype) -> None:
+    def fn(pg: fakepg.FakeProcessGroup) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(pg.rank())
+        big = (torch.randn(_BIG, generator=g) * 1e3).to(dtype)
+        strided = torch.randn(40, 30, generator=g).to(dtype).t()  # not contiguous
+        tensors = [big, strided, torch.randn(5, generator=g).to(dtype)]
+        pg.broadcast(tensors, 1).wait()
+        return tensors
+
+    results = fakepg.run(fn, 4)
+    for tensors in results:
+        for mine, roots in zip(tensors, results[1], strict=True):
+            assert mine.dtype == roots.dtype and mine.shape == roots.shape
+            assert torch.equal(mine, roots)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_allgather_into_tensor_of_large_inputs_copies_every_bit(
+    in_place: bool, dtype: torch.dtype
+) -> None:
+    world_size = 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> torch.Tensor:
+        g = torch.Generator().manual_seed(pg.rank())
+        output = torch.zeros(world_size * _BIG, dtype=dtype)
+        mine = torch.randn(_BIG, generator=g).to(dtype)
+        if in_place:  # the input is this rank's chunk of the output (as FSDP2 gathers)
+            chunk = output[pg.rank() * _BIG : (pg.rank() + 1) * _BIG]
+            chunk.copy_(mine)
+            mine = chunk
+        pg.allgather_into_tensor(output, mine).wait()
+        return output
+
+    results = fakepg.run(fn, world_size)
+    want = torch.cat(
+        [torch.randn(_BIG, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(3)]
+    )
+    for output in results:
+        assert torch.equal(output, want)
+
+
+def test_a_large_broadcast_is_cut_into_parts_not_one_copy_per_rank() -> None:
+    """See Note [Cache-blocked fan-out]: each block of the root's tensor is read once and
+    written to every other rank, in ``max_parts`` parts, whatever the world size."""
+    tensors = [[torch.zeros(_BIG)] for _ in range(6)]
+    assert len(fakepg.collectives.broadcast_tasks(tensors, 0, max_parts=2)) == 2
