@@ -7,7 +7,9 @@ with its replica check (the default) and without (``--no-check``). Every N runs 
 training (``--grad-accum 8``: 8 micro-batches per step across the ranks). The floor row,
 ``threads, no DDP (GIL floor)``, runs the same training on N plain threads of one process
 (``_threads_floor.py``: no process group, no DDP, no launch): what no launcher of rank threads
-can beat on an interpreter with a GIL.
+can beat on an interpreter with a GIL. ``threads + DDP, no launch`` adds torch's DDP on the
+fake world to those threads (``_threads_floor.py --ddp``): the launch's own cost is its time
+over that row's, printed last ("launch's own cost").
 
 Where the steady-state time goes, per rank thread (or process), from the script's per-step
 clocks (``--timing``): on a CPU (its CPU time), runnable but waiting for a CPU (Linux's
@@ -62,6 +64,8 @@ def commands(
     # process group, DDP or launch (see _threads_floor.py).
     floor = [sys.executable, str(Path(__file__).resolve().parent / "_threads_floor.py")]
     found["threads, no DDP (GIL floor)"] = [*floor, "--nproc", str(nproc), "--steps", str(steps)]
+    # The floor of the launch's own cost: the same threads with torch's DDP on the fake world.
+    found["threads + DDP, no launch"] = [*found["threads, no DDP (GIL floor)"], "--ddp"]
     return found
 
 
@@ -126,6 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {machine()}")
     rows = []
+    costs = []
     for nproc in (int(n) for n in args.nprocs.split(",")):
         variants = commands(nproc, args.steps, base=args.base, check=not args.skip_check)
         runs: dict[str, list[Run]] = {name: [] for name in variants}
@@ -149,8 +154,15 @@ def main() -> None:
                     f"{median(r.blocked for r in got):.0%}",
                 ]
             )
+        own = median(r.per_step for r in runs["launch --no-check"])
+        floor = median(r.per_step for r in runs["threads + DDP, no launch"])
+        gil = median(r.per_step for r in runs["threads, no DDP (GIL floor)"])
+        costs.append([nproc, own * 1000, floor * 1000, own / floor, gil * 1000, own / gil])
     header = ["N", "command", "wall s", "vs torchrun", "ms/step", "vs torchrun"]
     print(table([*header, "on CPU", "waiting for a CPU", "blocked (GIL, peers)"], rows))
+    print("launch's own cost: launch --no-check per step over the same threads with DDP")
+    header = ["N", "launch ms/step", "threads+DDP ms/step", "launch / threads+DDP"]
+    print(table([*header, "GIL floor ms/step", "launch / GIL floor"], costs))
 
 
 if __name__ == "__main__":
