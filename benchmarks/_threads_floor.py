@@ -33,6 +33,11 @@ from nanogpt_train import GPT, clocks, get_batch
 def rank_main(
     rank: int, nproc: int, steps: int, barrier: threading.Barrier, *, ddp: bool = False
 ) -> None:
+    # The process's intra-op thread count on this thread too, before its first op (as each
+    # rank thread of fakepg's world does: see Note [Each rank computes with the process's
+    # thread count] in fakepg.world); without it a new thread's oneDNN kernels use OpenMP's
+    # default, one thread per core, and the ranks oversubscribe the cores.
+    torch.get_num_threads()
     torch.manual_seed(1337 + rank)
     model: Any = GPT()
     if ddp:
