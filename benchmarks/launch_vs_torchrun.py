@@ -21,7 +21,8 @@ waiting for the GIL or for its peers in a collective (a torchrun process, for it
 
 ``--base DIR`` adds ``launch --no-check`` run with another checkout's code (``PYTHONPATH=DIR``,
 e.g. ``git worktree add /tmp/base main``), interleaved with the rest: a before and after in
-one run. ``--skip-check`` leaves out the launch with the check.
+one run. ``--skip-check`` leaves out the launch with the check. ``--switch-intervals 0.005``
+adds ``launch --no-check --switch-interval 0.005`` (Python's own interval), interleaved too.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ WARMUP = 2  # steps left out of the steady state
 
 
 def commands(
-    nproc: int, steps: int, *, base: str | None = None, check: bool = True
+    nproc: int,
+    steps: int,
+    *,
+    base: str | None = None,
+    check: bool = True,
+    intervals: tuple[str, ...] = (),
 ) -> dict[str, list[str]]:
     script = [str(SCRIPT), "--backend", "gloo", "--grad-accum", "8", "--steps", str(steps)]
     script.append("--timing")
@@ -58,6 +64,9 @@ def commands(
     if base is not None:
         found["launch --no-check (base)"] = ["env", f"PYTHONPATH={base}", *launch, "--no-check"]
         found["launch --no-check (base)"] += script
+    for interval in intervals:
+        name = f"launch --no-check --switch-interval {interval}"
+        found[name] = [*launch, "--no-check", "--switch-interval", interval, *script]
     if check:
         found["launch"] = [*launch, *script]
     # The floor of any rank-per-thread launcher: the same training on N plain threads, with no
@@ -127,12 +136,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=22, help="optimizer steps per run")
     parser.add_argument("--base", default=None, help="another checkout to run launch from too")
     parser.add_argument("--skip-check", action="store_true", help="leave out launch's check")
+    parser.add_argument(
+        "--switch-intervals",
+        default="",
+        help="comma-separated seconds: launch --no-check at each --switch-interval too",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}")
     rows = []
     costs = []
     for nproc in (int(n) for n in args.nprocs.split(",")):
-        variants = commands(nproc, args.steps, base=args.base, check=not args.skip_check)
+        intervals = tuple(i for i in args.switch_intervals.split(",") if i)
+        variants = commands(
+            nproc, args.steps, base=args.base, check=not args.skip_check, intervals=intervals
+        )
         runs: dict[str, list[Run]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, command in variants.items():  # interleaved: drift hits all alike
