@@ -139,4 +139,4 @@ class SameTraining:
         stream.flush()
 
 
-from ._replay import check_same_training  # noqa: E402  (it imports the helpers above)
+from ._replay import check_same_training  # noqa: E402  (it imports the functions above)

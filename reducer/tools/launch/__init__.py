@@ -20,6 +20,8 @@ prints the summary.
 At every optimizer step the replica check (reducer.tools.check) compares every rank's
 parameters and gradients bit for bit and, at the first divergence, stops the ranks, says why
 and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
+After the run, the same-training verdict (reducer.sametrain) says whether the ranks trained
+what one process would on the global batch (``--no-same-training`` turns it off).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
 takes a number, auto, cpu or gpu, as torchrun's (default 1). LOCAL_RANK picks a rank's GPU as
@@ -289,12 +291,8 @@ def run(args: argparse.Namespace) -> int:
     launch.check = check
     launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     launch.switch_interval = float(getattr(args, "switch_interval", _SWITCH_INTERVAL_S))
-    with (
-        world,
-        check or contextlib.nullcontext(),
-        launch.installed(),
-        sametrain.recording(same, launch.rank_of_thread),
-    ):
+    recording = sametrain.recording(same, launch.rank_of_thread)  # reports at its exit
+    with world, check or contextlib.nullcontext(), launch.installed(), recording:
         if not launch.preimport():
             return _INTERRUPTED
         try:
