@@ -57,7 +57,7 @@ def launch(
 def step_line(script: str) -> str:
     """``script:line`` of the script's call of optimizer.step()."""
     lines = (CORPUS / script).read_text().splitlines()
-    number = next(n for n, line in enumerate(lines, 1) if "optimizer.step()" in line)
+    number = next(n for n, line in enumerate(lines, 1) if "optimizer.step(" in line)
     return f"{script}:{number}"
 
 
@@ -154,6 +154,15 @@ BUGGY = [
         ],
     ),
     (
+        "closure_step.py",
+        "buggy",
+        [
+            "gradient of '0.weight' differs before optimizer step 0",
+            "{line}",
+            "DistributedDataParallel's forward ran under no_sync()",
+        ],
+    ),
+    (
         "summed_bucket.py",
         "buggy",
         [
@@ -219,6 +228,7 @@ FIXED = [
     ("zero_optimizer.py", "clean"),
     ("ignored_parameters.py", "clean"),
     ("siamese.py", "clean"),
+    ("closure_step.py", "fixed"),
 ]
 
 

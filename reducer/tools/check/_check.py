@@ -189,22 +189,60 @@ class ReplicaCheck:
         rank = getattr(self._local, "rank", None)
         return None if rank is None else self.records[rank]
 
-    def _before(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _before(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> tuple[Any, Any] | None:
         record = self._current()
         if record is None or self._broken:
-            return
+            return None
         if record.stepping is not None and record.stepping != id(optimizer):
-            return  # See Note [Optimizers inside optimizers].
+            return None  # See Note [Optimizers inside optimizers].
         record.stepping = id(optimizer)
         step = record.steps
         record.steps += 1
-        arrival = self._arrival(record, optimizer, step)
-        self._meet(("before", step), arrival, self._judge_before)
+        line = _caller_line()
+        closure, args, kwargs = _closure_of(args, kwargs)
+        if closure is None:
+            self._meet(
+                ("before", step), self._arrival(record, optimizer, step, line), self._judge_before
+            )
+            return None
+        # See Note [Steps that take a closure].
+        record.pending_before = (step, line)
+
+        def judged_closure() -> Any:
+            result = closure()
+            self._judge_pending(record, optimizer)
+            return result
+
+        if len(args) > 1:
+            return (args[0], judged_closure, *args[2:]), kwargs
+        return args, {**kwargs, "closure": judged_closure}
+
+    def _judge_pending(self, record: RankRecord, optimizer: torch.optim.Optimizer) -> None:
+        """The "before" meeting of a step whose closure computed its gradients, once."""
+        pending, record.pending_before = record.pending_before, None
+        if pending is None or self._broken:
+            return
+        step, line = pending
+        self._meet(
+            ("before", step), self._arrival(record, optimizer, step, line), self._judge_before
+        )
+
+    # Note [Steps that take a closure]
+    # optimizer.step(closure) runs the closure inside the step: LBFGS, and every Lightning
+    # training step (its precision plugin passes training_step and backward as the closure).
+    # There the step's pre-hook sees the gradients of before the closure (the previous step's,
+    # or an unsynced micro-batch's under gradient accumulation), not the ones the step uses.
+    # So the step's arguments get a closure that, on its first call, meets the other ranks
+    # with the gradients the closure left; a step that never calls its closure meets in the
+    # post-hook, before the "after" meeting. The line named is still the step's caller.
 
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         record = self._current()
         if record is None or self._broken or record.stepping != id(optimizer):
             return
+        self._judge_pending(record, optimizer)
         record.stepping = None
         step = record.steps - 1
         arrival = self._arrival(record, optimizer, step)
@@ -219,10 +257,16 @@ class ReplicaCheck:
     # counts is the outermost: an optimizer's step inside another's on the same rank is not
     # checked. The same optimizer stepping again is a new step (its last one raised).
 
-    def _arrival(self, record: RankRecord, optimizer: torch.optim.Optimizer, step: int) -> Arrival:
+    def _arrival(
+        self,
+        record: RankRecord,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        line: str | None = None,
+    ) -> Arrival:
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
         params, ignored = record.compared(stepped)
-        return Arrival(record.rank, step, _caller_line(), params, record, ignored)
+        return Arrival(record.rank, step, line or _caller_line(), params, record, ignored)
 
     def _meet(
         self, key: tuple[str, int], arrival: Arrival, judge: Callable[[list[Arrival]], Audit]
@@ -426,6 +470,16 @@ def _closer(patch: AbstractContextManager[None]) -> Callable[[], None]:
         patch.__exit__(None, None, None)
 
     return close
+
+
+def _closure_of(args: Any, kwargs: Any) -> tuple[Callable[[], Any] | None, Any, Any]:
+    """The closure given to ``optimizer.step``: its first argument after the optimizer
+    (torch's step hooks see ``args`` with the optimizer first) or ``closure=``."""
+    args, kwargs = tuple(args), dict(kwargs)
+    if len(args) > 1 and callable(args[1]):
+        return args[1], args, kwargs
+    closure = kwargs.get("closure")
+    return (closure if callable(closure) else None), args, kwargs
 
 
 def _caller_line() -> str:

@@ -89,6 +89,9 @@ class RankRecord:
     wrappers: dict[int, nn.Module] = field(default_factory=dict)  # every wrapper run on this rank
     backwards: int = 0  # backwards that accumulated a gradient and ended
     stepping: int | None = None  # id of the optimizer whose step is under way (see _check)
+    # (step, caller line) of a step whose closure has not yet run (see _check's Note
+    # [Steps that take a closure]).
+    pending_before: tuple[int, str] | None = None
     _ignored: dict[int, frozenset[int]] = field(default_factory=dict)  # id(wrapper) -> ignored
     hooked: set[int] = field(default_factory=set)  # id(param) with a gradient hook
     handles: list[Any] = field(default_factory=list)
@@ -113,6 +116,7 @@ class RankRecord:
         self.accumulated.clear()
         self.settled.clear()
         self.unscaled = False
+        self.pending_before = None
 
     # ---------------------------------------------------------------------------------------
 
