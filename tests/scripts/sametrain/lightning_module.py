@@ -30,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--summed", action="store_true")
     parser.add_argument("--no-distributed-sampler", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     args = parser.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -39,6 +40,7 @@ def main() -> None:
         devices=int(os.environ.get("WORLD_SIZE", 1)),
         strategy="ddp",
         max_epochs=2,
+        accumulate_grad_batches=args.accumulate,
         use_distributed_sampler=not args.no_distributed_sampler,
         logger=False,
         enable_checkpointing=False,
