@@ -315,6 +315,27 @@ def test_hierarchical_averaging_is_torchs_hierarchical_model_averager(
     check_hierarchical_averaging(case)
 
 
+@given(st.integers(2, 4).flatmap(lambda w: st.tuples(st.just(w), st.integers(1, 2 * w))))
+def test_hierarchical_averaging_refuses_a_group_size_not_dividing_the_world(
+    case: tuple[int, int],
+) -> None:
+    """Groups of consecutive ranks, as torch's new_subgroups makes them: a size that does
+    not divide the world is refused by name, as torch refuses it; one that does gives
+    groups that cover every rank once."""
+    world, size = case
+    reference: Any = hierarchical_averaging({1: size})
+    if world % size:
+        with pytest.raises(
+            ValueError,
+            match=rf"a group size of {size} does not divide the world size {world}: torch's "
+            "new_subgroups needs it to",
+        ):
+            reference.parameter_groups_at(0, world)
+        return
+    groups = reference.parameter_groups_at(0, world)
+    assert groups == [list(range(k, k + size)) for k in range(0, world, size)]
+
+
 def _used_only_in_an_unsynced_step() -> TrainingScenario:
     """Step 0 ends unsynced and uses head ``b``; ``zero_grad`` clears it; step 1 syncs and no
     rank uses ``b``: the reference expects no gradient for it."""
