@@ -82,8 +82,8 @@ class Exploration:
         """A run begins: the same draws again, in the same order."""
         self.draws.rewind()
 
-    def decide(self, step: int, keys: Sequence[Hashable]) -> int:
-        """The option to take at choice point ``step`` among ``len(keys)`` (``keys``: who each
+    def decide(self, step: int, n: int, keys: Callable[[], Sequence[Hashable]]) -> int:
+        """The option to take at choice point ``step`` among ``n`` (``keys()``: who each
         option runs, for priorities)."""
         return 0
 
@@ -99,10 +99,10 @@ class Walk(Exploration):
 
     name = "walk"
 
-    def decide(self, step: int, keys: Sequence[Hashable]) -> int:
+    def decide(self, step: int, n: int, keys: Callable[[], Sequence[Hashable]]) -> int:
         if self.draws.count >= MAX_DRAWS:
             return 0
-        return self.draws.draw(len(keys))
+        return self.draws.draw(n)
 
 
 @dataclass
@@ -156,12 +156,13 @@ class Pct(Exploration):
         priorities = [self._priority(k) for k in keys]
         return priorities.index(max(priorities))  # ties: the first, as the natural order
 
-    def decide(self, step: int, keys: Sequence[Hashable]) -> int:
-        best = self._best(keys)
+    def decide(self, step: int, n: int, keys: Callable[[], Sequence[Hashable]]) -> int:
+        who = keys()
+        best = self._best(who)
         for j, at in enumerate(self._run.changes):
             if at == step:
-                self._run.lowered[keys[best]] = -(j + 1)
-                best = self._best(keys)
+                self._run.lowered[who[best]] = -(j + 1)
+                best = self._best(who)
         return best
 
     def finish(self, steps: int) -> None:

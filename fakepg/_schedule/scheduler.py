@@ -326,7 +326,7 @@ class Scheduler:
         n = len(options)
         if n == 1:
             return 0, None
-        index = self.schedule.decide([_who(kind, target) for kind, target in options])
+        index = self.schedule.decide(n, lambda: [_who(kind, target) for kind, target in options])
         return index, ((index, n) if index else None)
 
     def _complete_locked(self, ready: Ready) -> Ready:

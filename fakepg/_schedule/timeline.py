@@ -16,7 +16,7 @@ happened, and the error of a schedule under which the code deadlocks.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fakepg.faults import FakePGError
@@ -116,15 +116,15 @@ class Schedule:
         if self.explore is not None:
             self.explore.start()
 
-    def decide(self, keys: Sequence[Hashable]) -> int:
-        """The option taken at the next choice point, among ``len(keys)`` options (``keys``:
-        who each one runs, for an exploration's priorities)."""
+    def decide(self, n: int, keys: Callable[[], Sequence[Hashable]]) -> int:
+        """The option taken at the next choice point, among ``n`` options (``keys()``: who
+        each one runs, for an exploration's priorities; computed only where one asks)."""
         step = self.used
         self.used += 1
         if step < len(self._choices):
-            index = self._choices[step] % len(keys)
+            index = self._choices[step] % n
         elif self.explore is not None:
-            index = self.explore.decide(step - len(self._choices), keys)
+            index = self.explore.decide(step - len(self._choices), n, keys)
         else:
             index = 0
         self._taken.append(index)

@@ -206,9 +206,12 @@ def in_flight(schedule: fakepg.Schedule) -> tuple[int, int]:
 
     A collective is left in flight across a later operation when its rank went on before it
     completed: the rank issued another collective, one of its callbacks ran, it returned,
-    or it resumed from waiting for something else. Only then can the rank's code touch the
-    collective's buffers (write, read, divide them, run the next backward) while it is in
-    flight, which is where races between a rank and its collectives live."""
+    it went on into a wait the scheduler does not see (torch's C++ backward), or it resumed
+    from waiting for something else. Then the rank's code could touch the collective's
+    buffers (write, read, divide them, run the next backward) while it was in flight, which
+    is where races between a rank and its collectives live. Counted at the scheduler's
+    points: code between issuing a collective and waiting for that very one, with no point
+    in between, is not seen (a division there is found by the exploration all the same)."""
     open_: dict[tuple[int, str], bool] = {}  # (rank, collective) -> the rank went on since
     left = issued = 0
     for e in schedule.timeline:
@@ -219,7 +222,7 @@ def in_flight(schedule: fakepg.Schedule) -> tuple[int, int]:
             continue
         if rank is None or e.event == "wait":
             continue
-        went_on = e.event in ("issue", "callback", "return", "run", "resume")
+        went_on = e.event in ("issue", "callback", "return", "run", "resume", "blocked outside")
         if went_on:
             for key in open_:
                 if key[0] == rank and not (e.event == "resume" and key[1] == e.collective):
