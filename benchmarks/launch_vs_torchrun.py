@@ -7,7 +7,9 @@ with its replica check (the default) and without (``--no-check``). Every N runs 
 training (``--grad-accum 8``: 8 micro-batches per step across the ranks). The floor row,
 ``threads, no DDP (GIL floor)``, runs the same training on N plain threads of one process
 (``_threads_floor.py``: no process group, no DDP, no launch): what no launcher of rank threads
-can beat on an interpreter with a GIL.
+can beat on an interpreter with a GIL. ``threads + DDP, no launch`` adds torch's DDP on the
+fake world to those threads (``_threads_floor.py --ddp``): the launch's own cost is its time
+over that row's, printed last ("launch's own cost").
 
 Where the steady-state time goes, per rank thread (or process), from the script's per-step
 clocks (``--timing``): on a CPU (its CPU time), runnable but waiting for a CPU (Linux's
@@ -19,7 +21,8 @@ waiting for the GIL or for its peers in a collective (a torchrun process, for it
 
 ``--base DIR`` adds ``launch --no-check`` run with another checkout's code (``PYTHONPATH=DIR``,
 e.g. ``git worktree add /tmp/base main``), interleaved with the rest: a before and after in
-one run. ``--skip-check`` leaves out the launch with the check.
+one run. ``--skip-check`` leaves out the launch with the check. ``--switch-intervals 0.005``
+adds ``launch --no-check --switch-interval 0.005`` (Python's own interval), interleaved too.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ WARMUP = 2  # steps left out of the steady state
 
 
 def commands(
-    nproc: int, steps: int, *, base: str | None = None, check: bool = True
+    nproc: int,
+    steps: int,
+    *,
+    base: str | None = None,
+    check: bool = True,
+    intervals: tuple[str, ...] = (),
 ) -> dict[str, list[str]]:
     script = [str(SCRIPT), "--backend", "gloo", "--grad-accum", "8", "--steps", str(steps)]
     script.append("--timing")
@@ -56,12 +64,17 @@ def commands(
     if base is not None:
         found["launch --no-check (base)"] = ["env", f"PYTHONPATH={base}", *launch, "--no-check"]
         found["launch --no-check (base)"] += script
+    for interval in intervals:
+        name = f"launch --no-check --switch-interval {interval}"
+        found[name] = [*launch, "--no-check", "--switch-interval", interval, *script]
     if check:
         found["launch"] = [*launch, *script]
     # The floor of any rank-per-thread launcher: the same training on N plain threads, with no
     # process group, DDP or launch (see _threads_floor.py).
     floor = [sys.executable, str(Path(__file__).resolve().parent / "_threads_floor.py")]
     found["threads, no DDP (GIL floor)"] = [*floor, "--nproc", str(nproc), "--steps", str(steps)]
+    # The floor of the launch's own cost: the same threads with torch's DDP on the fake world.
+    found["threads + DDP, no launch"] = [*found["threads, no DDP (GIL floor)"], "--ddp"]
     return found
 
 
@@ -123,11 +136,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=22, help="optimizer steps per run")
     parser.add_argument("--base", default=None, help="another checkout to run launch from too")
     parser.add_argument("--skip-check", action="store_true", help="leave out launch's check")
+    parser.add_argument(
+        "--switch-intervals",
+        default="",
+        help="comma-separated seconds: launch --no-check at each --switch-interval too",
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}")
     rows = []
+    costs = []
     for nproc in (int(n) for n in args.nprocs.split(",")):
-        variants = commands(nproc, args.steps, base=args.base, check=not args.skip_check)
+        intervals = tuple(i for i in args.switch_intervals.split(",") if i)
+        variants = commands(
+            nproc, args.steps, base=args.base, check=not args.skip_check, intervals=intervals
+        )
         runs: dict[str, list[Run]] = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, command in variants.items():  # interleaved: drift hits all alike
@@ -149,8 +171,15 @@ def main() -> None:
                     f"{median(r.blocked for r in got):.0%}",
                 ]
             )
+        own = median(r.per_step for r in runs["launch --no-check"])
+        floor = median(r.per_step for r in runs["threads + DDP, no launch"])
+        gil = median(r.per_step for r in runs["threads, no DDP (GIL floor)"])
+        costs.append([nproc, own * 1000, floor * 1000, own / floor, gil * 1000, own / gil])
     header = ["N", "command", "wall s", "vs torchrun", "ms/step", "vs torchrun"]
     print(table([*header, "on CPU", "waiting for a CPU", "blocked (GIL, peers)"], rows))
+    print("launch's own cost: launch --no-check per step over the same threads with DDP")
+    header = ["N", "launch ms/step", "threads+DDP ms/step", "launch / threads+DDP"]
+    print(table([*header, "GIL floor ms/step", "launch / GIL floor"], costs))
 
 
 if __name__ == "__main__":

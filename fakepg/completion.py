@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import _threads
+from ._homes import Home
 from .executor import Timer
 from .faults import interrupt_thread
 from .schedule import _Scheduler
@@ -121,6 +122,10 @@ class Completions:
         self.lock = threading.Lock()
         self._lanes: dict[tuple[int, int], Lane] = {}
         self._closed = False
+        # Each rank's thread-local state, lent to its lanes' callbacks: set by the rank's
+        # thread as its run starts, read by its lanes (see Note [Callbacks run in their rank]
+        # in fakepg._homes). A dict item's assignment and read are atomic.
+        self.homes: dict[int, Home] = {}
 
     def current_lane(self) -> Lane | None:
         """The lane whose callback the calling thread is running, if it is one of ours."""
@@ -189,8 +194,10 @@ class Completions:
                     lane.in_callback.add(me)
                     self._watch_locked(lane, lane.quiet_since_ns + self._timeout_ns)
                 error: BaseException | None = None
+                home = self.homes.get(lane.rank)
                 try:
-                    item.run()
+                    with home.lent() if home is not None else contextlib.nullcontext():
+                        item.run()
                 except CallbackStopped:
                     pass  # declared stuck: the world was told (see _check)
                 except BaseException as exc:  # a done-callback must not raise

@@ -47,12 +47,14 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _homes
 
 __all__: list[str] = []
 
@@ -318,3 +320,25 @@ def rank_stream(streams: RankStreams | None, rank: int) -> Iterator[None]:
         yield
     finally:
         _state.generator = previous
+
+
+def _lend_generator() -> Callable[[], AbstractContextManager[None]] | None:
+    """On a rank's thread: lends its generator to the threads that run its callbacks (see
+    Note [Callbacks run in their rank] in fakepg._homes)."""
+    generator = _rank_generator()
+    if generator is None:
+        return None
+
+    @contextmanager
+    def lend() -> Iterator[None]:
+        previous = _rank_generator()
+        _state.generator = generator
+        try:
+            yield
+        finally:
+            _state.generator = previous
+
+    return lend
+
+
+_homes.register(_lend_generator)

@@ -118,7 +118,8 @@ import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -129,7 +130,7 @@ from torch.distributed import distributed_c10d as _c10d
 
 from reducer.process_group import ReduceOp
 
-from . import _threads
+from . import _homes, _threads
 from .netmodel import NetworkModel
 from .schedule import Schedule, wait_event
 from .work import Work
@@ -860,6 +861,25 @@ class _PerThreadWorlds:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._current(), name)
 
+    def lender(self) -> Callable[[], AbstractContextManager[None]] | None:
+        """On a rank's thread: lends its state to the threads that run its callbacks (see
+        Note [Callbacks run in their rank] in fakepg._homes)."""
+        if threading.get_ident() == self._owner:
+            return None
+        state = self._current()  # created now if need be; init_process_group fills it in
+        local = self._local
+
+        @contextmanager
+        def lend() -> Iterator[None]:
+            previous = getattr(local, "world", None)
+            local.world = state
+            try:
+                yield
+            finally:
+                local.world = previous
+
+        return lend
+
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._current(), name, value)
 
@@ -878,6 +898,14 @@ def _reset_thread_groups() -> None:
             dist.destroy_process_group()
     worlds._local.world = None
     _thread_default.world = None
+
+
+def _lend_torch_state() -> Callable[[], AbstractContextManager[None]] | None:
+    proxy = _c10d._world
+    return proxy.lender() if isinstance(proxy, _PerThreadWorlds) else None
+
+
+_homes.register(_lend_torch_state)
 
 
 def _install_per_thread_worlds() -> None:

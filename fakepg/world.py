@@ -102,7 +102,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from . import _threads
+from . import _homes, _threads
 from . import collectives as _c
 from . import rng as _rng
 from . import streams as _streams
@@ -600,6 +600,8 @@ class World:
                         torch.autograd.set_multithreading_enabled(False),
                         _rng.rank_stream(streams, rank),
                     ):
+                        # See Note [Callbacks run in their rank] in fakepg._homes.
+                        self.completions.homes[rank] = _homes.home()
                         result = fn(self.group(rank))
                 except _Stop:
                     fail(rank, self._stopped_error(rank))

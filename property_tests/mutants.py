@@ -42,10 +42,14 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+import fakepg._schedule.explore
+import fakepg._schedule.probe
+import fakepg._schedule.timeline
 import fakepg.clusterfile
 import fakepg.collectives
 import fakepg.rng
 import fakepg.schedule
+import fakepg.streams
 import reducer
 import reducer.bucket_views
 import reducer.buckets
@@ -90,6 +94,10 @@ _reduce_scatter_tasks = fakepg.collectives.reduce_scatter_tasks
 _torch_fp16_hook = default_hooks.fp16_compress_hook
 _rank_stream = fakepg.rng.rank_stream
 _Scheduler = fakepg.schedule._Scheduler
+_StreamOrder = fakepg.streams.StreamOrder
+_Hierarchical = reducer.testing.algorithms._Hierarchical
+_judge_one = reducer.testing._judge._judge_one
+_Pct = fakepg._schedule.explore.Pct
 
 
 # -------------------------------------------------------------------------------------------
@@ -583,9 +591,31 @@ class IgnoreChoices(_Scheduler):
     """The scheduler reads every choice as 0: each run takes the natural order, whatever the
     schedule says, so no schedule shows a race that the natural order hides."""
 
-    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
-        super()._choose_locked(n)  # consumes the choice, as the real one does
+    def _choose_locked(self, options: list[tuple[str, Any]]) -> tuple[int, tuple[int, int] | None]:
+        super()._choose_locked(options)  # consumes the choice, as the real one does
         return 0, None
+
+
+class OldestFirst(_Scheduler):
+    """A decision to complete a collective completes the oldest ready one, whichever the
+    schedule drew: collectives in flight together always complete in issue order."""
+
+    def _complete_locked(self, ready: Any) -> Any:
+        return super()._complete_locked(self._ready[0])
+
+
+def _replay_without_policy(taken: Sequence[int], schedule: Any) -> Any:
+    """A run's decisions replayed in the early completion policy, whatever the run's was: a
+    late-policy run, pasted back, takes other options."""
+    return fakepg.schedule.Schedule(list(taken))
+
+
+class PctEarlyChanges(_Pct):
+    """PCT's change points drawn only among the first 8 choice points: a run whose race
+    follows a constructor's broadcasts never sees a priority change there."""
+
+    def change_points(self) -> list[int]:
+        return sorted(self.draws.draw(min(8, self.horizon.steps)) for _ in range(self.depth - 1))
 
 
 class CompleteAtOnce(_Scheduler):
@@ -1044,6 +1074,19 @@ class JoinBlindCheck(_ReplicaCheck):
         return False
 
 
+class JoinConfigTruthyCheck(_ReplicaCheck):
+    """The replica check reads whether ranks are under ``join()`` from the truth of any
+    wrapper's join configuration (present, enabled or not): uneven steps without join() are
+    taken for join's uneven inputs, a note, where they are an error."""
+
+    def _joining(self) -> bool:
+        return any(
+            bool(getattr(f.wrapper, "_join_config", None))
+            for record in self.records
+            for f in list(record.forwards)
+        )
+
+
 class FrozenSkippedCheck(_ReplicaCheck):
     """The replica check compares only the parameters that train (``requires_grad``): a
     frozen layer whose weights some ranks loaded after wrapping is taken to be in sync."""
@@ -1218,6 +1261,40 @@ def _same_within_tolerance(got: Tensor, want: Tensor) -> bool:
     return _same(got, want)
 
 
+def _judge_one_ulp_from_a_rounding(
+    got: Tensor | None, cands: dict[str, Tensor | None], where: str, bounds: Any, strides: bool
+) -> list[str] | None:
+    """Where every rounding is acceptable (the default), a gradient within one ulp of a
+    rounding, element by element, is taken for that rounding: a value one ulp away from
+    every rounding passes. With one rounding pinned (``scaling=``) the check stays exact."""
+    found = _judge_one(got, cands, where, bounds, strides)
+    roundings = {n: w for n, w in cands.items() if n in _ROUNDING_NAMES and w is not None}
+    if found is not None or got is None or len(roundings) < 2 or not bounds.exact:
+        return found
+    for name, want in roundings.items():
+        up = torch.nextafter(want, torch.full_like(want, float("inf")))
+        down = torch.nextafter(want, torch.full_like(want, float("-inf")))
+        if bool(((got == want) | (got == up) | (got == down)).all()):
+            return [name]
+    return None
+
+
+_ROUNDING_NAMES = ("reciprocal", "divide", "sum_then_divide")
+
+
+class SmallestPeriodFirst(_Hierarchical):
+    """hierarchical_averaging picks the group of the smallest period dividing the step, not
+    the largest: the largest group never averages where a smaller period divides too."""
+
+    def parameter_groups_at(self, step: int, world_size: int) -> list[list[int]] | None:
+        if step < self.warmup_steps:
+            return None
+        for period in self.periods:  # ascending: the smallest first
+            if step % period == 0:
+                return reducer.testing.algorithms._consecutive(self.periods[period], world_size)
+        return None
+
+
 def _finite_scale_unchecked(value: object, argument: str) -> float:
     """A loss scale taken as given: inf and NaN accepted, every gradient of that rank then
     inf or NaN, and the check failing for no fault of the wrapper."""
@@ -1230,6 +1307,14 @@ def _model_built_once(
     """The model factory called once, not checked for determinism: an unseeded factory
     reaches the ranks and shows as a gradient mismatch blamed on the wrapper."""
     return make_model()
+
+
+class LastLauncherStreamOrder(_StreamOrder):
+    """The side stream of a CUDA collective waits only for the last launching rank's stream:
+    the other ranks' inputs may be read before the kernels that write them."""
+
+    def __init__(self, side: Any, ready: Sequence[tuple[Any, Any]]) -> None:
+        super().__init__(side, list(ready)[-1:])
 
 
 def _read_quantity_case_blind(value: object, units: dict[str, tuple[float, float]]) -> Any:
@@ -1516,6 +1601,22 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
     # The fake world's controlled scheduler.
     ("schedule choices ignored", "scheduler", _in("fakepg.world", "_Scheduler", IgnoreChoices)),
     ("completions at once", "scheduler", _in("fakepg.world", "_Scheduler", CompleteAtOnce)),
+    ("completions oldest first", "scheduler", _in("fakepg.world", "_Scheduler", OldestFirst)),
+    (
+        "replay drops the completion policy",
+        "scheduler",
+        _in("fakepg._schedule.timeline", "replay", _replay_without_policy),
+    ),
+    (
+        "C++ backward wait not seen as blocked",
+        "scheduler",
+        _in("fakepg._schedule.probe", "_ENGINE_FRAMES", frozenset()),
+    ),
+    (
+        "PCT change points only early",
+        "scheduler",
+        _in("fakepg._schedule.explore", "Pct", PctEarlyChanges),
+    ),
     # Checkpointing, higher-order and repeated backward.
     (
         "finalize at a checkpoint's inner end",
@@ -1729,6 +1830,11 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.tools.check._run", "ReplicaCheck", JoinBlindCheck),
     ),
     (
+        "replica check reads join from a truthy configuration",
+        "tools",
+        _in("reducer.tools.check._run", "ReplicaCheck", JoinConfigTruthyCheck),
+    ),
+    (
         "replica check skips frozen parameters",
         "tools",
         _in("reducer.tools.check._run", "ReplicaCheck", FrozenSkippedCheck),
@@ -1759,6 +1865,21 @@ _ENTRIES: list[tuple[str, str, tuple[Patch, ...]]] = [
         _in("reducer.tools.check._audit", "_mixed_reduction", _no_mixed_reduction),
     ),
     # The harness itself.
+    (
+        "check takes a value one ulp from a rounding for it",
+        "harness",
+        _in("reducer.testing._judge", "_judge_one", _judge_one_ulp_from_a_rounding),
+    ),
+    (
+        "hierarchical averaging picks the smallest period",
+        "harness",
+        _in("reducer.testing.algorithms", "_Hierarchical", SmallestPeriodFirst),
+    ),
+    (
+        "stream order waits for the last launching rank only",
+        "fake world",
+        _in("fakepg.streams", "StreamOrder", LastLauncherStreamOrder),
+    ),
     (
         "check compares with a tolerance",
         "harness",

@@ -8,6 +8,7 @@ in a local pass is contributed even if the synced pass does not use the paramete
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import example, given, settings
 
 from reducer.testing.harness import Scenario, check_against_reference, note_coverage
@@ -26,6 +27,7 @@ _OPTIONAL = ModelSpec(
 
 
 # The core properties get four times the profile's examples (ci: 100).
+@pytest.mark.slow
 @settings(max_examples=4 * settings().max_examples)
 @given(
     scenarios(

@@ -9,16 +9,29 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
   comparison with any tolerance lets it pass;
 - the world sizes: a wrapper that divides by W where torch's DDP multiplies by ``1.0 / W``
   (the same bits at every power of two) must be found by the scenarios within the ``ci``
-  profile's examples: scenarios that never draw three ranks never find it.
+  profile's examples: scenarios that never draw three ranks never find it;
+- the roundings: with the default (any of torch's roundings accepted), a wrapper that gives
+  exactly one rounding (drawn) passes and the report names it, and a wrapper one ulp away
+  (up or down, drawn) from every rounding, element by element, fails: an acceptance of
+  near values, where several roundings are candidates, lets it pass;
+- the zeros: a wrapper whose exact average has zeros of the other sign (-0.0 for 0.0, as a
+  reduction in another order gives) passes, with any rounding pinned or none: a comparison
+  of bits alone fails it;
+- what is there and what is not: on a model with a head no rank uses and a buffer, a
+  wrapper that leaves the head without a gradient passes; one that drops a used
+  parameter's gradient, gives the unused head a gradient of zeros, or keeps the buffer in
+  another dtype (the same values) fails, each with its own message.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, find, given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from reducer.testing import TrainingScenario, check_data_parallel, generated_training_scenarios
@@ -111,3 +124,224 @@ def check_division_is_found() -> TrainingScenario:
 def test_the_scenarios_find_a_division_that_differs_only_at_three_ranks() -> None:
     found = check_division_is_found()
     assert found.world_size == 3, f"found at world size {found.world_size}"
+
+
+# -- the roundings and their one-ulp neighbours ------------------------------------------------
+
+
+def _rank_order_sum(terms: list[Tensor]) -> Tensor:
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def roundings_of(column: list[Tensor]) -> dict[str, Tensor]:
+    """torch's three roundings of the average of ``column`` (rank order), written out here
+    rather than taken from the code under test."""
+    world = len(column)
+    return {
+        "reciprocal": _rank_order_sum([g * (1.0 / world) for g in column]),
+        "divide": _rank_order_sum([g / world for g in column]),
+        "sum_then_divide": _rank_order_sum(column) / world,
+    }
+
+
+class _Rounded(NaiveDataParallel):
+    """Every gradient, once accumulated, is gathered from every rank and replaced by the
+    average with ``rounding``, moved ``ulps`` (-1, 0, +1) units in the last place; an
+    element moved onto another rounding moves on, so that a moved gradient equals no
+    rounding anywhere."""
+
+    rounding: ClassVar[str] = "reciprocal"
+    ulps: ClassVar[int] = 0
+    flip_zeros: ClassVar[bool] = False  # 0.0 <-> -0.0 (the same value, other bits)
+
+    def _reduce(self, p: Tensor) -> None:
+        assert p.grad is not None
+        world = self.pg.size()
+        gathered = [torch.empty_like(p.grad) for _ in range(world)]
+        self.pg.allgather([gathered], [p.grad.detach().clone()]).wait()
+        every = roundings_of(gathered)
+        value = every[self.rounding]
+        if self.ulps:
+            toward = torch.full_like(value, float("inf") if self.ulps > 0 else float("-inf"))
+            value = torch.nextafter(value, toward)
+            for _ in range(len(every)):  # past any rounding it landed on
+                on_one = torch.zeros_like(value, dtype=torch.bool)
+                for other in every.values():
+                    on_one |= value == other
+                value = torch.where(on_one, torch.nextafter(value, toward), value)
+        if self.flip_zeros:
+            value = torch.where(value == 0, -value, value)
+        p.grad.copy_(value)
+
+
+def rounded(rounding: str, ulps: int, flip_zeros: bool = False) -> type[NaiveDataParallel]:
+    """The wrapper that gives ``rounding`` moved by ``ulps``: see :class:`_Rounded`."""
+    attributes = {"rounding": rounding, "ulps": ulps, "flip_zeros": flip_zeros}
+    return type(f"Rounded_{rounding}_{ulps}", (_Rounded,), attributes)
+
+
+RoundingCase = tuple[TrainingScenario, str, int]
+
+
+@st.composite
+def rounding_cases(draw: st.DrawFn) -> RoundingCase:
+    """(scenario, a rounding, its neighbour: 0 for itself, -1 or +1 ulp); a neighbour two
+    times in three."""
+    s = draw(strictness_scenarios())
+    rounding = draw(st.sampled_from(["reciprocal", "divide", "sum_then_divide"]))
+    return s, rounding, draw(st.sampled_from([1, -1, 0]))
+
+
+def check_roundings_and_neighbours(case: RoundingCase) -> None:
+    """The property: with the default (any rounding), a rounding passes and is reported; a
+    value one ulp away from every rounding fails, as not bitwise equal."""
+    s, rounding, ulps = case
+    wrapper = rounded(rounding, ulps)
+    if ulps == 0:
+        report = check_data_parallel(wrapper, s)
+        assert rounding in report.roundings, (rounding, report.roundings)
+        return
+    with pytest.raises(AssertionError, match="not bitwise equal to the exact reference"):
+        check_data_parallel(wrapper, s)
+
+
+@given(rounding_cases())
+def test_the_default_check_takes_every_rounding_and_no_neighbour(case: RoundingCase) -> None:
+    s, rounding, ulps = case
+    note_size(len(list(s.make_model().parameters())), s.world_size)
+    event(f"{rounding}, moved {ulps} ulp, world size {s.world_size}")
+    check_roundings_and_neighbours(case)
+
+
+class _ZeroColumn(torch.nn.Module):
+    """One Linear layer, no bias, whose input's last column is zero: the last column of
+    its weight's gradient is zero on every rank, exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            self.layer.weight.copy_(torch.arange(6.0).reshape(2, 3) / 7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x)
+        return out
+
+
+ZeroCase = tuple[int, str | None, int]
+
+
+@st.composite
+def signed_zero_cases(draw: st.DrawFn) -> ZeroCase:
+    """(world size, the rounding pinned or None for any, input seed)."""
+    world = draw(st.sampled_from([1, 2, 3]))
+    pinned = draw(st.sampled_from([None, "reciprocal", "divide", "sum_then_divide"]))
+    return world, pinned, draw(st.integers(0, 2**16))
+
+
+def check_signed_zeros_pass(case: ZeroCase) -> None:
+    """The property: the exact rounding with its zeros of the other sign passes."""
+    world, pinned, seed = case
+    generator = torch.Generator().manual_seed(seed)
+
+    def batch() -> Tensor:
+        x = torch.randn(2, 3, generator=generator)
+        x[:, -1] = 0.0
+        return x
+
+    inputs = tuple(tuple((batch(),) for _ in range(world)) for _ in range(1))
+    s = TrainingScenario(_ZeroColumn, inputs)
+    wrapper = rounded(pinned or "reciprocal", 0, flip_zeros=True)
+    check_data_parallel(wrapper, s, scaling=pinned)  # type: ignore[arg-type]
+
+
+@given(signed_zero_cases())
+def test_zeros_of_the_other_sign_are_the_same_average(case: ZeroCase) -> None:
+    note_size(1, case[0])
+    event(f"world size {case[0]}, pinned {case[1]}")
+    check_signed_zeros_pass(case)
+
+
+class _HeadAndBuffer(torch.nn.Module):
+    """A layer, a head no rank ever uses, and a buffer forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.layer = torch.nn.Linear(3, 2, bias=False)
+        self.unused = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+        self.register_buffer("shift", torch.full((2,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x) + self.shift
+        return out
+
+
+MISTAKES = ("none", "drop", "fill_unused", "buffer_dtype")
+_MESSAGES = {
+    "drop": "expected a gradient, got None",
+    "fill_unused": "expected no gradient (unused on every rank), got a gradient",
+    "buffer_dtype": "buffer 'shift': not bitwise equal to the reference",
+}
+
+
+class _Mistaken(_Rounded):
+    """The exact average (reciprocal), with one mistake (see :data:`MISTAKES`)."""
+
+    mistake: ClassVar[str] = "none"
+
+    def _reduce(self, p: Tensor) -> None:
+        super()._reduce(p)
+        module = self.module
+        assert isinstance(module, _HeadAndBuffer)
+        if self.mistake == "drop":
+            p.grad = None
+        elif self.mistake == "fill_unused":
+            module.unused.weight.grad = torch.zeros_like(module.unused.weight)
+
+    def forward(self, *args: Any) -> Any:
+        out = super().forward(*args)
+        module = self.module
+        assert isinstance(module, _HeadAndBuffer)
+        if self.mistake == "buffer_dtype":
+            module.shift = module.shift.double()  # the same values, another dtype
+        return out
+
+
+MistakeCase = tuple[int, str, int]
+
+
+@st.composite
+def mistake_cases(draw: st.DrawFn) -> MistakeCase:
+    """(world size, the mistake, input seed)."""
+    world = draw(st.sampled_from([1, 2, 3]))
+    return world, draw(st.sampled_from(MISTAKES)), draw(st.integers(0, 2**16))
+
+
+def check_mistakes(case: MistakeCase) -> None:
+    """The property: no mistake passes; each mistake fails with its message."""
+    world, mistake, seed = case
+    generator = torch.Generator().manual_seed(seed)
+    inputs = tuple(
+        tuple((torch.randn(2, 3, generator=generator),) for _ in range(world)) for _ in range(1)
+    )
+    s = TrainingScenario(_HeadAndBuffer, inputs)
+    wrapper = type(f"Mistaken_{mistake}", (_Mistaken,), {"mistake": mistake})
+    if mistake == "none":
+        check_data_parallel(wrapper, s)
+        return
+    with pytest.raises(AssertionError, match=re.escape(_MESSAGES[mistake])):
+        check_data_parallel(wrapper, s)
+
+
+@given(mistake_cases())
+def test_missing_extra_and_retyped_values_fail_with_their_message(case: MistakeCase) -> None:
+    note_size(2, case[0])
+    event(f"mistake: {case[1]}")
+    check_mistakes(case)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
@@ -215,6 +216,7 @@ def feedback_cases(
     return rank, shapes, data
 
 
+@pytest.mark.slow
 @given(feedback_cases())
 def test_error_feedback_telescopes_so_nothing_is_lost(
     case: tuple[int, list[tuple[int, int] | tuple[int]], list[list[list[Tensor]]]],

@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import event, given, settings
@@ -203,6 +204,7 @@ def check_buckets(s: BucketScenario) -> None:
             )
 
 
+@pytest.mark.slow
 @settings(max_examples=4 * settings().max_examples)
 @given(bucket_scenarios())
 def test_comm_hooks_see_torchs_buckets_in_every_iteration(s: BucketScenario) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
@@ -503,6 +504,7 @@ _STATIC_STALE = DDPScenario(
 # A core property, with the largest space (options x iterations x nested outputs) and cheap
 # examples (tens of ms): eight times the profile's examples (ci: 200). Bugs of the wrapper
 # that need two ranks, a static graph and a second iteration together are found there.
+@pytest.mark.slow
 @settings(max_examples=8 * settings().max_examples)
 @example(_STATIC_STALE)
 @given(ddp_scenarios())

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from torch.nn.parallel.distributed import _MixedPrecision
 
+import fakepg
 import reducer
-from reducer.testing import TrainingScenario
+from reducer.testing import TrainingScenario, schedules
 from reducer.testing.harness import Scenario, check_against_reference, reference, refusal
 from reducer.testing.model import BranchSpec, ModelSpec, wide_width
 from reducer.testing.scenario import SYNC_MODES
@@ -41,6 +42,8 @@ from .mutants import CATALOGUE, Mutant, applied
 from .test_check_strictness import (
     check_division_is_found,
     check_one_ulp_is_caught,
+    check_roundings_and_neighbours,
+    rounding_cases,
     strictness_scenarios,
 )
 from .test_cluster_files import check_rate_spelling, rate_spellings
@@ -59,6 +62,7 @@ from .test_launch_preimport import check_preimport, scripts
 from .test_misuse import ANY_FLOAT, check_loss_scales, check_model_factory, model_factories
 from .test_multi_iteration import TrainingMachine
 from .test_replica_check import CheckScenario, check_replica_check, check_scenarios
+from .test_stream_order import StreamScenario, check_stream_order, stream_scenarios
 from .test_torch_comm_hooks import (
     MAGNITUDES,
     SCENARIOS,
@@ -68,9 +72,11 @@ from .test_torch_comm_hooks import (
 from .test_torch_equivalence import check_bucket_assignment
 from .test_training_steps import (
     OUR_MICRO,
+    check_hierarchical_averaging,
     check_micro_batches_ours,
     check_micro_batches_torch,
     check_post_local_sgd,
+    hierarchical_cases,
     local_sgd_cases,
     two_synced_micro_batches,
 )
@@ -162,6 +168,8 @@ def _size(example: Any) -> tuple[int, int]:
         return example.parameters, example.world_size
     if isinstance(example, BucketScenario):
         return example.parameter_count, example.world_size
+    if isinstance(example, StreamScenario):  # collectives of one small tensor: no model
+        return 0, example.world_size
     return len(example[0]), 1  # bucketing inputs: tensors, limits, flags
 
 
@@ -787,6 +795,24 @@ CASES: dict[str, Case] = {
     "check compares with a tolerance": Case(
         strictness_scenarios(), check_one_ulp_is_caught, lambda s: s.world_size == 1
     ),
+    # One rank is enough: every rounding is its gradient, and its neighbour is none.
+    "check takes a value one ulp from a rounding for it": Case(
+        rounding_cases(), check_roundings_and_neighbours, lambda c: c[0].world_size == 1
+    ),
+    # Two ranks, groups of one and of two: step 0 is divided by both periods.
+    "hierarchical averaging picks the smallest period": Case(
+        hierarchical_cases(), check_hierarchical_averaging, lambda c: c[0].world_size == 2
+    ),
+    # Two ranks, the first's input written on a stream the side stream never waits for.
+    "stream order waits for the last launching rank only": Case(
+        stream_scenarios(), check_stream_order, lambda s: s.world_size == 2
+    ),
+    # Two ranks, uneven steps without join().
+    "replica check reads join from a truthy configuration": Case(
+        check_scenarios(("plain",)),
+        check_replica_check,
+        lambda s: s.world_size == 2 and not s.join,
+    ),
     "hooks left after close": Case(
         scenarios(unused=False, **_plain()),
         averaging,
@@ -806,6 +832,30 @@ MISUSE: dict[str, list[tuple[st.SearchStrategy[Any], Callable[..., None]]]] = {
 # The scheduler's mutants: each lets a race of property_tests/test_schedules.py through (no
 # schedule shows it), so the race property fails.
 SCHEDULING = {"schedule choices ignored", "completions at once"}
+# The exploration's mutants: each fails a property of property_tests/test_schedules.py run
+# as it is, on its shrunk example where it has one (two ranks; torch's DDP at one rank with
+# two parameters), and the real code passes it.
+EXPLORATION: dict[str, Callable[[], None]] = {
+    "completions oldest first": test_schedules.every_completion_order_is_drawn,
+    "replay drops the completion policy": lambda: _replay_fails("two in flight"),
+    "C++ backward wait not seen as blocked": lambda: test_schedules.ddp_averages_under_schedule(
+        1, fakepg.Schedule()
+    ),
+    "PCT change points only early": test_schedules.change_points_reach_the_end,
+}
+
+
+def _replay_fails(name: str) -> None:
+    """The replay property over drawn schedules (the late policy among them)."""
+
+    @given(schedule=schedules())
+    @settings(max_examples=50, database=None, deadline=None, derandomize=True)
+    def replays(schedule: fakepg.Schedule) -> None:
+        test_schedules.replay_is_the_run(name, schedule)
+
+    replays()
+
+
 # A mutant of the scenarios: the property that kills it is a search, not a check of one
 # example (it must find, within the ci profile's examples, a wrapper wrong only at W = 3).
 SEARCHES: dict[str, Callable[[], object]] = {
@@ -820,10 +870,14 @@ BUCKETING = {
 }
 
 
+def test_every_slow_case_is_a_case() -> None:
+    assert not SLOW_CASES - set(CASES), sorted(SLOW_CASES - set(CASES))
+
+
 def test_every_mutant_has_a_case() -> None:
-    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING | set(SEARCHES) == set(
-        CATALOGUE
-    )
+    assert set(CASES) | TRAINING | set(MISUSE) | BUCKETING | SCHEDULING | set(SEARCHES) | set(
+        EXPLORATION
+    ) == set(CATALOGUE)
     assert len(CATALOGUE) >= 25
 
 
@@ -839,13 +893,50 @@ def test_the_race_property_kills_the_scheduler_mutants(name: str) -> None:
         test_schedules.race_is_found_and_shrunk(race)  # the real scheduler shows it
 
 
+@pytest.mark.parametrize("name", sorted(EXPLORATION))
+def test_the_exploration_properties_kill_their_mutants(name: str) -> None:
+    with applied(CATALOGUE[name]):
+        assert _fails(EXPLORATION[name]), f"{name}: the property still holds"
+    EXPLORATION[name]()  # the real code passes it
+
+
 def _search(mutant: Mutant, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> Any:
     """The shrunk example on which ``check`` fails with ``mutant`` in place."""
     with applied(mutant):
         return find(strategy, lambda example: _fails(lambda: check(example)), settings=SEARCH)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The mutants whose search takes more than a second or two on two cores (measured with
+# --durations): the full run catches them, the quick run (-m "not slow") leaves them out.
+SLOW_CASES = frozenset(
+    {
+        "bucket view contributes stale grad",
+        "held gradient of an unused parameter dropped",
+        "ignored parameters reduced",
+        "launch out of order",
+        "left-out heads count as used",
+        "locally unused contributes stale grad",
+        "rebuild from own ready order",
+        "reloaded wrapper reduces ignored parameters",
+        "replica check blind to join",
+        "skip a bucket partly unused",
+        "skip forgets no_sync gradients",
+        "skipped sparse table contributes stale grad",
+        "static graph ready at first call",
+        "used map reduced with MIN",
+    }
+)
+
+
+def _cases() -> list[Any]:
+    """The names of CASES, the slow ones marked."""
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CASES else name
+        for name in sorted(CASES)
+    ]
+
+
+@pytest.mark.parametrize("name", _cases())
 def test_the_properties_catch_and_shrink(name: str) -> None:
     case = CASES[name]
     shrunk = _search(CATALOGUE[name], case.strategy, case.check)
@@ -855,6 +946,7 @@ def test_the_properties_catch_and_shrink(name: str) -> None:
     case.check(shrunk)  # the real code passes the very example that exposes the mutant
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TRAINING))
 def test_the_training_property_catches_and_shrinks(name: str) -> None:
     # The same machine over a smaller space, where the bug shows (unused parameters are

@@ -5,9 +5,12 @@ Training scripts drawn as people write them: torch's DDP or this project's over 
 only, nanoGPT's split), one optimizer step, and one of these (``feature``):
 
 - ``plain``: one Linear layer, a fault in it; or, with no fault, the ranks train a drawn
-  number of steps each under the wrapper's ``join()`` (uneven inputs): the check passes, with
-  a note of the uneven inputs where the counts differ (a check that takes a rank that ran
-  out for a stalled one stops a correct run);
+  number of steps each, under the wrapper's ``join()`` or not (drawn): under it the check
+  passes, with a note of the uneven inputs where the counts differ (a check that takes a
+  rank that ran out for a stalled one stops a correct run); without it, uneven counts are
+  an error (a rank that ran out leaves the others waiting in a reduction), which a check
+  that reads the join state from any wrapper's configuration, present or not enabled,
+  takes for a correct run;
 - ``zero``: ``ZeroRedundancyOptimizer`` over two blocks of equal shapes: each rank's inner
   optimizer steps its own shard, so comparing the shards by position reports blocks that
   are not replicas (the whole model is compared, every parameter of it);
@@ -36,6 +39,7 @@ blames the summed bucket on a generic cause gives another verdict.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 from dataclasses import dataclass
@@ -78,12 +82,13 @@ class CheckScenario:
     world_size: int
     groups: int  # 1, or 2: weight decay on the matrices only
     fault: tuple[int, int] | None
-    joined: tuple[int, ...] | None = None  # per rank, its steps under join() (no fault)
+    joined: tuple[int, ...] | None = None  # per rank, its steps (no fault)
     feature: str = "plain"  # see FEATURES and the module's docstring
     loaded: tuple[int, ...] = ()  # frozen: the ranks that load its weights after wrapping
     micro: tuple[int, ...] = (1,)  # forwards of the wrapper before each backward
     heads: tuple[int, ...] = ()  # summed: per rank, the head it runs (0: left, 1: right)
     skip: bool = False  # summed: skip_all_reduce_unused_params
+    join: bool = True  # with joined: the steps run under the wrapper's join()
 
     @property
     def parameters(self) -> int:
@@ -101,8 +106,12 @@ def check_scenarios(draw: st.DrawFn, features: tuple[str, ...] = FEATURES) -> Ch
     if feature != "summed" and draw(st.sampled_from([True, True, False])):  # two in three
         fault = (draw(st.integers(0, world - 1)), draw(st.integers(0, len(TRAINED[feature]) - 1)))
     joined = None
+    join = True
     if feature == "plain" and fault is None:  # the one step without a fault: see siamese
-        joined = tuple(draw(st.integers(1, 3)) for _ in range(world))
+        join = draw(st.booleans())
+        # Without join(), two synced steps at least: torch's DDP rebuilds its buckets (a
+        # collective) at its second forward even under no_sync.
+        joined = tuple(draw(st.integers(1 if join else 2, 3)) for _ in range(world))
     loaded: tuple[int, ...] = ()
     if feature == "frozen":  # rank 0 only (the usual mistake), none, every rank, or some
         loaded = draw(
@@ -134,6 +143,7 @@ def check_scenarios(draw: st.DrawFn, features: tuple[str, ...] = FEATURES) -> Ch
         micro,
         heads,
         skip,
+        join,
     )
 
 
@@ -237,9 +247,13 @@ def _train(s: CheckScenario) -> Any:
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = _optimizer(s, trained)
         if s.joined is not None:
-            with ddp.join():
+            with ddp.join() if s.join else contextlib.nullcontext():
                 for k in range(s.joined[rank]):
-                    ddp(_batch(rank, k)).square().mean().backward()
+                    # Without join(), the steps past the fewest are local (no_sync): the
+                    # ranks with more step alone, the others have ended.
+                    local = not s.join and k >= min(s.joined)
+                    with ddp.no_sync() if local else contextlib.nullcontext():
+                        ddp(_batch(rank, k)).square().mean().backward()
                     optimizer.step()
                     optimizer.zero_grad()
             return
@@ -310,6 +324,12 @@ def expected(s: CheckScenario) -> Verdict:
             _COMPARED[s.feature],
             ignored,
         )
+    if s.joined is not None and len(set(s.joined)) > 1 and not s.join:
+        fewest = min(s.joined)
+        return Verdict(
+            (("error", "ranks stepped differently"),),
+            (f"optimizer step {fewest}",),
+        )
     if s.joined is not None and len(set(s.joined)) > 1:
         return Verdict((("note", "uneven inputs"),), ("uneven inputs",), _COMPARED[s.feature])
     return Verdict((), (), _COMPARED[s.feature], ignored)
@@ -334,7 +354,8 @@ def check_replica_check(s: CheckScenario) -> None:
             assert words in text, (words, text)
     verdict = _verdict_line(check)
     if any(level == "error" for level, _ in want.findings):
-        assert verdict.startswith(f"verdict: RANKS DIVERGED at optimizer step 0 ({got[0][1]})")
+        step = min(s.joined) if s.joined is not None else 0
+        assert verdict.startswith(f"verdict: RANKS DIVERGED at optimizer step {step} ({got[0][1]})")
         return
     assert verdict == "verdict: the ranks stayed in sync", check.summary()
     assert (check.compared, check.ignored, check.sharded) == (want.compared, want.ignored, 0), (
@@ -346,6 +367,7 @@ def _verdict_line(check: ReplicaCheck) -> str:
     return check.summary().rsplit("\n", 1)[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", FEATURES)
 @given(data=st.data())
 def test_the_replica_check_gives_the_exact_verdict(feature: str, data: st.DataObject) -> None:
@@ -360,5 +382,5 @@ def test_the_replica_check_gives_the_exact_verdict(feature: str, data: st.DataOb
     if s.feature == "summed":
         event(f"summed bucket: {_summed(s)}")
     if s.joined is not None:
-        event(f"under join(), uneven inputs: {len(set(s.joined)) > 1}")
+        event(f"under join(): {s.join}, uneven inputs: {len(set(s.joined)) > 1}")
     check_replica_check(s)

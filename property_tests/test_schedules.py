@@ -18,9 +18,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from hypothesis import find, given, settings
+from hypothesis import strategies as st
 
 import fakepg
-from reducer.testing import schedules
+from reducer.testing import fewest_deviations, schedules
 
 SEARCH = settings(max_examples=200, database=None, deadline=None, derandomize=True)
 
@@ -75,7 +76,7 @@ def race_is_found_and_shrunk(name: str) -> None:
     def wrong(schedule: fakepg.Schedule) -> bool:
         return fakepg.run(program, 2, schedule=schedule, timeout=20) != right
 
-    found = find(schedules(), wrong, settings=SEARCH)
+    found = fewest_deviations(find(schedules(), wrong, settings=SEARCH), wrong)
     switches = sum(1 for c in found.choices if c)
     assert switches == 1 or (switches == 0 and found.adversarial), found
     for _ in range(20):
@@ -95,3 +96,119 @@ def test_race_free_code_gives_the_same_bits_under_every_schedule(
 ) -> None:
     program, right = RACE_FREE[name]
     assert fakepg.run(program, 2, schedule=schedule, timeout=20) == right
+
+
+# -------------------------------------------------------------------------------------------
+# The exploration itself: PCT reaches the whole run; completions, replays and C++ waits.
+
+PCT = settings(max_examples=100, database=None, deadline=None, derandomize=True)
+
+
+def after_a_prefix(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """As a DDP class's constructor does: a broadcast per parameter first, then the race."""
+    for _ in range(10):
+        pg.broadcast([torch.ones(1)], 0).wait()
+    return write_in_flight(pg)
+
+
+def change_points_reach_the_end() -> None:
+    """Property: under PCT, a change point falls in the last quarter of a run's choice points
+    for some drawn schedule (they are uniform over the run, not its first steps); and PCT
+    alone finds a race that follows a constructor's broadcasts."""
+
+    def late_change(schedule: fakepg.Schedule) -> bool:
+        fakepg.run(after_a_prefix, 2, schedule=schedule, timeout=20)
+        changes = getattr(schedule.explore, "changes", ())
+        return any(c >= 0.75 * schedule.used for c in changes if c < schedule.used)
+
+    find(schedules(explore="pct", depth=2), late_change, settings=PCT)
+
+    def wrong(schedule: fakepg.Schedule) -> bool:
+        return fakepg.run(after_a_prefix, 2, schedule=schedule, timeout=20) != [[1.5, 1.5]] * 2
+
+    find(schedules(explore="pct", adversarial=False), wrong, settings=PCT)
+
+
+def test_pct_change_points_reach_the_end_of_the_run() -> None:
+    change_points_reach_the_end()
+
+
+def two_in_flight(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """Two collectives in flight at once; the callbacks of each rank note which completed
+    first (1.0: the first issued, 2.0: the second)."""
+    order: list[float] = []
+    works = [pg.allreduce([torch.ones(1)]) for _ in range(2)]
+    for i, work in enumerate(works):
+
+        def note(_f: object, i: int = i) -> None:
+            order.append(float(i + 1))
+
+        work.get_future().then(note)
+    for work in works:
+        work.wait()
+    return order
+
+
+def every_completion_order_is_drawn() -> None:
+    """Property: of two collectives in flight together, either may complete first: some
+    schedule completes the later one first, on every replay of it."""
+
+    def newest_first(schedule: fakepg.Schedule) -> bool:
+        return fakepg.run(two_in_flight, 2, schedule=schedule, timeout=20)[0][:1] == [2.0]
+
+    found = find(schedules(), newest_first, settings=SEARCH)
+    for _ in range(5):
+        assert newest_first(found.recorded())
+
+
+def test_every_completion_order_is_drawn() -> None:
+    every_completion_order_is_drawn()
+
+
+PROGRAMS: dict[str, Program] = {
+    "two in flight": two_in_flight,
+    "write in flight": write_in_flight,
+    "read without waiting": read_without_waiting,
+}
+
+
+def replay_is_the_run(name: str, schedule: fakepg.Schedule) -> None:
+    """Property: a schedule that ran prints as one that, pasted back, takes every step the
+    run took (completion policy included) and gives the same results."""
+    program = PROGRAMS[name]
+    first = fakepg.run(program, 2, schedule=schedule, timeout=20)
+    pasted = eval(repr(schedule), {"Schedule": fakepg.Schedule})
+    assert fakepg.run(program, 2, schedule=pasted, timeout=20) == first, (schedule, pasted)
+    assert pasted.timeline == schedule.timeline, (schedule, pasted)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@given(schedule=schedules())
+@settings(max_examples=25, deadline=None)
+def test_a_printed_schedule_replays_its_run(name: str, schedule: fakepg.Schedule) -> None:
+    replay_is_the_run(name, schedule)
+
+
+def ddp_step(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """torch's C++ DDP: each rank waits for its buckets inside backward, in C++."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    model(torch.ones(1, 2) * (pg.rank() + 1)).sum().backward()
+    return [float(g) for p in model.parameters() for g in p.grad.reshape(-1)]  # type: ignore[union-attr]
+
+
+def ddp_averages_under_schedule(world_size: int, schedule: fakepg.Schedule) -> None:
+    """Property: torch's DDP averages under every schedule (a rank blocked in C++ backward is
+    seen as blocked, and the others go on), within a short timeout."""
+    grads = fakepg.run_torch(ddp_step, world_size, schedule=schedule, timeout=5)
+    mean = sum(r + 1 for r in range(world_size)) / world_size
+    assert grads == [[mean, mean, 1.0]] * world_size, grads
+
+
+@given(world_size=st.integers(1, 3), schedule=schedules())
+@settings(max_examples=10, deadline=None)
+def test_torch_ddp_averages_under_every_schedule(
+    world_size: int, schedule: fakepg.Schedule
+) -> None:
+    ddp_averages_under_schedule(world_size, schedule)

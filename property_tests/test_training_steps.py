@@ -18,6 +18,10 @@
   ``PeriodicModelAverager`` after each optimizer step equal
   :func:`reducer.testing.periodic_averaging`, bit for bit, for any world size, subgroup size,
   warm-up and period drawn.
+- Hierarchical averaging: torch's ``HierarchicalModelAverager`` over two or three levels of
+  groups, each group size with its own period (distinct, the last group the whole world),
+  equals :func:`reducer.testing.hierarchical_averaging`, bit for bit: at a step that several
+  periods divide, the largest one's group averages.
 """
 
 from __future__ import annotations
@@ -32,12 +36,16 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 import reducer
 from reducer.testing import (
     TrainingScenario,
     check_data_parallel,
+    hierarchical_averaging,
     periodic_averaging,
     reducer_ddp,
     torch_ddp,
@@ -179,6 +187,7 @@ def test_this_projects_ddp_gives_torchs_bits_in_any_accumulation(s: TrainingScen
     check_same_bits_as_torch(s)
 
 
+@pytest.mark.slow
 @given(two_synced_micro_batches())
 def test_both_ddps_reduce_a_later_sync_of_a_step_as_the_reference(s: TrainingScenario) -> None:
     # The corner the general scenarios rarely reach (three ranks leaving one head out of a
@@ -246,6 +255,64 @@ def check_post_local_sgd(case: LocalSGDCase) -> None:
 def test_post_local_sgd_is_periodic_averaging(case: LocalSGDCase) -> None:
     note_size(len(list(case[0].make_model().parameters())), case[0].world_size)
     check_post_local_sgd(case)
+
+
+HierarchicalCase = tuple[TrainingScenario, dict[int, int], int]
+
+
+@st.composite
+def hierarchical_cases(draw: st.DrawFn) -> HierarchicalCase:
+    """(scenario of an MLP, period -> group size, warm-up). Two or three group sizes, each
+    with its own period: sizes that divide the world, increasing, the last the whole world
+    (as torch's ``HierarchicalModelAverager`` requires), and distinct increasing periods, so
+    that steps divided by several periods come up (step 0 is divided by all): there the
+    largest period's group averages, not the smallest's. World sizes 2, 3, 4 (shrinking in
+    that order); local SGD between the averagings (each rank's own gradient)."""
+    world = draw(st.sampled_from([2, 3, 4]))
+    smaller = [g for g in range(1, world) if world % g == 0]
+    sizes = [*sorted(draw(st.sets(st.sampled_from(smaller), min_size=1))), world]
+    periods = sorted(
+        draw(st.lists(st.integers(1, 4), min_size=len(sizes), max_size=len(sizes), unique=True))
+    )
+    warmup = draw(st.integers(0, 2))
+    steps = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    spec = ModelSpec((BranchSpec("mlp"),), seed=seed)
+    everything = frozenset({0})
+    inputs = tuple(
+        tuple((branch_inputs(spec, seed + 101 * r + 7 * k), everything) for r in range(world))
+        for k in range(steps)
+    )
+    s = TrainingScenario(functools.partial(build_model, spec), inputs, loss=loss_of)
+    return s, dict(zip(periods, sizes, strict=True)), warmup
+
+
+def check_hierarchical_averaging(case: HierarchicalCase) -> None:
+    """The property: torch's averager after each optimizer step (gradients local after the
+    warm-up: post-local SGD with subgroups of one) is the reference's, bit for bit."""
+    s, periods, warmup = case
+
+    def make(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
+        ddp = reducer.DistributedDataParallel(module, pg)
+        made = [pg.new_group([r]) for r in range(pg.size())]  # type: ignore[attr-defined]
+        own = next(g for g in made if g is not None)
+        state = reducer.PostLocalSGDState(None, subgroup=own, start_localSGD_iter=warmup)
+        ddp.register_comm_hook(state, reducer.post_localSGD_hook)
+        return ddp
+
+    def optimizer(params: list[nn.Parameter]) -> Any:
+        return PostLocalSGDOptimizer(_sgd(params), HierarchicalModelAverager(periods, warmup))
+
+    want = hierarchical_averaging(periods, warmup_steps=warmup, optimizer=_sgd)
+    check_data_parallel(make, s, optimizer=optimizer, reference=want)
+
+
+@given(hierarchical_cases())
+def test_hierarchical_averaging_is_torchs_hierarchical_model_averager(
+    case: HierarchicalCase,
+) -> None:
+    note_size(len(list(case[0].make_model().parameters())), case[0].world_size)
+    check_hierarchical_averaging(case)
 
 
 def _used_only_in_an_unsynced_step() -> TrainingScenario:

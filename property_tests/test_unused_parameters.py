@@ -8,6 +8,7 @@ unless a shared branch still uses them). Existing gradients (dense and sparse) m
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,7 @@ _OPTIONAL = ModelSpec(
 
 # Eight times the profile's examples (ci: 200): unused patterns x sparse tables x bucket views
 # is the widest space among the core properties.
+@pytest.mark.slow
 @settings(max_examples=8 * settings().max_examples)
 @given(
     scenarios(

@@ -11,6 +11,8 @@ ones no other property draws:
   own data, and the gradients depend on it): synced from rank 0 at every forward, or not;
 - ``bucket_cap_mb`` or ``bucket_cap_mb_list`` (a cap per bucket, the last repeating): the
   buckets the wrapper is built with, as torch's logging data reports them;
+- ``bucket_cap_mb`` different on every rank (a misuse torch tolerates: one bucket in the
+  first iteration, then rank 0's rebuilt buckets on every rank);
 - ``_register_builtin_comm_hook`` (ALLREDUCE or FP16_COMPRESS), against the Python hooks
   torch's built-in ones compute the same as;
 - ``static_graph=True`` or ``_set_static_graph()`` after construction, with a head no rank
@@ -66,6 +68,15 @@ class OptionScenario:
     static: str | None  # None, "constructor" (static_graph=True) or "set" (_set_static_graph)
     find_unused: bool
     as_view: bool
+    rank_caps: tuple[float, ...] | None = None  # bucket_cap_mb per rank, where drawn so
+
+    def options_of(self, rank: int) -> dict[str, Any]:
+        """The constructor's keyword arguments on ``rank``: :attr:`options`, with this
+        rank's own ``bucket_cap_mb`` where the caps are drawn per rank."""
+        options = self.options
+        if self.rank_caps is not None:
+            options["bucket_cap_mb"] = self.rank_caps[rank]
+        return options
 
     @property
     def options(self) -> dict[str, Any]:
@@ -96,7 +107,7 @@ _BUFFER_OPTIONS = ("broadcast_buffers", "forward_sync_buffers")
 _CAP_OPTIONS = ("bucket_cap_mb", "bucket_cap_mb_list", None)
 
 
-FOCUSES = ("init_sync", "buffers", "caps", "hook", "static")
+FOCUSES = ("init_sync", "buffers", "caps", "rank_caps", "hook", "static")
 
 
 @st.composite
@@ -104,14 +115,20 @@ def option_scenarios(draw: st.DrawFn, focus: str | None = None) -> OptionScenari
     """Both wrappers' options, each drawn; ``focus`` (one of :data:`FOCUSES`) always draws
     that option away from its default (its corner: models that start different per rank
     for ``init_sync``, two ranks or more for the buffers, the search for unused parameters
-    for the caps, where their buckets are compared)."""
-    worlds = [2, 3, 3, 4] if focus in ("init_sync", "buffers") else [1, 2, 3, 3, 4]
+    for the caps, where their buckets are compared; a different ``bucket_cap_mb`` on every
+    rank, two ranks or more and no search for unused parameters, for the per-rank caps:
+    torch rebuilds buckets only without the search, and the ranks' first buckets, by cap,
+    would not match before it)."""
+    many = ("init_sync", "buffers", "rank_caps")
+    worlds = [2, 3, 3, 4] if focus in many else [1, 2, 3, 3, 4]
     world = draw(st.sampled_from(worlds))
     statics = ["constructor", "set"] if focus == "static" else [None, None, "constructor", "set"]
     static = None if focus == "caps" else draw(st.sampled_from(statics))
     cap_names = [n for n in _CAP_OPTIONS if n is None or n in _TORCH_TAKES]
     if focus == "caps":
         cap_names.remove(None)
+    if focus == "rank_caps":
+        cap_names = [None]  # the caps come per rank, below
     caps = draw(
         st.sampled_from(cap_names).flatmap(
             lambda name: (
@@ -143,8 +160,14 @@ def option_scenarios(draw: st.DrawFn, focus: str | None = None) -> OptionScenari
         caps=caps,
         hook=draw(st.sampled_from(hooks)),
         static=static,
-        find_unused=focus == "caps" or (static is None and draw(st.booleans())),
+        find_unused=focus == "caps"
+        or (static is None and focus != "rank_caps" and draw(st.booleans())),
         as_view=draw(st.booleans()),
+        rank_caps=(
+            tuple(draw(st.lists(_CAPS, min_size=world, max_size=world, unique=True)))
+            if focus == "rank_caps"
+            else None
+        ),
     )
 
 
@@ -194,8 +217,8 @@ def _run(s: OptionScenario) -> list[tuple[tuple[Trace, Any], tuple[Trace, Any]]]
         rank = pg.rank()
         seed = rank if s.per_rank_init else 0
         models = [_build(seed), _build(seed)]
-        ours = reducer.DistributedDataParallel(models[0], **s.options)
-        theirs = nn.parallel.DistributedDataParallel(models[1], **s.options)
+        ours = reducer.DistributedDataParallel(models[0], **s.options_of(rank))
+        theirs = nn.parallel.DistributedDataParallel(models[1], **s.options_of(rank))
         out = []
         for ddp, model in zip((ours, theirs), models, strict=True):
             if s.static == "set":
@@ -257,6 +280,7 @@ def test_this_projects_ddp_is_torchs_with_its_newest_options(
     s = data.draw(option_scenarios(focus))
     note_size(PARAMETERS, s.world_size)
     event(f"static: {s.static}, hook: {s.hook}, caps: {s.caps and s.caps[0]}")
+    event(f"caps per rank: {s.rank_caps is not None}")
     event(f"init_sync={s.init_sync}, per-rank init: {s.per_rank_init}; buffers: {s.buffers}")
     check_options(s)
 

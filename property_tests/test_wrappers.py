@@ -254,7 +254,9 @@ def mixed_precision_configs(draw: st.DrawFn) -> _MixedPrecision:
 def check_mixed_precision_dtypes(config: _MixedPrecision) -> None:
     """The property: after construction every buffer is in ``buffer_dtype`` (unchanged
     where None) and every parameter full precision; in forward every parameter is in
-    ``param_dtype``; after backward every gradient is full precision."""
+    ``param_dtype``; after backward every gradient is full precision. Each parameter
+    carries torch's twin attributes: ``_mp_param`` in ``param_dtype``, ``_fp_param`` its
+    full-precision data."""
     seen: list[torch.dtype] = []
 
     def fn(pg: reducer.ProcessGroup) -> None:
@@ -268,6 +270,10 @@ def check_mixed_precision_dtypes(config: _MixedPrecision) -> None:
             want = before[name] if config.buffer_dtype is None else config.buffer_dtype
             assert buffer.dtype == want, f"buffer {name!r}: {buffer.dtype}, expected {want}"
         assert {p.dtype for p in model.parameters()} == {torch.float32}
+        for name, p in model.named_parameters():
+            assert p._mp_param.dtype == (config.param_dtype or torch.float32), name
+            assert p._fp_param.dtype == torch.float32, name
+            assert p._fp_param.data_ptr() == p.data_ptr(), name
         out = ddp(torch.ones(2, 3))
         torch.stack([o.float().sum() for o in out]).sum().backward()
         want_param = config.param_dtype or torch.float32

@@ -1,7 +1,7 @@
 """Which torch this package supports, and the refusal of any older one.
 
 The supported range starts at the oldest torch the whole test suite has been run on and
-passed (README, "Supported torch versions"). Older releases are refused when ``reducer`` is
+passed (docs/howto/torch-versions.md). Older releases are refused when ``reducer`` is
 first imported (``fakepg`` imports it too), before any module uses an API they may lack: on
 them the package does not merely fail to start, some of its features hang or compute wrong
 gradients (torch 2.4.1: torch's DDP hangs under ``launch`` past its timeout, gradients under
@@ -19,7 +19,7 @@ import torch
 __all__ = ["MINIMUM", "TESTED", "require_supported_torch", "torch_minor"]
 
 # The torch minors the full suite has been run on, oldest first; each has a tox environment
-# (torch211 ...) and a line in the README. The first is the floor.
+# (torch211 ...) and a row in docs/howto/torch-versions.md. The first is the floor.
 TESTED: tuple[tuple[int, int], ...] = ((2, 11), (2, 12), (2, 13), (2, 14))
 MINIMUM: tuple[int, int] = TESTED[0]
 

@@ -23,6 +23,7 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_property_throughput_runs_every_configuration() -> None:
     out = _run("benchmarks/property_throughput.py", "--examples", "3")
     rows = [line for line in out.splitlines() if line.startswith("|") and "ranks" in line]
@@ -31,6 +32,7 @@ def test_property_throughput_runs_every_configuration() -> None:
     assert all(line.split("|")[2].strip() == "3" for line in rows), out
 
 
+@pytest.mark.slow
 def test_launch_check_measures_both_variants() -> None:
     out = _run(
         "benchmarks/launch_check.py",
@@ -47,6 +49,7 @@ def test_launch_check_measures_both_variants() -> None:
     assert [row.split("|")[3].strip() for row in rows] == ["process", "in-process"], out
 
 
+@pytest.mark.slow
 def test_published_figures_prints_predicted_beside_published() -> None:
     out = _run("benchmarks/published_figures.py", "--quick")
     rows = [line for line in out.splitlines() if line.startswith("|") and "DDP" in line]
@@ -69,6 +72,7 @@ def test_published_figures_prints_predicted_beside_published() -> None:
     assert f"{done} of 4 published figures reproduced within their tolerance" in out
 
 
+@pytest.mark.slow
 def test_fakepg_collectives_time_every_way() -> None:
     out = _run(
         "benchmarks/fakepg_allreduce.py",
@@ -111,6 +115,7 @@ def test_harness_vs_torch_counts_examples_and_shrinks_the_seeded_bug() -> None:
     assert all(row[3].strip() == "1" and row[7].strip() == "[12]" for row in hunts.values()), out
 
 
+@pytest.mark.slow
 def test_schedule_throughput_measures_every_workload() -> None:
     out = _run("benchmarks/schedule_throughput.py", "--examples", "2")
     rows = [line.split("|") for line in out.splitlines() if line.startswith("|")]

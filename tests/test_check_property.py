@@ -87,6 +87,7 @@ def test_the_check_agrees_with_the_schedule(kind: str, drawn: tuple[int, list[li
     check_schedule(kind, world, schedule)
 
 
+@pytest.mark.slow
 def test_a_check_that_compares_only_two_ranks_dies(monkeypatch: pytest.MonkeyPatch) -> None:
     differ, agree = _audit._differ, _audit._agree
     monkeypatch.setattr(_audit, "_differ", lambda values: differ(values[:2]))

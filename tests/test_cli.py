@@ -36,6 +36,7 @@ def help_of(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 # -- one entry point, every tool ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_lists_every_tool_model_and_preset() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "reducer", "--help"], capture_output=True, text=True, timeout=120
@@ -217,6 +218,7 @@ def _json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow
 def test_predict_writes_its_assumptions_and_results_as_json(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -242,6 +244,7 @@ def test_predict_writes_its_assumptions_and_results_as_json(
     assert f"json: written to {path}" in out
 
 
+@pytest.mark.slow
 def test_predict_seq_len_and_dtype_change_the_step(capsys: pytest.CaptureFixture[str]) -> None:
     base = _json(capsys, "--model", "bert-base", "--world-size", "8", "--network", "nccl-dgx-h100")
     short = _json(capsys, "--model", "bert-base", "--world-size", "8", "--network",

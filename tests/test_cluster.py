@@ -182,6 +182,7 @@ def resnet_steps() -> dict[str, cluster.ClusterPrediction]:
     }
 
 
+@pytest.mark.slow
 def test_the_real_reducer_decides_the_buckets(
     resnet_steps: dict[str, cluster.ClusterPrediction],
 ) -> None:
@@ -298,6 +299,7 @@ def test_a_profile_sets_when_each_gradient_is_ready(tmp_path: Path) -> None:
     assert shared.step_s > alone.step_s + 0.9 * comm
 
 
+@pytest.mark.slow
 def test_the_hosts_cost_per_call_adds_once_per_collective_on_shared_cores() -> None:
     net = shapes.build("resnet50")
     named = list(net.named_parameters())

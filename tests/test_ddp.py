@@ -588,6 +588,37 @@ def test_buckets_are_rebuilt_once_in_rank_0s_ready_order() -> None:
             assert record[f"buckets{step}"] == [[i] for i in zero["ready"]]
 
 
+def test_ranks_built_with_different_caps_take_rank_0s_rebuilt_buckets() -> None:
+    """Rank 0 with bucket_cap_mb=0.0001 (a bucket per parameter), the others with 25 (one
+    bucket): as torch 2.13, one bucket in the first iteration, then rank 0's rebuilt bucket
+    indices on every rank, and every iteration's gradients the rank-order average."""
+    world_size, steps = 3, 3
+
+    def fn(pg: fakepg.FakeProcessGroup) -> dict[str, Any]:
+        model = tower()
+        ddp = DDP(model, pg, bucket_cap_mb=0.0001 if pg.rank() == 0 else 25)
+        record: dict[str, Any] = {"buckets": [], "grads": []}
+        for step in range(steps):
+            ddp.zero_grad(set_to_none=True)
+            tower_loss(ddp(x_of(pg.rank(), step))).backward()
+            record["buckets"].append(ddp.reducer.bucket_indices)  # rebuilt in step 1's forward
+            record["grads"].append(grads_of(model))
+        return record
+
+    records = run_ranks(fn, world_size)
+    count = len(list(tower().parameters()))
+    rebuilt = records[0]["buckets"][1]
+    assert len(rebuilt) > 1, "rank 0's cap (about 100 bytes) splits the parameters"
+    for rank, record in enumerate(records):
+        assert record["buckets"][0] == [list(range(count))], f"rank {rank}: one bucket first"
+        assert record["buckets"][1:] == [rebuilt] * (steps - 1), f"rank {rank}: rank 0's"
+        for step in range(steps):
+            want = reference(
+                tower, lambda m, r, s=step: tower_loss(m(x_of(r, s))).backward(), world_size
+            )
+            assert_bitwise(record["grads"][step], want, f"step {step}, rank {rank}")
+
+
 @pytest.mark.parametrize(
     ("find_unused", "static_graph", "rebuilt_at"),
     [(False, False, 1), (True, False, None), (True, True, 2), (False, True, 2)],

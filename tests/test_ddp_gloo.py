@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.algorithms.join import Join
 
 import fakepg
@@ -157,4 +158,53 @@ def test_join_over_gloo_with_either_context_manager() -> None:
             for step, got in enumerate(grads):
                 want = expected([r for r in range(WORLD_SIZE) if batches[r] > step], step)
                 for g, w in zip(got, want, strict=True):
+                    assert g is not None and torch.equal(g, w), (name, rank, step)
+
+
+def test_ranks_built_with_different_caps_agree_as_torchs_do() -> None:
+    """Rank 0 built with bucket_cap_mb=1e-5, rank 1 with 25: torch 2.13 keeps one bucket in
+    the first iteration, then takes rank 0's rebuilt bucket indices on both ranks, and
+    averages; this wrapper does the same, bucket for bucket (as a comm hook sees them: index
+    and size) and bit for bit."""
+    caps = [1e-5, 25.0]  # about 10 bytes on rank 0: the rebuilt buckets split
+    steps = 3
+
+    def fn(rank: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, make in (
+            ("ours", reducer.DistributedDataParallel),
+            ("torch", nn.parallel.DistributedDataParallel),
+        ):
+            net = model()
+            ddp = make(net, bucket_cap_mb=caps[rank])
+            seen: list[tuple[int, int]] = []
+
+            # Unannotated, as torch's check wants (an annotation here would be a string).
+            def record(bucket: Any, seen: list[tuple[int, int]] = seen) -> Any:
+                seen.append((bucket.index(), bucket.buffer().numel()))
+                return bucket
+
+            ddp.register_comm_hook(
+                None,
+                lambda state, bucket: allreduce_hook(state, record(bucket)),  # type: ignore[arg-type]
+            )
+            grads = []
+            for step in range(steps):
+                net.zero_grad(set_to_none=True)
+                loss_of(ddp, rank, step).backward()
+                grads.append(grads_of(net))
+            out[name] = grads
+            out[f"{name}-buckets"] = seen
+        return out
+
+    records = run_gloo(fn)
+    torch_buckets = records[0]["torch-buckets"]
+    assert torch_buckets[0] == (0, 30), "one bucket in the first iteration"
+    assert len(torch_buckets) > 1 + 2, "rank 0's rebuilt buckets split the parameters"
+    for rank, record in enumerate(records):
+        assert record["ours-buckets"] == record["torch-buckets"] == torch_buckets, rank
+        for step in range(steps):
+            want = expected([0, 1], step)
+            for name in ("ours", "torch"):
+                for g, w in zip(record[name][step], want, strict=True):
                     assert g is not None and torch.equal(g, w), (name, rank, step)

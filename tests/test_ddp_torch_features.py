@@ -209,7 +209,8 @@ def test_a_mixed_precision_checkpoint_loads_and_trains_on(
     config: _MixedPrecision, options: dict[str, Any]
 ) -> None:
     """torch.save(ddp) and torch.save(model) after two steps: both load (full-precision
-    parameters, no low-precision twin saved with its storage freed), and the reloaded
+    parameters, no low-precision twin saved with its storage freed: the saved module has no
+    ``_mp_param``, the reloaded wrapper's parameters its own new twins), and the reloaded
     wrapper's next step is bit for bit the original's."""
 
     def fn(pg: fakepg.FakeProcessGroup) -> tuple[list[list[Tensor]], list[list[Tensor]]]:
@@ -230,13 +231,61 @@ def test_a_mixed_precision_checkpoint_loads_and_trains_on(
                 copy.named_parameters(), model.parameters(), strict=True
             ):
                 assert mine.dtype == torch.float32 and torch.equal(mine, theirs), name
-                assert not hasattr(mine, "_mp_param"), name
+                if copy is loaded_model:
+                    assert not hasattr(mine, "_mp_param"), name  # no twin saved
+                    assert not hasattr(mine, "_fp_param"), name
+                else:  # the reloaded wrapper's own twins, made anew
+                    assert mine._mp_param.dtype == config.param_dtype, name
+                    assert mine._mp_param is not theirs._mp_param, name
+                    assert mine._fp_param is mine.data or torch.equal(mine._fp_param, mine)
         # One more step on each, the same data: the same gradients and parameters.
         after_load = _train(loaded, loaded.module, pg.rank(), steps=1)
         kept_on = _train(ddp, model, pg.rank(), steps=1)
         return after_load, kept_on
 
     _assert_identical(fakepg.run_torch(fn, W, timeout=60.0))
+
+
+def test_mixed_precision_parameters_carry_torchs_twin_attributes_ignored_ones_none() -> None:
+    """As torch's test_ddp_native_mixed_precision_ignored_params reads them: every parameter
+    not ignored has ``_mp_param`` (param_dtype) and ``_fp_param`` (float32), an ignored
+    parameter or buffer neither; during forward the parameter computes on its ``_mp_param``,
+    after backward it is back on its ``_fp_param``; a deep copy of the module has neither."""
+    config = _MixedPrecision(torch.float16, torch.float16, torch.float16)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> str:
+        model = build()
+        model.register_buffer("buffer", torch.ones(5))
+        to_ignore = ["frozen", "buffer"]  # torch's test: a.weight; frozen computes here
+        DDP = reducer.DistributedDataParallel
+        DDP._set_params_and_buffers_to_ignore_for_model(model, to_ignore)
+        ddp = DDP(model, pg, mixed_precision=config, gradient_as_bucket_view=True)
+        ignored = {f"module.{name}" for name in to_ignore}
+        named = [*ddp.named_parameters(), *ddp.named_buffers()]
+        seen = 0
+        for name, tensor in named:
+            if name in ignored:
+                seen += 1
+                assert not hasattr(tensor, "_mp_param") and not hasattr(tensor, "_fp_param")
+            elif isinstance(tensor, nn.Parameter):
+                assert tensor._mp_param.dtype == config.param_dtype, name
+                assert tensor._fp_param.dtype == torch.float32, name
+        assert seen == len(ignored)
+        during: list[bool] = []
+        model.b.register_forward_pre_hook(
+            lambda m, _: during.append(m.weight.data.data_ptr() == m.weight._mp_param.data_ptr())
+        )
+        ddp(rank_input(pg.rank(), (4, 6), 0)).float().pow(2).sum().backward()
+        assert during == [True], "forward computes on the _mp_param"
+        assert model.b.weight.data_ptr() == model.b.weight._fp_param.data_ptr()
+        assert model.b.weight.dtype == torch.float32
+        import copy
+
+        copied = copy.deepcopy(model)
+        assert not hasattr(copied.b.weight, "_mp_param")
+        return "ok"
+
+    assert run_ranks(fn, W) == ["ok"] * W
 
 
 @pytest.mark.parametrize("field", ["param_dtype", "reduce_dtype", "buffer_dtype"])

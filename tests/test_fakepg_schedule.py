@@ -9,7 +9,7 @@ import torch
 from hypothesis import find, given, settings
 
 import fakepg
-from reducer.testing import race_report, schedules
+from reducer.testing import fewest_deviations, race_report, schedules
 
 
 def _divide_in_flight(pg: fakepg.FakeProcessGroup) -> list[float]:
@@ -46,7 +46,9 @@ def test_the_property_finds_the_race_and_shrinks_it_to_one_switch() -> None:
     def wrong(schedule: fakepg.Schedule) -> bool:
         return fakepg.run(_divide_in_flight, 2, schedule=schedule) != [[1.5, 1.5]] * 2
 
-    found = find(schedules(), wrong, settings=settings(database=None, max_examples=200))
+    found = fewest_deviations(
+        find(schedules(), wrong, settings=settings(database=None, max_examples=200)), wrong
+    )
     assert sum(1 for c in found.choices if c) == 1, found
     replay = fakepg.Schedule(found.choices, adversarial=found.adversarial)
     fakepg.run(_divide_in_flight, 2, schedule=replay)
@@ -160,3 +162,23 @@ def test_a_schedule_prints_sparse_and_replays_from_its_print() -> None:
     schedule = fakepg.Schedule([0, 0, 3, 0])
     assert repr(schedule) == "Schedule({2: 3})"
     assert fakepg.Schedule({2: 3}).choices == (0, 0, 3)
+
+
+def test_a_schedule_replays_from_its_start_on_every_run() -> None:
+    schedule = fakepg.Schedule({0: 0, 1: 1})
+    first = fakepg.run(_divide_in_flight, 2, schedule=schedule)
+    steps, used = list(schedule.timeline), schedule.used
+    assert first != [[1.5, 1.5]] * 2  # the race shows under this schedule
+    for _ in range(3):
+        assert fakepg.run(_divide_in_flight, 2, schedule=schedule) == first
+        assert schedule.timeline == steps and schedule.used == used
+
+
+@given(schedule=schedules())
+@settings(max_examples=20, deadline=None, database=None)
+def test_an_explored_schedule_prints_what_replays_its_run(schedule: fakepg.Schedule) -> None:
+    first = fakepg.run(_divide_in_flight, 2, schedule=schedule)
+    pasted = eval(repr(schedule), {"Schedule": fakepg.Schedule})
+    assert fakepg.run(_divide_in_flight, 2, schedule=pasted) == first
+    assert pasted.timeline == schedule.timeline
+    assert fakepg.run(_divide_in_flight, 2, schedule=schedule) == first  # and itself again

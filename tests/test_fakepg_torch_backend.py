@@ -335,6 +335,7 @@ def test_reducer_through_torch_process_group_on_the_fakepg_backend() -> None:
             assert want is not None and torch.equal(per_rank[rank][i], want)
 
 
+@pytest.mark.slow
 def test_importing_fakepg_registers_nothing() -> None:
     code = (
         "import fakepg, torch.distributed as dist\n"

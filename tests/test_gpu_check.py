@@ -161,6 +161,7 @@ def test_run_step_echoes_output_and_reads_the_exit_code(capsys: pytest.CaptureFi
     assert (failed.status, failed.detail) == (FAIL, "exit code 3: more")
 
 
+@pytest.mark.slow
 def test_a_step_past_its_timeout_is_stopped_with_its_children() -> None:
     """validate starts rank processes: the whole process group goes."""
     code = (
@@ -184,6 +185,7 @@ def test_a_step_past_its_timeout_is_stopped_with_its_children() -> None:
         pytest.fail(f"the step's child process {grandchild} survived the timeout")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "words"),
     [

@@ -90,6 +90,7 @@ def reference_params(
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_a_nanogpt_style_script_trains_exactly_under_launch(tmp_path: Path) -> None:
     """Unmodified torchrun script, backend "nccl", torch's DDP, gradient accumulation with
     require_backward_grad_sync: every rank ends with the reference's parameters, bit for bit,
@@ -119,6 +120,7 @@ def test_this_projects_ddp_trains_the_script_to_the_same_bits(
     assert all(torch.equal(a, b) for a, b in zip(torch.load(out), want, strict=True))
 
 
+@pytest.mark.slow
 def test_a_deadlocked_script_ends_within_the_timeout_naming_the_missing_ranks() -> None:
     start = time.monotonic()
     done = launch_process("--nproc", "2", "--timeout", "2", str(SCRIPTS / "deadlock.py"))
@@ -281,6 +283,7 @@ def test_a_module_runs_with_dash_m(tmp_path: Path, capsys: pytest.CaptureFixture
     ]
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
     script = write(
         tmp_path,
@@ -347,6 +350,7 @@ def test_ctrl_c_prints_where_every_rank_is(tmp_path: Path) -> None:
 # Imports and process-wide state on rank threads.
 
 
+@pytest.mark.slow
 def test_a_lazily_importing_package_is_imported_once_before_the_ranks_start() -> None:
     """tests/scripts/lazypkg fails every time two threads ask for a lazy name at once (as
     transformers' lazy module may): the script's leading imports, and the attributes it reads
@@ -401,6 +405,7 @@ def test_imports_after_other_statements_are_left_to_the_ranks(
     assert sorted(capsys.readouterr().out.splitlines()) == ["[rank0]: 7", "[rank1]: 7"]
 
 
+@pytest.mark.slow
 def test_accelerates_per_process_state_is_per_rank_on_rank_threads() -> None:
     """Accelerate's state is one per process (every instance shares a class-level dict): on
     rank threads both ranks would get the first rank's index (or an AttributeError). With the
@@ -581,6 +586,7 @@ def test_each_rank_is_shown_where_it_stopped_not_in_a_finished_collective(
     assert "dist.all_reduce" not in rank0, rank0
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_in_c_code_is_said_to_be_abandoned() -> None:
     script_dir = SCRIPTS  # a real process: the abandoned thread must not outlive this test
     done = launch_process(
@@ -644,11 +650,12 @@ def test_torchrun_flags_a_launch_cannot_honour_are_refused(
 
 
 def test_the_launch_examples_name_scripts_that_exist() -> None:
-    """Every ``python -m reducer launch`` example in the README and in the command's help runs
-    a script of this repository (a newcomer copies them)."""
+    """Every ``python -m reducer launch`` example in the README, the docs and the command's help
+    runs a script of this repository (a newcomer copies them)."""
     from reducer.tools import launch
 
-    texts = [(ROOT / "README.md").read_text(), launch.__doc__ or ""]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    texts = [*(page.read_text() for page in pages), launch.__doc__ or ""]
     examples = [
         line
         for text in texts
@@ -704,6 +711,55 @@ def test_autocast_and_a_grad_scaler_for_cuda_run_on_the_cpu(
     assert "NOTE: gradients were unscaled by a GradScaler on rank 0" in captured.err
     sums = [line.split()[2] for line in captured.out.splitlines() if " params " in line]
     assert len(sums) == 2 and sums[0] == sums[1]
+
+
+def test_cuda_as_cpu_refuses_what_a_real_node_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Device indices at or beyond device_count() fail as CUDA fails them ("invalid device
+    ordinal"), wherever the script names one; what the CPU cannot stand for is named."""
+    script = tmp_path / "ordinals.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import os
+            import torch
+            local_rank = int(os.environ["LOCAL_RANK"])
+            x = torch.ones(2)
+            attempts = {
+                "set_device": lambda: torch.cuda.set_device(local_rank + 4),
+                "factory": lambda: torch.zeros(2, device=f"cuda:{torch.cuda.device_count()}"),
+                "to": lambda: x.to(torch.device("cuda", 2)),
+                "cuda": lambda: x.cuda(7),
+                "device": lambda: torch.cuda.device(2),
+                "properties": lambda: torch.cuda.get_device_properties(2),
+                "graph": lambda: torch.cuda.CUDAGraph(),
+            }
+            for name, attempt in attempts.items():
+                try:
+                    attempt()
+                except (RuntimeError, AssertionError) as exc:
+                    print(name, type(exc).__name__, str(exc).split(" (")[0])
+                else:
+                    print(name, "accepted")
+            torch.cuda.set_device(local_rank)  # in range: accepted, as on the node
+            state = torch.cuda.get_rng_state()
+            print("current", torch.cuda.current_device(), torch.equal(state, torch.get_rng_state()))
+            """
+        )
+    )
+    assert cli.main(["launch", "--nproc", "2", "--cuda-as-cpu", str(script)]) == 0
+    out = capsys.readouterr().out
+    invalid = "AcceleratorError CUDA error: invalid device ordinal"
+    for rank in (0, 1):
+        for name in ("set_device", "factory", "to", "cuda", "device"):
+            assert f"[rank{rank}]: {name} {invalid}" in out
+        assert f"[rank{rank}]: properties AssertionError Invalid device id" in out
+        assert (
+            f"[rank{rank}]: graph RuntimeError torch.cuda.CUDAGraph under --cuda-as-cpu: "
+            "the CPU cannot stand for it"
+        ) in out
+        assert f"[rank{rank}]: current {rank} True" in out
 
 
 def test_device_maps() -> None:

@@ -21,6 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "accelerate_train.py"
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.slow
 def test_an_accelerate_script_is_bitwise_with_torchrun(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -383,6 +383,7 @@ def test_ranks_that_step_a_different_number_of_times(
     assert "uneven_steps.py:6" in err
 
 
+@pytest.mark.slow
 def test_a_launch_process_exits_3_when_ranks_diverge_and_1_when_one_crashes(tmp_path: Path) -> None:
     done = subprocess.run(
         [

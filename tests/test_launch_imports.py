@@ -49,6 +49,7 @@ def fresh_replacingpkg() -> Iterator[None]:
     yield from _forgetting("replacingpkg", "importrace")
 
 
+@pytest.mark.slow
 def test_a_lazy_import_inside_a_function_on_every_rank_at_once(
     fresh_lazypkg: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -139,6 +140,7 @@ def test_a_wait_for_the_import_lock_gives_up_after_its_timeout() -> None:
         thread.join(5.0)
 
 
+@pytest.mark.slow
 def test_transformers_imported_in_a_function_on_four_ranks() -> None:
     pytest.importorskip("transformers")
     for _ in range(3):  # each in a fresh process: the race is at the first import only

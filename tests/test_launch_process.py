@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import zipfile
@@ -180,6 +181,50 @@ def test_input_reads_end_of_file_with_a_note(
         notes = [line for line in lines(captured.err, rank) if "standard input" in line]
         assert len(notes) == 1  # once per rank
         assert "gets end-of-file" in notes[0] and "threads of one process" in notes[0]
+
+
+@pytest.mark.slow
+def test_piped_stdin_gives_every_rank_end_of_file_however_it_is_read(tmp_path: Path) -> None:
+    """100,000 bytes piped to a launch: no rank reads any of them, by any route (the text
+    stream, its buffer, the original stream, the file descriptor), and the launch's own stdin
+    is put back afterwards."""
+    script = write(
+        tmp_path,
+        "reads.py",
+        """        import os
+        import sys
+        import time
+        got = [len(sys.stdin.buffer.read()), len(sys.stdin.read())]
+        time.sleep(0.2)  # the other rank reads meanwhile
+        fd0 = open(0, "rb", closefd=False)
+        got += [len(sys.__stdin__.buffer.read()), len(os.read(0, 1000)), len(fd0.read())]
+        print("read", got)
+        """,
+    )
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCH_THEN_READ, "--nproc", "2", "--no-check", str(script)],
+        input=b"x" * 100_000,
+        capture_output=True,
+        timeout=120,
+        cwd=root,
+        check=False,
+    )
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    for rank in (0, 1):
+        assert lines(out, rank) == ["read [0, 0, 0, 0, 0]"]
+    assert "after the launch: 100000 bytes" in out  # fd 0 is the pipe again
+
+
+# A launch process that reads what is left of its stdin after the launch.
+LAUNCH_THEN_READ = """\
+import os, sys
+from reducer.tools import cli
+code = cli.main(["launch", *sys.argv[1:]])
+print(f"after the launch: {len(sys.stdin.buffer.read())} bytes", flush=True)
+sys.exit(code)
+"""
 
 
 def test_signal_handlers_are_refused_on_rank_threads_with_why(

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("reducer", "fakepg")
 
@@ -290,6 +292,7 @@ def test_the_tools_sit_on_the_core_and_the_fake_world() -> None:
     assert [e for e in _edges(TOOLS, "reducer") if not _in(e.split()[-1], TOOLS)]
 
 
+@pytest.mark.slow
 def test_python_m_reducer_lists_its_subcommands() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "reducer", "--help"],

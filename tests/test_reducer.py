@@ -371,6 +371,7 @@ def test_a_gradient_accumulated_locally_counts_even_if_unused_in_the_synced_step
         assert torch.equal(model.b.bias.grad, torch.full((2,), 0.5))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_overlap_first_bucket_launches_before_the_last_gradient_is_ready() -> None:
     """On a slow network, bucket 0's allreduce is in flight while backward goes on."""
     launched: list[fakepg.Work] = []

@@ -38,6 +38,7 @@ def verdict(out: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_help_lists_every_option() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "reducer", "simulate", "--help"],
@@ -305,6 +306,7 @@ def test_on_cuda_kernels_are_deterministic_for_the_run_only() -> None:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
 
 
+@pytest.mark.slow
 def test_predict_sweeps_a_real_model_on_a_cluster(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -332,6 +334,7 @@ def test_predict_sweeps_a_real_model_on_a_cluster(
     assert re.search(r"best: --bucket-cap-mb (0|25) \(predicted", out)
 
 
+@pytest.mark.slow
 def test_predict_on_shared_cores_pays_the_hosts_cost_per_call(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -10,6 +10,8 @@ import textwrap
 import types
 from pathlib import Path
 
+import pytest
+
 import reducer.testing
 import reducer.testing.plugin
 
@@ -70,12 +72,14 @@ def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_fixtures_and_the_profile_option_in_a_users_suite(tmp_path: Path) -> None:
     done = _pytest(tmp_path, *LOAD, "--ddp-profile", "ci")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 passed" in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 def test_an_unknown_profile_is_a_usage_error(tmp_path: Path) -> None:
     done = _pytest(tmp_path, *LOAD, "--ddp-profile", "fast")
     assert done.returncode == 4, done.stdout + done.stderr

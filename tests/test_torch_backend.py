@@ -311,6 +311,7 @@ def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
     return seen
 
 
+@pytest.mark.slow
 def test_the_group_is_what_torch_says(ranks: list[dict[str, Any]]) -> None:
     backend = ranks[0]["backend"]
     assert backend in ("gloo", "nccl")

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["test_DistributedDataParallelCPU"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_torchs_suite_subset_passes_with_both_ddps() -> None:
     pattern = "|".join(f"^{name}$" for name in TESTS)

@@ -53,6 +53,7 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_gloo_two_processes_pass_every_check(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -86,6 +87,7 @@ def test_fakepg_three_threads_pass_every_check(capsys: pytest.CaptureFixture[str
     assert "6 checks: 6 passed, 0 failed, 0 skipped" in out
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_failing_check_makes_every_rank_exit_non_zero() -> None:
     """torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK: the suite joins
     its rendezvous instead of starting ranks. One check broken on rank 0 fails the run."""
@@ -186,6 +188,7 @@ def test_bad_arguments_exit_2_and_say_why(
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cli_dispatches_validate() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "reducer", "validate", "--help"],
@@ -298,6 +301,7 @@ def test_checks_on_cuda_use_ieee_float32_and_restore_the_settings() -> None:
         torch.backends.cudnn.allow_tf32 = before[1]
 
 
+@pytest.mark.slow
 def test_the_cli_lists_the_device_option() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "reducer", "validate", "--help"],
@@ -317,6 +321,7 @@ TEARDOWN_PROBE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["validate", "launch"])
 def test_python_m_reducer_validate_leaves_without_interpreter_teardown(
     command: str, tmp_path: Path

@@ -15,6 +15,13 @@ monitor decides in its place. See Note [Blocked outside the scheduler] in
 # long computation. An outside actor that may have woken is looked at the same way until it
 # parks at a point or is asleep again for _LOOKS_TO_SETTLE looks. Looking is what costs, not
 # waiting: a look takes a few microseconds (Note [A look at a thread]).
+
+# Note [A holder that never comes back]
+# A holder that neither reaches a point nor looks blocked for the world's timeout (blocked
+# where no look recognizes it, or computing that long) would hold every other actor, and,
+# at one rank with nobody else waiting for the turn, the whole run, for ever. The monitor
+# then reports it as a deadlock of the schedule (the others' waits for the turn do the same
+# after the same timeout), which aborts the world and fails every unfinished collective.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class Scheduler(Protocol):
 
     def decide_for_outside(self) -> None: ...
 
+    def holder_stuck(self, holder: Actor, held: float) -> None: ...
+
 
 _FIRST_LOOK_S = 0.0001
 _CONFIRM_S = 0.0001
@@ -80,8 +89,9 @@ class Monitor:
     """One scheduler's monitor thread (one per run) and its waits for outside actors. Every
     method ending in ``_locked`` is called with the scheduler's lock held."""
 
-    def __init__(self, sched: Scheduler, lock: threading.Lock) -> None:
+    def __init__(self, sched: Scheduler, lock: threading.Lock, *, timeout: float) -> None:
         self._sched = sched
+        self._timeout = timeout
         self._cond = threading.Condition(lock)  # the waits of deciders for outside actors
         self._watch_cond = threading.Condition(lock)  # the monitor thread's own waits
         self._look_due = math.inf  # when the monitor thread looks next (monotonic)
@@ -115,13 +125,15 @@ class Monitor:
         place once it is blocked outside. Ends with the run (end, abort, close)."""
         sched = self._sched
         interval, seen = _FIRST_LOOK_S, -1
+        handed_at = time.monotonic()
         while True:
+            stuck: tuple[Actor, float] | None = None
             with self._cond:
                 if not sched.serves(run):
                     return
                 gen, holder = sched.generation, sched.holder
                 if gen != seen:
-                    interval = _FIRST_LOOK_S
+                    interval, handed_at = _FIRST_LOOK_S, time.monotonic()
                 elif holder is not None and holder.samples:
                     interval = _next_look(interval, holder.samples)
                 seen = gen
@@ -135,11 +147,19 @@ class Monitor:
                     continue
                 if holder is not sched.holder or holder.state != RUNNING:
                     continue
-                holder.samples.append(_look(holder))
-                if not stalled(holder.samples, _LOOKS_TO_STALL):
-                    continue
-                holder.stalled_at = holder.samples[-1]
-                sched.taken_outside_locked(holder)
+                held = time.monotonic() - handed_at
+                if held > self._timeout:
+                    # See Note [A holder that never comes back].
+                    stuck = (holder, held)
+                else:
+                    holder.samples.append(_look(holder))
+                    if not stalled(holder.samples, _LOOKS_TO_STALL):
+                        continue
+                    holder.stalled_at = holder.samples[-1]
+                    sched.taken_outside_locked(holder)
+            if stuck is not None:
+                sched.holder_stuck(*stuck)
+                return
             sched.decide_for_outside()
 
     def settle_locked(self, timeout: float) -> None:

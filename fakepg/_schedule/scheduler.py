@@ -50,7 +50,7 @@ class Scheduler:
         self._gen = 0  # bumped at each hand-over: the monitor's "has the holder moved?"
         self._active = False
         self._run = 0  # numbers the runs: a monitor serves one
-        self._monitor = Monitor(self, self._lock)
+        self._monitor = Monitor(self, self._lock, timeout=timeout)
         self._quiet = threading.Condition(self._lock)  # notified when nobody holds the baton
 
     @property
@@ -78,6 +78,7 @@ class Scheduler:
 
     def begin(self) -> None:
         """Before the rank threads start: every rank is ready; the first decision is made."""
+        self.schedule.start()  # every run replays the schedule from its start
         with self._lock:
             self._active = True
             for rank in range(self._world_size):
@@ -108,6 +109,7 @@ class Scheduler:
                 self._quiet.wait(left)
             self._active = False
             self._wake_all_locked()
+        self.schedule.finish()
 
     def abort(self) -> None:
         """Release every thread: from now on nothing is controlled (a failure wakes all)."""
@@ -231,6 +233,21 @@ class Scheduler:
         """On the monitor's thread, for the holder it took outside."""
         self._switch(None)
 
+    def holder_stuck(self, holder: Actor, held: float) -> None:
+        """On the monitor's thread: ``holder`` has held the turn ``held`` s, more than the
+        world's timeout, without reaching a point. See Note [A holder that never comes
+        back] in fakepg._schedule.monitor."""
+        with self._lock:
+            if not self._active or self._holder is not holder:
+                return
+            why = (
+                f"{holder.label} held the turn {held:.3g} s without reaching a scheduling point "
+                "or being seen blocked (a wait the scheduler does not recognize, or a "
+                "computation longer than the world's timeout)"
+            )
+            rank, error = self._deadlock_locked(why)
+        self._on_deadlock(rank, error)
+
     # ---------------------------------------------------------------------------------------
     # Deciding and handing over.
 
@@ -304,16 +321,18 @@ class Scheduler:
         and a world with nothing else to run would be taken for a deadlock."""
         return actor.state == RUNNING and actor is not self._holder and actor is not me
 
-    def _choose_locked(self, n: int) -> tuple[int, tuple[int, int] | None]:
-        """The option to take among ``n``, and (it, n) to show where it is not the natural
-        one."""
+    def _choose_locked(self, options: list[tuple[str, Any]]) -> tuple[int, tuple[int, int] | None]:
+        """The option to take, and (it, how many) to show where it is not the natural one."""
+        n = len(options)
         if n == 1:
             return 0, None
-        s = self.schedule
-        raw = s.choices[s.used] if s.used < len(s.choices) else 0
-        s.used += 1
-        index = raw % n
+        index = self.schedule.decide([_who(kind, target) for kind, target in options])
         return index, ((index, n) if index else None)
+
+    def _complete_locked(self, ready: Ready) -> Ready:
+        """Take the collective a decision chose to complete off the ready list."""
+        self._ready.remove(ready)
+        return ready
 
     def _switch(self, me: Actor | None, *, settle: bool = True) -> None:
         """The holder ``me`` (None: the monitor, for an outside holder) is at a point: decide
@@ -340,10 +359,10 @@ class Scheduler:
                     stuck = True
                 else:
                     stuck = False
-                    index, choice = self._choose_locked(len(options))
+                    index, choice = self._choose_locked(options)
                     kind, target = options[index]
                     if kind == "complete":
-                        self._ready.remove(target)
+                        target = self._complete_locked(target)
                         self._record_locked(None, "complete", target.what, target.tensors, choice)
                     else:
                         self._hand_locked(me, target, kind, choice)
@@ -395,3 +414,12 @@ class Scheduler:
 
     def _deadlock_locked(self, why: str) -> tuple[int, ScheduleDeadlock]:
         return deadlock(self.schedule, self._actors.values(), why)
+
+
+def _who(kind: str, target: Any) -> Key | str:
+    """Who an option runs, as PCT gives priorities: an actor (a rank's thread, a rank's
+    callbacks) by its key; every completion is the network's."""
+    if kind == "complete":
+        return "network"
+    key: Key = target.key
+    return key

@@ -1,12 +1,27 @@
 """What a schedule is to its user: the choices that decide the order, the timeline of what
-happened, and the error of a schedule under which the code deadlocks."""
+happened, and the error of a schedule under which the code deadlocks.
+
+# Note [Exploration]
+# A schedule is a value: each run starts from its first choice (Schedule.start, called when
+# a world's run begins), so a test pinned to a schedule tests the same order every run. Past
+# its explicit choices it takes the natural option, or asks its exploration: a random walk
+# (a draw at every choice point) or PCT (random priorities, change points uniform over the
+# steps of the longest run seen), both drawing lazily, for as long as the run has choice
+# points, from Hypothesis's data (fakepg._schedule.explore). What an exploration drew is
+# remembered, so running the schedule again decides alike. Every decision is an index into
+# the options in the completion policy's order; the decisions of a run, with the policy,
+# are a plain schedule (Schedule.recorded) that replays it, and that is how a schedule that
+# ran prints.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fakepg.faults import FakePGError
+
+from .explore import Exploration
 
 __all__ = ["Schedule", "ScheduleDeadlock", "ScheduleEvent"]
 
@@ -36,19 +51,28 @@ class ScheduleEvent:
 
 
 class Schedule:
-    """What decides a scheduled world's order: a choice sequence and a policy.
+    """What decides a scheduled world's order: a choice sequence and a completion policy.
 
     ``choices``: non-negative ints, one per point with more than one option (taken modulo
     the number of options; past the end, 0), or a mapping from such a point's number to its
     choice (the others 0): ``Schedule({11: 1})`` is ``Schedule([0] * 11 + [1])``, and is how
-    a schedule prints. ``adversarial``: order the options so that the
-    default runs threads before completing anything and callbacks newest first (see Note
-    [Controlled scheduling]). After a run, :attr:`timeline` holds what happened and
-    :attr:`used` how many choices were consumed; :meth:`format` prints it.
+    a schedule prints. ``adversarial``: the late completion policy: order the options so that
+    the default runs threads before completing anything and callbacks newest first (see Note
+    [Controlled scheduling]). ``explore``: how to decide past the choices (a random walk or
+    PCT, see :func:`reducer.testing.schedules`, which draws them); None: the natural order.
+
+    A schedule is a value: every run replays it from its start. After a run, :attr:`timeline`
+    holds what happened, :attr:`used` how many choice points there were, :meth:`recorded` the
+    decisions taken as a plain schedule (what ``repr`` prints once an explored schedule ran,
+    and what pastes back into a test to replay the run); :meth:`format` prints the timeline.
     """
 
     def __init__(
-        self, choices: Sequence[int] | Mapping[int, int] = (), *, adversarial: bool = False
+        self,
+        choices: Sequence[int] | Mapping[int, int] = (),
+        *,
+        adversarial: bool = False,
+        explore: Exploration | None = None,
     ) -> None:
         raw: object = choices
         if isinstance(raw, Mapping):
@@ -60,10 +84,60 @@ class Schedule:
                 raise ValueError(f"Schedule: choices[{i}] must be an int >= 0, got {c!r}")
         if not isinstance(adversarial, bool):
             raise ValueError(f"Schedule: adversarial must be a bool, got {adversarial!r}")
-        self.choices = tuple(choices)
+        if explore is not None and not isinstance(explore, Exploration):
+            raise ValueError(
+                f"Schedule: explore must be an exploration (draw one with "
+                f"reducer.testing.schedules()), got {explore!r}"
+            )
+        self._choices = tuple(choices)
         self.adversarial = adversarial
+        self.explore = explore
         self.timeline: list[ScheduleEvent] = []
         self.used = 0
+        self._taken: list[int] = []
+        self._ran = False
+
+    @property
+    def choices(self) -> tuple[int, ...]:
+        """The choice sequence: the one given, or for an explored schedule the decisions its
+        last run took (its own choices are drawn as it runs)."""
+        if self.explore is None:
+            return self._choices
+        return tuple(self._taken)
+
+    # The scheduler's part: a run starts, decides at each choice point, ends.
+
+    def start(self) -> None:
+        """A run begins: from the start of the schedule, every time. See Note [Exploration]."""
+        self.timeline = []
+        self.used = 0
+        self._taken = []
+        self._ran = True
+        if self.explore is not None:
+            self.explore.start()
+
+    def decide(self, keys: Sequence[Hashable]) -> int:
+        """The option taken at the next choice point, among ``len(keys)`` options (``keys``:
+        who each one runs, for an exploration's priorities)."""
+        step = self.used
+        self.used += 1
+        if step < len(self._choices):
+            index = self._choices[step] % len(keys)
+        elif self.explore is not None:
+            index = self.explore.decide(step - len(self._choices), keys)
+        else:
+            index = 0
+        self._taken.append(index)
+        return index
+
+    def finish(self) -> None:
+        """A run ended (what it saw tells an exploration how long runs are)."""
+        if self.explore is not None:
+            self.explore.finish(self.used)
+
+    def recorded(self) -> Schedule:
+        """The decisions of the last run as a plain schedule: it replays that run exactly."""
+        return replay(self._taken, self)
 
     def format(self, *, last: int | None = None) -> str:
         """The timeline as a table, one event a line; ``last``: only the last that many. A
@@ -82,8 +156,19 @@ class Schedule:
 
     def __repr__(self) -> str:
         mode = ", adversarial=True" if self.adversarial else ""
-        sparse = {i: c for i, c in enumerate(self.choices) if c}
+        if self.explore is not None:
+            if self._ran:
+                return repr(self.recorded())
+            return f"Schedule(<{self.explore.describe()}, drawn as it runs>{mode})"
+        sparse = {i: c for i, c in enumerate(self._choices) if c}
         return f"Schedule({sparse!r}{mode})"
+
+
+def replay(taken: Sequence[int], schedule: Schedule) -> Schedule:
+    """The plain schedule that takes the decisions ``taken`` under ``schedule``'s completion
+    policy: a decision is an index into the options in the policy's order, so a replay
+    without the policy would take other options."""
+    return Schedule(list(taken), adversarial=schedule.adversarial)
 
 
 def dense(sparse: Mapping[object, object]) -> list[int]:

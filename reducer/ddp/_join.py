@@ -15,7 +15,7 @@ fake world, on gloo or NCCL through TorchProcessGroup, and on fakepg's torch bac
 #   throw:   allreduce zeros(1) (wait)       | allreduce ones(1), then raise   (only with
 #            raise if the sum > 0            |                          throw_on_early_termination)
 #   sync:    allreduce [synced](1)           | allreduce zeros(1): will backward reduce?
-#   rebuild: broadcast of rank 0's order     | the same, at the same iteration (Note
+#   rebuild: broadcasts of rank 0's buckets  | the same, at the same iteration (Note
 #            (once, when due and synced)     |   [Rebuilding buckets] in reducer.ddp._wrapper)
 #   buffers: allreduce MAX of the rank, then broadcast from the highest rank still training
 #   backward: one reduction per bucket, then | the same, of zeros (Reducer._shadow_iteration)

@@ -136,7 +136,7 @@ def torch_logging_data(ddp: _Wrapper, data: DDPLoggingData) -> dict[str, Any]:
     """The keys of torch's ``_get_ddp_logging_data()`` that mean something here, in torch's
     formats (flags as 0/1, lists as strings, times in ns; the times and ``iteration`` those of
     the last iteration torch's logger would have sampled). Keys of CUDA events and NCCL
-    settings are absent (see the README)."""
+    settings are absent (see docs/design/reducer.md)."""
     sample = ddp._timings.sampled
     failure = ddp._logged_error or ddp.reducer._failure
     errors = {} if failure is None else {"has_error": 1, "error": str(failure)}

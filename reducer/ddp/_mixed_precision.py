@@ -26,11 +26,22 @@ copy is exact and the cast to ``reduce_dtype`` rounds the same values, so the re
 are torch's. Gradients are not bucket views under mixed precision (``.grad`` changes dtype
 every iteration); the values are the same either way.
 
-The twins live in the wrapper (a :data:`Twins` table), not as attributes of the parameters
-as torch keeps them: ``torch.save`` pickles a parameter's attributes, and a low twin saved
+The twins live in the wrapper (a :data:`Twins` table), not in the parameters' ``__dict__``
+as torch keeps them: ``torch.save`` pickles a parameter's ``__dict__``, and a low twin saved
 with its storage freed cannot be loaded ("Trying to resize storage that is not resizable").
 So ``torch.save(model)`` and ``torch.save(ddp)`` save full-precision parameters only, and
-load anywhere; a reloaded wrapper makes its twins anew.
+load anywhere; a reloaded wrapper makes its twins anew. torch's attributes are still read
+as torch's tests and tools read them (``param._mp_param``, ``param._fp_param``): see Note
+[Twins read as parameter attributes].
+
+# Note [Twins read as parameter attributes]
+# Each parameter with a twin becomes an instance of a subclass of nn.Parameter made for its
+# wrapper, whose properties ``_mp_param`` and ``_fp_param`` read the wrapper's table (an
+# ignored parameter has neither, as in torch). Nothing is added to the parameter's
+# ``__dict__``, and nn.Parameter pickles as a plain Parameter (its ``__reduce_ex__`` rebuilds
+# ``Parameter(data)``), so a checkpoint holds full-precision parameters and no twin; a copy
+# (``copy.deepcopy``) has no entry in the table and so no attribute. The subclass changes
+# nothing else: nn.Parameter's operations return plain tensors either way.
 """
 
 from __future__ import annotations
@@ -116,15 +127,57 @@ def _ignored(tensor: Tensor) -> bool:
     return bool(getattr(tensor, "_ddp_ignored", False))
 
 
+def _twin_attributes(twins: Twins, base: type[nn.Parameter]) -> type[nn.Parameter]:
+    """The subclass of ``base`` whose ``_mp_param`` and ``_fp_param`` read ``twins``. See
+    Note [Twins read as parameter attributes]."""
+
+    def twin_of(param: Tensor, name: str) -> Twin:
+        twin = twins.get(id(param))
+        if twin is None:  # a copy of a parameter, not the parameter itself
+            raise AttributeError(f"this parameter has no {name}: it is not a wrapper's")
+        return twin
+
+    def low(param: Tensor) -> Tensor:
+        return twin_of(param, "_mp_param").low
+
+    def full(param: Tensor) -> Tensor:
+        return twin_of(param, "_fp_param").full
+
+    def parameter_repr(param: Tensor) -> str:  # nn.Parameter's, not the subclass's name
+        shown = param.detach().requires_grad_(param.requires_grad)
+        return f"Parameter containing:\n{shown!r}"
+
+    extra = {"__repr__": parameter_repr} if base is nn.Parameter else {}
+    return type(
+        "MixedPrecisionParameter",
+        (base,),
+        {
+            **extra,
+            "__module__": __name__,
+            "_twin_base": base,  # a second wrapper over the same module subclasses it again
+            "__doc__": "A parameter of a mixed-precision wrapper, with torch's twin attributes.",
+            "_mp_param": property(low, doc="The low-precision twin (torch's name)."),
+            "_fp_param": property(full, doc="The full-precision data (torch's name)."),
+        },
+    )
+
+
 def setup(config: MixedPrecisionConfig, module: nn.Module) -> Twins:
     """Give each parameter its low-precision twin and cast the buffers (construction)."""
     twins: Twins = {}
+    classes: dict[type[nn.Parameter], type[nn.Parameter]] = {}
     for param in module.parameters():
         if _ignored(param):
             continue
         low = torch.zeros_like(param, dtype=config.param_dtype, requires_grad=param.requires_grad)
         low.untyped_storage().resize_(0)  # storage comes at each forward
         twins[id(param)] = Twin(low, param.data)
+        if isinstance(param, nn.Parameter):
+            # A user's own Parameter subclass stays its base.
+            base = getattr(type(param), "_twin_base", type(param))
+            if base not in classes:
+                classes[base] = _twin_attributes(twins, base)
+            param.__class__ = classes[base]
     if config.buffer_dtype is not None:
         for buffer in module.buffers():
             if not _ignored(buffer):

@@ -516,3 +516,31 @@ def common_rank(pg: ProcessGroup, device: torch.device, candidate: bool) -> int:
     chosen = int(rank.item())
     assert chosen >= 0, "no rank was a candidate"
     return chosen
+
+
+def sync_bucket_indices(
+    bucket_indices: Sequence[Sequence[int]], pg: ProcessGroup, device: torch.device
+) -> list[list[int]]:
+    """Rank 0's bucket indices, for every rank (torch's ``Reducer::sync_bucket_indices``).
+
+    Each rank buckets its own ready order with its own limits; ranks built with different
+    caps (``bucket_cap_mb`` per rank) would then start different collectives. As torch's,
+    rank 0's buckets win: one broadcast of the flattened indices and the bucket count (its
+    length, the parameter count plus one, is the same on every rank), then one of the
+    bucket sizes, whose length every rank knows from the first.
+    """
+    flat = [i for bucket in bucket_indices for i in bucket]
+    indices = torch.tensor([*flat, len(bucket_indices)], dtype=torch.int32, device=device)
+    pg.broadcast([indices], 0).wait()
+    received = [int(i) for i in indices.tolist()]
+    count = received.pop()
+    sizes = torch.tensor([len(b) for b in bucket_indices], dtype=torch.int32, device=device)
+    if pg.rank() != 0:
+        sizes = torch.empty(count, dtype=torch.int32, device=device)
+    pg.broadcast([sizes], 0).wait()
+    synced: list[list[int]] = []
+    offset = 0
+    for size in sizes.tolist():
+        synced.append(received[offset : offset + int(size)])
+        offset += int(size)
+    return synced

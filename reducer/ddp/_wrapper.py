@@ -58,14 +58,16 @@ the wrapper's arguments (``find_unused_parameters``), not of the reducer's calls
 # first synced iteration (a static graph: the second, as its first defers the reduction to
 # the end of backward and records no order) the reducer knows the real order (its hooks
 # record it: Reducer.ready_order). At the next synced forward (gradients enabled, outside
-# no_sync), rank 0's order is broadcast so every rank agrees (ranks may see different
-# orders, and buckets must match), and the buckets are rebuilt in it with the first limit,
-# then the cap (or the list), unsorted (see Note [Rebuilt buckets are not sorted] in
-# reducer.buckets), so the first bucket fills and launches as early as possible. That
-# happens once. torch does not rebuild when searching for unused parameters without a
-# static graph (the order may change every iteration), and neither does this wrapper. A
-# rank that ran out of inputs under join takes part in the broadcast at the same
-# iteration: it counts the iterations it shadowed (see reducer.ddp._join). One difference
+# no_sync), each rank buckets its order with the first limit, then the cap (or the list),
+# unsorted (see Note [Rebuilt buckets are not sorted] in reducer.buckets), so the first
+# bucket fills and launches as early as possible; then rank 0's bucket indices are
+# broadcast (torch's sync_bucket_indices: reducer.ddp._setup) and every rank takes them,
+# since ranks may see different orders, or be built with different caps (bucket_cap_mb
+# 0.0001 on one rank, 25 on another), and buckets must match. That happens once. torch
+# does not rebuild when searching for unused parameters without a static graph (the order
+# may change every iteration), and neither does this wrapper. A rank that ran out of
+# inputs under join takes part in the broadcasts at the same iteration: it counts the
+# iterations it shadowed (see reducer.ddp._join). One difference
 # is left: in a static graph's first iteration torch's GradBucket.index() is 0 for every
 # bucket (its deferred reduction launches them all at its bucket cursor); here each bucket
 # has its own index.
@@ -113,6 +115,7 @@ from reducer.ddp._setup import (
     refuse_unsupported,
     resolve_devices,
     resolve_process_group,
+    sync_bucket_indices,
     synced_parameters,
     verify_same_parameters,
     warn_broadcast_buffers,
@@ -632,9 +635,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def _rebuild_buckets(self) -> None:
-        order = torch.tensor(self.reducer.ready_order, dtype=torch.int64, device=self.device)
-        self._group.broadcast([order], 0).wait()  # rank 0's order, for every rank
-        ready_order = [int(i) for i in order.tolist()]
+        ready_order = self.reducer.ready_order
         # Bucketed in ready order, not sorted: see Note [Rebuilt buckets are not sorted].
         rebuilt = compute_bucket_assignment_by_size(
             [self._params[i] for i in ready_order],
@@ -642,6 +643,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sparse,
             tensor_indices=ready_order,
         )
+        # Rank 0's buckets for every rank. See Note [Rebuilding buckets].
+        rebuilt = sync_bucket_indices(rebuilt, self._group, self.device)
         self.reducer.initialize_buckets(rebuilt)
         self._buckets_rebuilt = True
 

@@ -20,6 +20,11 @@ Hypothesis and pytest). It holds what the project's own property suite is built 
 - :mod:`~reducer.testing.algorithms`: references as algorithms: what each rank must hold
   after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, FSDP2's shards
   per rank, your own);
+- ``check_same_training`` (from :mod:`reducer.sametrain`): whether a data-parallel step
+  trains what one process would on the global batch (the ranks' step replayed as one
+  process, and the mistakes that keep ranks in sync named: summed loss, accumulation
+  scale, uneven batches, per-rank BatchNorm, same batches); ``deliberate`` declares a
+  choice on purpose;
 - :mod:`~reducer.testing.schedule`: races made repeatable: ``schedules`` draws the fake
   world's schedule for the checks' ``schedule=``, ``race_report`` prints it as a timeline.
 
@@ -28,6 +33,8 @@ Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest
 """
 
 from __future__ import annotations
+
+from reducer.sametrain import Verdict, check_same_training, deliberate
 
 from .algorithms import (
     Reference,
@@ -52,7 +59,7 @@ from .checks import (
 )
 from .harness import Scenario, check_against_reference
 from .reference import rank_order_average, sparse_average, sum_then_divide
-from .schedule import race_report, schedules
+from .schedule import fewest_deviations, race_report, schedules
 from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
 
 __all__ = [
@@ -83,4 +90,8 @@ __all__ = [
     "sparse_average",
     "schedules",
     "race_report",
+    "check_same_training",
+    "deliberate",
+    "Verdict",
+    "fewest_deviations",
 ]

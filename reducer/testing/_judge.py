@@ -33,12 +33,16 @@ class CheckReport:
     """What a passing check saw. ``compared``: gradients compared (rank, step, parameter);
     ``matched``: how many of them each acceptable value matched (a rounding, "local", ...;
     at a power-of-two world size every rounding matches every gradient); ``roundings``: the
-    roundings that every compared gradient equals (what ``scaling=`` would pass with)."""
+    roundings that every compared gradient equals (what ``scaling=`` would pass with).
+    ``in_flight``: under a schedule, (how many of the collectives issued were left in flight
+    across a later operation of their rank, how many were issued); see
+    :func:`reducer.testing.schedule.in_flight`."""
 
     steps: int
     compared: int
     matched: dict[str, int] = field(default_factory=dict)
     exact: bool = True  # False: compared within the bounds a lossy hook was given
+    in_flight: tuple[int, int] | None = None
 
     @property
     def roundings(self) -> tuple[str, ...]:
@@ -47,13 +51,23 @@ class CheckReport:
         return tuple(r for r in ROUNDINGS if self.matched.get(r, 0) == self.compared)
 
     def __str__(self) -> str:
+        window = ""
+        if self.in_flight is not None:
+            left, issued = self.in_flight
+            window = (
+                f"; {left} of {issued} collectives left in flight across a later operation of "
+                "their rank"
+            )
         if not self.exact:
-            return f"{self.compared} gradients over {self.steps} steps within the stated bounds"
+            return (
+                f"{self.compared} gradients over {self.steps} steps within the stated bounds"
+                + window
+            )
         seen = ", ".join(f"{r} ({FORMULAS[r]})" for r in self.roundings) or "no single one"
         counts = ", ".join(f"{name}: {n}" for name, n in self.matched.items())
         return (
             f"{self.compared} gradients over {self.steps} steps exact; the roundings they all "
-            f"equal: {seen}; matched by each: {counts}"
+            f"equal: {seen}; matched by each: {counts}" + window
         )
 
 

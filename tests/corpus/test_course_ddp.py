@@ -58,6 +58,7 @@ def test_every_hook_filling_the_last_bucket_is_caught() -> None:
         averages_exactly(last_bucket_only)()  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_a_divide_racing_an_inflight_allreduce_is_caught() -> None:
     # The race shows only under some orders of the rank threads: the fake world's schedule,
     # drawn and shrunk by Hypothesis, makes it fail on every run.

@@ -43,6 +43,7 @@ def test_the_fixed_hook_passes() -> None:
     within_fp16_rounding(fp16_compress_hook_fixed)()  # type: ignore[operator]
 
 
+@pytest.mark.slow
 def test_the_hook_before_the_fix_overflows() -> None:
     with pytest.raises(
         AssertionError, match=r"Diagnosis: .* inf where the exact average is finite"

@@ -20,6 +20,8 @@ prints the summary.
 At every optimizer step the replica check (reducer.tools.check) compares every rank's
 parameters and gradients bit for bit and, at the first divergence, stops the ranks, says why
 and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
+After the run, the same-training verdict (reducer.sametrain) says whether the ranks trained
+what one process would on the global batch (``--no-same-training`` turns it off).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
 takes a number, auto, cpu or gpu, as torchrun's (default 1). LOCAL_RANK picks a rank's GPU as
@@ -50,7 +52,9 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from . import devices, imports, process, singletons
+from reducer.sametrain import _launch as sametrain
+
+from . import children, devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
 __all__ = ["add_arguments", "run"]
@@ -187,6 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the target as a module (python -m), as torchrun's -m",
     )
     parser.add_argument("script", help="the training script (or module, with -m)")
+    sametrain.add_arguments(parser)  # --same-training, --deliberate
     rest = parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="the script's arguments"
     )
@@ -269,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         ranks = _parse_filter(args.ranks_filter, nproc)
         target = _Target.load(args.script, module=args.module)
         world = fakepg.World(nproc, timeout=args.timeout, network=network)
+        same = sametrain.for_launch(args, nproc)  # the verdict printed at the end, or None
     except SyntaxError as exc:
         # As `python script.py` would: the error line, then where (exit code 1, as python's).
         where = "".join(traceback.format_exception_only(exc)).rstrip("\n")
@@ -277,12 +283,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
+    note = gil_note()
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     check = _replica_check(args, world, nproc)
     launch = _Launch(target, list(args.script_args), world, ranks, full_stacks=args.full_stacks)
     launch.check = check
     launch.devices = _device_plan(nproc, cuda_as_cpu=bool(getattr(args, "cuda_as_cpu", False)))
     launch.switch_interval = float(getattr(args, "switch_interval", _SWITCH_INTERVAL_S))
-    with world, check or contextlib.nullcontext(), launch.installed():
+    recording = sametrain.recording(same, launch.rank_of_thread)  # reports at its exit
+    with world, check or contextlib.nullcontext(), launch.installed(), recording:
         if not launch.preimport():
             return _INTERRUPTED
         try:
@@ -296,6 +306,21 @@ def run(args: argparse.Namespace) -> int:
     code = 0 if check.stopped else launch.report(sys.stderr)
     check.print_summary()
     return int(check.exit_code(code))
+
+
+def gil_note(*, gil_enabled: bool | None = None) -> str | None:
+    """What the launch says at start on a free-threaded Python (the GIL off: ``gil_enabled``,
+    by default ``sys._is_gil_enabled()``), where it runs everything it runs with the GIL; None
+    with the GIL on (every Python before 3.13, and free-threaded builds that re-enabled it)."""
+    if gil_enabled is None:
+        is_enabled = getattr(sys, "_is_gil_enabled", None)
+        gil_enabled = True if is_enabled is None else bool(is_enabled())
+    if gil_enabled:
+        return None
+    return (
+        "[launch] free-threaded Python (the GIL is off): rank threads run Python in parallel, "
+        "as torchrun's processes do; --switch-interval has no effect"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +344,7 @@ def _device_plan(nproc: int, *, cuda_as_cpu: bool) -> _DevicePlan | None:
             "tensors on the CPU, autocast and GradScaler for 'cuda' run on the CPU, and "
             "device_ids are dropped"
         )
-        return _DevicePlan(devices.as_cpu, True, said)
+        return _DevicePlan(devices.cpu_for(nproc), True, said)
     if not torch.cuda.is_available():
         return None
     count = torch.cuda.device_count()
@@ -567,7 +592,9 @@ class _Launch:
             sys.path.insert(0, self.target.path0)
         dist.init_process_group = c10d.init_process_group = init
         restore_singletons = singletons.install(self.rank_of_thread, self.nproc)
-        self.main, restore_process = process.install(self.rank_of_thread, self.stdout, self.stderr)
+        self.main, restore_process = process.install(
+            self.rank_of_thread, self.stdout, self.stderr, self.environ
+        )
         restore_imports = imports.serialise(timeout=min(30.0, self.world.timeout / 2))
         restore_devices: Any = lambda: None  # noqa: E731
         if self.devices is not None:
@@ -577,9 +604,36 @@ class _Launch:
             )
         if threading.current_thread() is threading.main_thread():
             handler = signal.signal(signal.SIGINT, self._on_interrupt)
+        restore_children = children.install(self.environ.bound)
+        interval = sys.getswitchinterval()
+
+        def in_child() -> None:
+            # Runs last in a forked child (see .children): the forking rank's environment and
+            # output become the process's, and its collectives are refused.
+            assert self.environ is not None and self.stdout is not None
+            assert self.stderr is not None
+            rank = self.rank_of_thread()
+            children.become_environment(real_environ, self.environ.copy())
+            os.environ = real_environ  # noqa: B003 (the real one back)
+            self._thread_rank.rank = None
+            self.running = False
+            if self.check is not None:
+                self.check.unbind()
+            child_lock = threading.Lock()
+            self.stdout.after_fork(child_lock)
+            self.stderr.after_fork(child_lock)
+            self.world._issue = _refuse_in_child(rank)
+            dist.init_process_group = c10d.init_process_group = torch_init
+            if handler is not None:
+                signal.signal(signal.SIGINT, handler)
+            sys.setswitchinterval(interval)
+
+        remove_child_hook = children.in_forked_child(in_child)
         try:
             yield
         finally:
+            remove_child_hook()
+            restore_children()
             if handler is not None:
                 signal.signal(signal.SIGINT, handler)
             if self._interrupt is not None:
@@ -870,6 +924,16 @@ class _Launch:
                 "launch abandoned its thread"
             )
         return f"rank {rank}: exitcode {outcome.code}: {_one_line(outcome.error)}"
+
+
+def _refuse_in_child(rank: int | None) -> Any:
+    """The fake world's entry for every collective, in a forked child: refused, saying why."""
+
+    def refuse(channel: Any, rank_: int, fingerprint: Any, *args: Any, **kwargs: Any) -> Any:
+        what = f"torch.distributed {fingerprint.kind}"
+        raise children.ChildCollectiveError(children.collective_message(rank, what))
+
+    return refuse
 
 
 def _library_dirs() -> tuple[str, ...]:

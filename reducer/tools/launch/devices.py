@@ -12,7 +12,10 @@ On rank threads:
   answers for the CPU (available, one device per rank, ``set_device`` remembered per rank),
   ``.cuda()``, ``.to("cuda")`` and ``device="cuda"`` keep tensors on the CPU, autocast and
   GradScaler for "cuda" run on the CPU, and the data-parallel wrappers drop ``device_ids``
-  (a CPU module takes none), so that an unmodified CUDA script runs on a laptop.
+  (a CPU module takes none), so that an unmodified CUDA script runs on a laptop. What a real
+  node would refuse is refused: a device index at or beyond the count ("invalid device
+  ordinal"); what the CPU cannot stand for (CUDA graphs, the caching allocator's memory, ...:
+  ``_NOT_ON_THE_CPU``) is refused by name.
 
 # Guarantees: install() and the restore it returns run on the launching thread, before the
 # rank threads start and after they ended; a DeviceMap is entered on each rank thread (torch
@@ -42,6 +45,29 @@ Mapper = Callable[[torch.device], torch.device]
 def as_cpu(device: torch.device) -> torch.device:
     """--cuda-as-cpu: every CUDA device is the CPU."""
     return torch.device("cpu") if device.type == "cuda" else device
+
+
+def invalid_ordinal(index: int, count: int, what: str) -> torch.AcceleratorError:
+    """What CUDA says of a device index at or beyond the device count, and why here."""
+    return torch.AcceleratorError(
+        f"CUDA error: invalid device ordinal ({what}: cuda:{index} under --cuda-as-cpu, where "
+        f"torch.cuda.device_count() is {count}, one device per rank, as on a node with "
+        f"{count} GPU(s); a rank's device is cuda:LOCAL_RANK)"
+    )
+
+
+def cpu_for(count: int) -> Mapper:
+    """--cuda-as-cpu with ``count`` ranks: CUDA devices 0 to count - 1 (and the current one)
+    are the CPU; an index beyond is refused, as CUDA refuses it (invalid device ordinal)."""
+
+    def mapped(device: torch.device) -> torch.device:
+        if device.type != "cuda":
+            return device
+        if device.index is not None and device.index >= count:
+            raise invalid_ordinal(device.index, count, "a tensor on it")
+        return torch.device("cpu")
+
+    return mapped
 
 
 def round_robin(count: int) -> Mapper:
@@ -161,10 +187,27 @@ def _stream_context(stream: Any = None) -> Iterator[None]:
     yield
 
 
+def _cuda_index(device: Any) -> int | None:
+    """The CUDA device index ``device`` names (an int, "cuda:1", a torch.device), if any."""
+    found = _device_of(device, index_is_cuda=True)
+    return found.index if found is not None and found.type == "cuda" else None
+
+
+def _check_ordinal(device: Any, count: int, what: str) -> int | None:
+    index = _cuda_index(device)
+    if index is not None and index >= count:
+        raise invalid_ordinal(index, count, what)
+    return index
+
+
 class _DeviceContext:
-    """torch.cuda.device(i): on the CPU, nothing to switch."""
+    """torch.cuda.device(i): on the CPU, nothing to switch (an index beyond the devices is
+    refused, as CUDA refuses it)."""
+
+    count = 1  # set by _cuda_as_cpu
 
     def __init__(self, device: Any) -> None:
+        _check_ordinal(device, self.count, "torch.cuda.device")
         self.device = device
 
     def __enter__(self) -> None:
@@ -182,11 +225,15 @@ def _cuda_as_cpu(nproc: int) -> dict[str, Any]:
         return int(getattr(local, "device", 0))
 
     def set_device(device: Any) -> None:
-        found = _device_of(device, index_is_cuda=True)
-        index = found.index if found is not None and found.type == "cuda" else None
+        index = _check_ordinal(device, nproc, "torch.cuda.set_device")
+        if index is not None and index < 0:
+            return  # torch ignores a negative device
         local.device = index if index is not None else 0
 
     def properties(device: Any = None) -> SimpleNamespace:
+        index = _cuda_index(device)
+        if index is not None and not 0 <= index < nproc:
+            raise AssertionError("Invalid device id")  # torch.cuda's own words
         return SimpleNamespace(
             name="CPU (--cuda-as-cpu)",
             major=8,
@@ -203,14 +250,26 @@ def _cuda_as_cpu(nproc: int) -> dict[str, Any]:
     def zero(*args: Any, **kwargs: Any) -> int:
         return 0
 
+    class DeviceContext(_DeviceContext):
+        count = nproc
+
+    def rng_state(device: Any = "cuda") -> Tensor:
+        return torch.get_rng_state()  # every CUDA generator is the CPU's (the rank's)
+
+    def memory_info(device: Any = None) -> tuple[int, int]:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
+
+    refused = {name: _refusal(name, why) for name, why in _NOT_ON_THE_CPU.items()}
     return {
+        **refused,
         "is_available": lambda: True,
         "is_initialized": lambda: True,
         "init": none,
         "device_count": lambda: nproc,
         "current_device": current_device,
         "set_device": set_device,
-        "device": _DeviceContext,
+        "device": DeviceContext,
         "get_device_name": lambda device=None: "CPU (--cuda-as-cpu)",
         "get_device_capability": lambda device=None: (8, 0),
         "get_device_properties": properties,
@@ -220,6 +279,14 @@ def _cuda_as_cpu(nproc: int) -> dict[str, Any]:
         "ipc_collect": none,
         "manual_seed": none,  # torch.manual_seed seeds the CPU, which is every "CUDA" device
         "manual_seed_all": none,
+        # fork_rng and checkpoints save and restore the CPU's state through torch's CPU calls.
+        "get_rng_state": rng_state,
+        "get_rng_state_all": lambda: [torch.get_rng_state() for _ in range(nproc)],
+        "set_rng_state": none,
+        "set_rng_state_all": none,
+        "mem_get_info": memory_info,
+        "memory_stats": lambda device=None: {},
+        "memory_summary": lambda *args, **kwargs: "(--cuda-as-cpu: no CUDA memory)",
         "seed": none,
         "seed_all": none,
         "memory_allocated": zero,
@@ -235,6 +302,35 @@ def _cuda_as_cpu(nproc: int) -> dict[str, Any]:
         "default_stream": lambda device=None: _Stream(),
         "stream": _stream_context,
     }
+
+
+# torch.cuda calls the CPU cannot stand for under --cuda-as-cpu: refused by name, and why.
+_NOT_ON_THE_CPU = {
+    "CUDAGraph": "a CUDA graph replays recorded GPU kernels",
+    "graph": "a CUDA graph replays recorded GPU kernels",
+    "make_graphed_callables": "a CUDA graph replays recorded GPU kernels",
+    "graph_pool_handle": "a CUDA graph's memory pool is GPU memory",
+    "MemPool": "a CUDA memory pool is GPU memory",
+    "use_mem_pool": "a CUDA memory pool is GPU memory",
+    "caching_allocator_alloc": "the caching allocator hands out GPU memory",
+    "caching_allocator_delete": "the caching allocator hands out GPU memory",
+    "memory_snapshot": "a snapshot of the caching allocator describes GPU memory",
+    "can_device_access_peer": "peer access is between GPUs",
+    "set_sync_debug_mode": "synchronization debugging watches GPU streams",
+}
+
+
+def _refusal(name: str, why: str) -> Any:
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"torch.cuda.{name} under --cuda-as-cpu: the CPU cannot stand for it ({why}). "
+            "Run this part on a GPU (python -m reducer launch without --cuda-as-cpu, or "
+            "torchrun), or skip it where torch.cuda.get_device_name() says "
+            "'CPU (--cuda-as-cpu)'"
+        )
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
 
 
 def _patch(owner: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
@@ -319,6 +415,7 @@ def install(mapper: Mapper, *, cuda_as_cpu: bool, nproc: int) -> Callable[[], No
             _patch(torch.cuda, name, value, undo)
 
         def cuda(self: Tensor, device: Any = None, non_blocking: bool = False, **_: Any) -> Tensor:
+            _check_ordinal(device, nproc, "Tensor.cuda")
             return self
 
         def pin_memory(self: Tensor, device: Any = None) -> Tensor:

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from types import CodeType, ModuleType
 from typing import Any
 
+from . import children
+
 __all__: list[str] = []
 
 # Note [Imports before the ranks start]
@@ -275,10 +277,23 @@ def serialise(timeout: float) -> Callable[[], None]:
     bootstrap._find_and_load = find_and_load
     undo.append(_serialise_statements(timeout))
 
-    def restore() -> None:
+    def put_back() -> None:
         bootstrap._find_and_load = real_find
         while undo:
             undo.pop()()
+
+    def in_child() -> None:
+        # A forked child imports alone; the lock may have been held by a thread it lacks.
+        global _LOCK, _loading
+        _LOCK = threading.RLock()
+        _loading = 0
+        put_back()
+
+    remove_hook = children.in_forked_child(in_child)
+
+    def restore() -> None:
+        remove_hook()
+        put_back()
 
     return restore
 

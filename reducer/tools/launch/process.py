@@ -10,8 +10,10 @@ while a launch runs:
 - ``sys.stdout``/``sys.stderr`` assigned on a rank thread redirect that rank's output only
   (``sys``'s class is swapped for :class:`_PerRankSys` for the duration: module attribute
   assignment has no other hook);
-- ``sys.stdin`` and ``input()`` read end-of-file on rank threads, with a note (threads of one
-  process reading one terminal at once is undefined, and Python aborts on it);
+- ``sys.stdin`` (its ``buffer`` too) and ``input()`` read end-of-file on rank threads, with a
+  note, and file descriptor 0 is the null device while the ranks run (``os.read(0, n)``,
+  ``sys.__stdin__``): threads of one process reading one stdin at once would each get an
+  arbitrary part of it, or Python aborts;
 - ``signal.signal`` on a rank thread raises a ValueError that says why and what to do;
 - ``sys.modules["__main__"]`` is :class:`MainModules`: on a rank thread, that rank's run of
   the script (a module of its own), so that pickle finds the script's classes and functions
@@ -33,7 +35,8 @@ import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .threads import RankOutput
+from . import children
+from .threads import INHERITED_ENVIRON, INHERITED_MAIN, RankOutput, ThreadEnviron
 
 __all__: list[str] = []
 
@@ -72,6 +75,8 @@ class MainModules(types.ModuleType):
         module: types.ModuleType | None = getattr(
             object.__getattribute__(self, "_local"), "module", None
         )
+        if module is None:  # a thread a rank started: that rank's
+            module = getattr(threading.current_thread(), INHERITED_MAIN, None)
         if module is None:
             real: types.ModuleType = object.__getattribute__(self, "_real")
             return real
@@ -127,6 +132,12 @@ class RankInput(io.TextIOBase):
     def read(self, size: int | None = -1) -> str:
         return "" if self._rank_reads() else str(self.real.read(size))
 
+    @property
+    def buffer(self) -> Any:
+        """The binary stream under stdin: empty on rank threads (``sys.stdin.buffer.read()``
+        gives every rank b""), the real one elsewhere."""
+        return io.BytesIO() if self._rank_reads() else self.real.buffer
+
     def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
         return "" if self._rank_reads() else str(self.real.readline(size))
 
@@ -163,12 +174,34 @@ def _signal_message(signum: Any, rank: int) -> str:
     )
 
 
+def _stdin_to_devnull() -> int | None:
+    """Point file descriptor 0 at the null device (a read there is end-of-file) and return a
+    copy of what it was, to put back; None where the process has no fd 0. Reads that bypass
+    ``sys.stdin`` (``sys.__stdin__``, ``os.read(0, n)``, ``open(0)``) then give every rank
+    end-of-file too, instead of whatever part of piped input a rank happens to read first."""
+    try:
+        saved = os.dup(0)
+    except OSError:
+        return None
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    return saved
+
+
 def install(
-    rank_of_thread: Callable[[], int | None], stdout: RankOutput, stderr: RankOutput
+    rank_of_thread: Callable[[], int | None],
+    stdout: RankOutput,
+    stderr: RankOutput,
+    environ: ThreadEnviron | None = None,
 ) -> tuple[MainModules, Callable[[], None]]:
     """Make the process-wide calls above per rank until the returned function is called;
-    the ``__main__`` stand-in, which each rank thread binds to its module."""
+    the ``__main__`` stand-in, which each rank thread binds to its module. A thread a rank
+    thread starts shares that rank's ``__main__`` and environment (``environ``'s view)."""
     real_exit = os._exit
+    real_start = threading.Thread.start
     real_signal = signal.signal
     real_main = sys.modules["__main__"]
     real_stdin = sys.stdin
@@ -208,17 +241,48 @@ def install(
                 return
             super().__setattr__(name, value)
 
+    def start(thread: threading.Thread) -> None:
+        # Before the thread runs: what its code reads (pickle's __main__, os.environ) is the
+        # starting rank's, as in a torchrun worker (a Pool's task thread pickles __main__.f).
+        module = object.__getattribute__(main, "_target")()
+        if module is not real_main:
+            setattr(thread, INHERITED_MAIN, module)
+        env = None if environ is None else environ.bound()
+        if env is not None:
+            setattr(thread, INHERITED_ENVIRON, env)
+        real_start(thread)
+
+    stdin_fd = _stdin_to_devnull()
     os._exit = _exit
     signal.signal = signal_
+    threading.Thread.start = start  # type: ignore[method-assign, assignment]
     sys.stdin = RankInput(real_stdin, rank_of_thread)
     sys.modules["__main__"] = main
     sys.__class__ = _PerRankSys
 
+    def in_child() -> None:
+        # A forked child is a process of its own: the real calls back, and the forking rank's
+        # run of the script as its __main__ (pickle finds the script's classes there).
+        forking_main = main._target()
+        sys.__class__ = types.ModuleType
+        sys.modules["__main__"] = forking_main
+        sys.stdin = real_stdin
+        signal.signal = real_signal
+        os._exit = real_exit
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+
+    remove_hook = children.in_forked_child(in_child)
+
     def restore() -> None:
+        remove_hook()
+        if stdin_fd is not None:
+            os.dup2(stdin_fd, 0)
+            os.close(stdin_fd)
         sys.__class__ = types.ModuleType
         sys.modules["__main__"] = real_main
         sys.stdin = real_stdin
         signal.signal = real_signal
         os._exit = real_exit
+        threading.Thread.start = real_start  # type: ignore[method-assign]
 
     return main, restore

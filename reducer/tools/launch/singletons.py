@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import children
+
 __all__: list[str] = []
 
 
@@ -175,7 +177,15 @@ def install(
     check()
     builtins.__import__ = import_and_check
 
+    def in_child() -> None:
+        # A forked child is a process of its own: the import hook goes (its lock may have been
+        # held by a thread the child lacks); the forking rank's state stays its state.
+        builtins.__import__ = real_import
+
+    remove_hook = children.in_forked_child(in_child)
+
     def restore() -> None:
+        remove_hook()
         builtins.__import__ = real_import
         with lock:
             for cls, init in reversed(wrapped):

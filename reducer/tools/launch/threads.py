@@ -23,12 +23,19 @@ from typing import Any, TextIO
 
 __all__: list[str] = []
 
+# The attributes of a thread that a rank thread started: that rank's environment and __main__
+# (see process.install), as a thread of a torchrun worker shares its process's.
+INHERITED_ENVIRON = "_launch_rank_environ"
+INHERITED_MAIN = "_launch_rank_main"
+
 
 class ThreadEnviron(MutableMapping[str, str]):
-    """``os.environ`` with a copy of its own for each bound (rank) thread.
+    """``os.environ`` with a copy of its own for each bound (rank) thread, shared with the
+    threads that rank starts.
 
-    ``os.getenv``, ``os.environ[...]`` and torch's env:// reads see the thread's copy. Child
-    processes and C code (``getenv`` in C) still see the process's real environment.
+    ``os.getenv``, ``os.environ[...]`` and torch's env:// reads see the thread's copy, and so do
+    the rank's child processes (see .children). C code (``getenv`` in C) in the launch process
+    still sees the process's real environment.
     """
 
     def __init__(self, real: MutableMapping[str, str]) -> None:
@@ -42,8 +49,16 @@ class ThreadEnviron(MutableMapping[str, str]):
     def unbind(self) -> None:
         self._local.env = None
 
-    def _env(self) -> MutableMapping[str, str]:
+    def bound(self) -> dict[str, str] | None:
+        """This thread's environment: a rank's (its own, or that of the rank that started the
+        thread: see process.install), or None where the thread sees the real one."""
         env: dict[str, str] | None = getattr(self._local, "env", None)
+        if env is None:
+            env = getattr(threading.current_thread(), INHERITED_ENVIRON, None)
+        return env
+
+    def _env(self) -> MutableMapping[str, str]:
+        env = self.bound()
         return self.real if env is None else env
 
     def __getitem__(self, key: str) -> str:
@@ -84,6 +99,16 @@ class RankOutput(io.TextIOBase):
         self._lock = lock  # shared by stdout and stderr: one line at a time on the terminal
         self._ranks = ranks
         self._local = threading.local()
+        self._in_child = False  # a forked child's copy (see after_fork)
+
+    def after_fork(self, lock: threading.Lock) -> None:
+        """In a child forked on a rank thread: a lock of the child's own (the old one may have
+        been held by a thread the child lacks), no partial line of the parent's, and flush()
+        writes a partial line, as a process's stream does (a child ends with os._exit)."""
+        self._lock = lock
+        self._in_child = True
+        if getattr(self._local, "rank", None) is not None:
+            self._local.pending = ""
 
     def bind(self, rank: int) -> None:
         self._local.rank = rank
@@ -139,6 +164,10 @@ class RankOutput(io.TextIOBase):
         if assigned is not None:
             assigned.flush()
             return
+        pending = getattr(self._local, "pending", "")
+        if self._in_child and pending and getattr(self._local, "rank", None) is not None:
+            self._local.pending = ""
+            self._emit([pending])
         with self._lock:
             self.target.flush()
 
