@@ -30,7 +30,8 @@ the end of shrinking (median over ``--seeds`` seeds), and the shrunk width.
 cpu --impl torch``), on gloo processes, whole run (slow: minutes).
 
     PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py [--examples 20] [--rounds 5] [--seeds 3]
-        [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--suite]
+        [--ways fakepg,threaded,gloo-pool,gloo-spawn] [--spawn-examples 3] [--parts]
+        [--skip-rates] [--skip-bug] [--suite]
     PYTHONPATH=$PWD python benchmarks/harness_vs_torch.py --ways fakepg,fakepg-cuda  # a GPU
 """
 
@@ -496,6 +497,66 @@ def bug_hunt(way: str, seeds: Sequence[int], examples_cap: int) -> list[Run]:
     return runs
 
 
+def parts(world_size: int, count: int, rounds: int) -> list[list[object]]:
+    """Milliseconds per example of the library's check and of its parts (the argument checks,
+    the world and its ranks, the reference and the comparison), beside the threaded way's
+    whole check, in turns over ``rounds`` rounds of ``count`` examples (median): where the
+    time goes. Private functions of the checks: the benchmark measures what they cost."""
+    from reducer.testing import TrainingScenario, torch_ddp
+    from reducer.testing import checks as library
+    from reducer.testing._judge import Bounds, judge
+    from reducer.testing._run import play
+    from reducer.testing.algorithms import ddp_average
+
+    widths = [3, 7, 12, 20, 31, 5]
+    batch = [Example(world_size, widths[i % 6], i, i + 1) for i in range(count)]
+    ref = ddp_average()
+
+    def scenario(e: Example) -> TrainingScenario:
+        return TrainingScenario(
+            make_model=lambda: make_model(e),
+            inputs=(tuple((x,) for x in inputs(e)),),
+            loss=loss,
+            lr=LR,
+        )
+
+    def checks_alone(e: Example) -> None:
+        library._preflight("check_data_parallel", torch_ddp(), scenario(e), ref)
+
+    def world_alone(e: Example) -> Any:
+        return play(
+            torch_ddp(), scenario(e), setup=None, train_step=None, optimizer=None,
+            after_backward=None, timeout=60.0,
+        )  # fmt: skip
+
+    traces = {e: world_alone(e) for e in batch}
+
+    def judged(e: Example) -> None:
+        s = scenario(e)
+        built = library._preflight("check_data_parallel", torch_ddp(), s, ref)
+        judge(s, traces[e], ref, optimizer=None, broadcast_buffers=True, check_strides=True,
+              bounds=Bounds(), built=built)  # fmt: skip
+
+    ways: dict[str, Callable[[Example], object]] = {
+        "fakepg: check_data_parallel": fakepg_way("none"),
+        "  its argument checks (_preflight)": checks_alone,
+        "  the world and its ranks (play)": world_alone,
+        "  argument checks + reference and comparison (judge)": judged,
+        "threaded: the whole check": threaded_way("none"),
+    }
+    ms: dict[str, list[float]] = {name: [] for name in ways}
+    with threaded_group():
+        for fn in ways.values():
+            fn(batch[0])
+        for _ in range(rounds):
+            for name, fn in ways.items():
+                start = time.perf_counter()
+                for e in batch:
+                    fn(e)
+                ms[name].append((time.perf_counter() - start) / count * 1e3)
+    return [[name, world_size, statistics.median(v)] for name, v in ms.items()]
+
+
 def suite(timeout: int) -> list[list[object]]:
     """torch's DDP suite CPU-mapped on gloo processes, whole run, timed."""
     command = [
@@ -522,6 +583,10 @@ def main(argv: list[str] | None = None) -> None:
         help=f"any of {', '.join(WAYS)} (fakepg-cuda: the fake world's check on CUDA tensors)",
     )
     parser.add_argument("--skip-bug", action="store_true")
+    parser.add_argument("--skip-rates", action="store_true", help="no examples/s table")
+    parser.add_argument(
+        "--parts", action="store_true", help="also the check's parts, ms per example"
+    )
     parser.add_argument("--suite", action="store_true", help="also torch's DDP suite on gloo")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
@@ -539,11 +604,12 @@ def main(argv: list[str] | None = None) -> None:
     # Hypothesis's own first run in a process costs more than later ones: paid here.
     hypothesis_run(lambda e: None, examples(2), max_examples=20, seed=0, shrink=False)
     headers = ["examples/s", *ways, *(f"fakepg / {w}" for w in ways if w != "fakepg")]
-    for name, hook, w in cases:
+    for name, hook, w in [] if args.skip_rates else cases:
         rows.append([name, *_rate_cells(rates(ways, hook, w, n, args.rounds), ways)])
         print(table(headers, rows[-1:]).splitlines()[-1], flush=True)  # as it comes
-    print()
-    print(table(headers, rows))
+    if rows:
+        print()
+        print(table(headers, rows))
     if not args.skip_bug:
         print(
             f"\n# (c) the seeded bug (no divide once a bucket holds > {BUG_ELEMENTS} elements), "
@@ -605,6 +671,10 @@ def main(argv: list[str] | None = None) -> None:
                 bug_rows,
             )
         )
+    if args.parts:
+        print("\n# where an example's time goes (ms per example, median of the rounds)\n")
+        rows = [r for w in _ints(args.world_sizes) for r in parts(w, args.examples, args.rounds)]
+        print(table(["part", "W", "ms per example"], rows))
     if args.suite:
         print("\n# torch's own DDP suite\n")
         print(table(["suite", "on", "seconds", "result"], suite(300)))
