@@ -27,7 +27,9 @@ torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --np
 takes a number, auto, cpu or gpu, as torchrun's (default 1). LOCAL_RANK picks a rank's GPU as
 under torchrun (ranks share fewer GPUs round-robin), and ``--cuda-as-cpu`` runs a CUDA script
 on the CPU (see .devices). What a process does once (os._exit, sys.stdout assignment, stdin,
-signal handlers, its ``__main__``) is made per rank (see .process).
+signal handlers, its ``__main__``) is made per rank (see .process), and a rank's child
+processes (DataLoader workers, pools, subprocesses) are as a torchrun worker's: its
+environment, their own exit, no collectives (see .children).
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ __all__ = ["add_arguments", "run"]
 # rank. The script's leading imports run once before the ranks start (see Note [Imports before
 # the ranks start] in .imports), every other import is serialised (Note [One import at a
 # time] in .imports), process-wide calls are made per rank (.process: os._exit, sys.stdout
-# assignment, stdin, signal.signal, a __main__ module per rank), and known one-per-process
-# state is refused on rank threads (.singletons). What stays shared: torch's intra-op threads
+# assignment, stdin, signal.signal, a __main__ module per rank), known one-per-process
+# state is refused on rank threads (.singletons), and a child process of a rank gets none of
+# this: a forked child has it all undone before fork() returns there, and is a process of
+# that rank's, with its environment (.children). What stays shared: torch's intra-op threads
 # (set to one per rank unless OMP_NUM_THREADS is set, as torchrun does), the working
 # directory, sys.modules (a module the script imports is imported once, and its globals are
 # shared), and Python's and NumPy's global random generators (torch's generator is per rank:
