@@ -38,6 +38,7 @@ refuses the step with an error.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -270,10 +271,15 @@ def check_mixed_precision_dtypes(config: _MixedPrecision) -> None:
             want = before[name] if config.buffer_dtype is None else config.buffer_dtype
             assert buffer.dtype == want, f"buffer {name!r}: {buffer.dtype}, expected {want}"
         assert {p.dtype for p in model.parameters()} == {torch.float32}
-        for name, p in model.named_parameters():
+        copied = copy.deepcopy(model)  # a copy's parameters are no wrapper's
+        for (name, p), c in zip(model.named_parameters(), copied.parameters(), strict=True):
             assert p._mp_param.dtype == (config.param_dtype or torch.float32), name
             assert p._fp_param.dtype == torch.float32, name
             assert p._fp_param.data_ptr() == p.data_ptr(), name
+            assert repr(p) == repr(nn.Parameter(p.detach().clone(), p.requires_grad)), name
+            for attribute in ("_mp_param", "_fp_param"):
+                with pytest.raises(AttributeError, match=f"no {attribute}: it is not a wrapper"):
+                    getattr(c, attribute)
         out = ddp(torch.ones(2, 3))
         torch.stack([o.float().sum() for o in out]).sum().backward()
         want_param = config.param_dtype or torch.float32
