@@ -849,6 +849,8 @@ class _PerThreadWorlds:
         object.__setattr__(self, "_original", original)
         object.__setattr__(self, "_owner", threading.get_ident())
         object.__setattr__(self, "_local", threading.local())
+        # Thread ident -> the state that thread made (a dict's item operations are atomic).
+        object.__setattr__(self, "_by_thread", {})
 
     def _current(self) -> Any:
         if threading.get_ident() == self._owner:
@@ -856,32 +858,31 @@ class _PerThreadWorlds:
         world = getattr(self._local, "world", None)
         if world is None:
             world = self._local.world = _ThreadWorld()
+            # Found by the threads that run this thread's callbacks; a later thread with the
+            # same ident replaces it (see Note [Callbacks run in their rank] in fakepg._homes).
+            self._by_thread[threading.get_ident()] = world
         return world
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._current(), name)
 
-    def lender(self) -> Callable[[], AbstractContextManager[None]] | None:
-        """On a rank's thread: lends its state to the threads that run its callbacks (see
-        Note [Callbacks run in their rank] in fakepg._homes)."""
-        if threading.get_ident() == self._owner:
-            return None
-        state = self._current()  # created now if need be; init_process_group fills it in
-        local = self._local
-
-        @contextmanager
-        def lend() -> Iterator[None]:
-            previous = getattr(local, "world", None)
-            local.world = state
-            try:
-                yield
-            finally:
-                local.world = previous
-
-        return lend
-
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._current(), name, value)
+
+    def state_of(self, ident: int) -> Any:
+        """The state of the thread ``ident``, if it has made one."""
+        return self._by_thread.get(ident)
+
+    @contextmanager
+    def lent(self, state: Any) -> Iterator[None]:
+        """The calling thread uses ``state`` (another thread's) until the block ends."""
+        local = self._local
+        previous = getattr(local, "world", None)
+        local.world = state
+        try:
+            yield
+        finally:
+            local.world = previous
 
 
 def _reset_thread_groups() -> None:
@@ -901,8 +902,21 @@ def _reset_thread_groups() -> None:
 
 
 def _lend_torch_state() -> Callable[[], AbstractContextManager[None]] | None:
-    proxy = _c10d._world
-    return proxy.lender() if isinstance(proxy, _PerThreadWorlds) else None
+    """On a rank's thread: lends its torch.distributed state to the threads that run its
+    callbacks (see Note [Callbacks run in their rank] in fakepg._homes). The state is found
+    when lent: the backend may be registered, and the state made, after the rank started
+    (a script's own init_process_group under launch)."""
+    ident = threading.get_ident()
+
+    def lend() -> AbstractContextManager[None]:
+        proxy = _c10d._world
+        if isinstance(proxy, _PerThreadWorlds) and ident != proxy._owner:
+            state = proxy.state_of(ident)
+            if state is not None:
+                return proxy.lent(state)
+        return contextlib.nullcontext()
+
+    return lend
 
 
 _homes.register(_lend_torch_state)

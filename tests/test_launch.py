@@ -795,3 +795,35 @@ def test_gpu_launch_of_a_cuda_script_bitwise_against_torchs_ddp(
         assert "CPU" not in captured.out
         params[ddp] = torch.load(out)
     assert all(torch.equal(a, b) for a, b in zip(params["torch"], params["reducer"], strict=True))
+
+
+def test_a_comm_hooks_callback_runs_in_its_rank_under_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = write(
+        tmp_path,
+        "hook.py",
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def hook(state, bucket):
+            fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+        def main():
+            dist.init_process_group("gloo")
+            torch.manual_seed(0)
+            model = DDP(torch.nn.Linear(2, 1))
+            model.register_comm_hook(None, hook)
+            model(torch.ones(1, 2) * (dist.get_rank() + 1)).sum().backward()
+            print(dist.get_rank(), model.module.bias.grad.item())
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            main()
+        """,
+    )
+    assert cli.main(["launch", "--nproc", "2", str(script)]) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["[rank0]: 0 1.0", "[rank1]: 1 1.0"]
