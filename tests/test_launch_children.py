@@ -247,3 +247,39 @@ def test_a_free_threaded_python_runs_the_launch_and_is_said_so(
     assert "[launch] free-threaded Python (the GIL is off)" in captured.err
     assert "[rank0]: stepped" in captured.out and "[rank1]: stepped" in captured.out
     assert "[check] verdict: the ranks stayed in sync" in captured.err
+
+
+def test_every_rank_sets_its_own_start_method(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mp.set_start_method("spawn") on every rank (once per torchrun worker) is allowed once
+    per rank, a second call is Python's error, and the process's own is untouched."""
+    import multiprocessing
+
+    script = write(
+        tmp_path,
+        "start_method.py",
+        """\
+        import multiprocessing as mp
+        import os
+
+        def times_rank(x):
+            return x * int(os.environ["RANK"])
+
+        if __name__ == "__main__":
+            mp.set_start_method("spawn")
+            try:
+                mp.set_start_method("fork")
+            except RuntimeError as exc:
+                print("again:", exc)
+            with mp.Pool(1) as pool:
+                print(mp.get_start_method(), pool.map(times_rank, [1, 2]))
+        """,
+    )
+    before = multiprocessing.get_start_method(allow_none=True)
+    assert launch("--no-check", str(script)) == 0
+    out = capsys.readouterr().out
+    for rank in range(2):
+        assert f"[rank{rank}]: again: context has already been set" in out
+        assert f"[rank{rank}]: spawn [{rank}, {2 * rank}]" in out
+    assert multiprocessing.get_start_method(allow_none=True) == before

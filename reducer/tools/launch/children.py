@@ -30,8 +30,11 @@ cannot do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import sys
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -149,14 +152,17 @@ def install(environ_of_thread: Callable[[], dict[str, str] | None]) -> Callable[
 
     for name in names:
         setattr(forkserver, name, dispatching(name))
+    put_back_start_methods = _start_method_per_rank(environ_of_thread)
 
-    def put_back() -> None:
+    def put_back(*, forked: bool = False) -> None:
         for module in wrapped:
             _set_fork_exec(module, real_fork_exec)
         for name, function in real.items():
             setattr(forkserver, name, function)
+        put_back_start_methods(forked=forked)
 
-    remove_hook = in_forked_child(put_back)  # a forked child has the process's own server
+    # A forked child has the process's own server, and the rank's start method.
+    remove_hook = in_forked_child(functools.partial(put_back, forked=True))
 
     def restore() -> None:
         remove_hook()
@@ -168,6 +174,79 @@ def install(environ_of_thread: Callable[[], dict[str, str] | None]) -> Callable[
             _stop(found)
 
     return restore
+
+
+def _start_method_per_rank(
+    environ_of_thread: Callable[[], dict[str, str] | None],
+) -> Callable[..., None]:
+    """``multiprocessing.set_start_method`` once per rank, as once per torchrun worker: every
+    rank's script sets it (``mp.set_start_method("spawn")``), and Python allows it once per
+    process. On a rank thread (or a thread it started) the method set is that rank's, and
+    ``get_context()``/``get_start_method()`` answer with it; elsewhere, the process's own.
+    Returns the function that puts Python's back (``forked=True``: in a forked child, with the
+    forking rank's method as the process's)."""
+    import multiprocessing.spawn  # noqa: F401 (it holds the methods too: wrapped below)
+    from multiprocessing import context
+
+    default = context._default_context
+    real_get_context = default.get_context
+    real_get_start_method = default.get_start_method
+    real_set_start_method = default.set_start_method
+    methods: dict[int, str] = {}  # by id of the rank's environment (it lives as long as the rank)
+
+    def rank_method() -> str | None:
+        view = environ_of_thread()
+        return None if view is None else methods.get(id(view))
+
+    def get_context(method: str | None = None) -> Any:
+        return real_get_context(method if method is not None else rank_method())
+
+    def get_start_method(allow_none: bool = False) -> Any:
+        method = rank_method()
+        return method if method is not None else real_get_start_method(allow_none)
+
+    def set_start_method(method: str | None, force: bool = False) -> None:
+        view = environ_of_thread()
+        if view is None:
+            real_set_start_method(method, force)
+            return
+        if id(view) in methods and not force:
+            raise RuntimeError("context has already been set")  # Python's own words
+        if method is None:
+            methods.pop(id(view), None)
+            return
+        real_get_context(method)  # an unknown method: Python's ValueError
+        methods[id(view)] = method
+
+    replacements = {
+        "get_context": (real_get_context, get_context),
+        "get_start_method": (real_get_start_method, get_start_method),
+        "set_start_method": (real_set_start_method, set_start_method),
+    }
+    # multiprocessing bound these methods to module names at its import, and modules that
+    # imported them by name (multiprocessing.spawn, torch.multiprocessing) hold them too.
+    owners = [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
+    undo: list[Callable[[], None]] = []
+    for name, (real, replacement) in replacements.items():
+        setattr(default, name, replacement)
+        undo.append(functools.partial(delattr, default, name))
+        for owner in owners:
+            try:
+                held = vars(owner).get(name)
+            except TypeError:
+                continue
+            if held is not None and held == real:
+                setattr(owner, name, replacement)
+                undo.append(functools.partial(setattr, owner, name, real))
+
+    def put_back(*, forked: bool = False) -> None:
+        method = rank_method() if forked else None
+        while undo:
+            undo.pop()()
+        if method is not None:  # a forked child of the rank: a process with the rank's method
+            real_set_start_method(method, force=True)
+
+    return put_back
 
 
 def _fork_exec_of(module: Any) -> Any:
