@@ -910,8 +910,10 @@ def _lend_torch_state() -> Callable[[], AbstractContextManager[None]] | None:
 
     def lend() -> AbstractContextManager[None]:
         proxy = _c10d._world
-        if isinstance(proxy, _PerThreadWorlds) and ident != proxy._owner:
-            state = proxy.state_of(ident)
+        if isinstance(proxy, _PerThreadWorlds):
+            # The thread that registered the backend (a rank's own, under launch) keeps the
+            # process's original state.
+            state = proxy._original if ident == proxy._owner else proxy.state_of(ident)
             if state is not None:
                 return proxy.lent(state)
         return contextlib.nullcontext()

@@ -59,7 +59,7 @@ def allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     hook=st.sampled_from([allreduce_hook, allreduce_in_callback_hook]),
     schedule=schedules(),
 )
-@settings(max_examples=200, deadline=None, database=None)
+@settings(max_examples=1000, deadline=None, database=None)
 def test_correct_hooks_pass_every_drawn_schedule(
     world_size: int, hook: Any, schedule: fakepg.Schedule
 ) -> None:

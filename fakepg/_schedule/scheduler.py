@@ -273,6 +273,14 @@ class Scheduler:
         """Decide if ``actor`` holds the baton; else (it came back from outside) park."""
         with self._lock:
             holds = self._holder is actor
+            # Back from outside, it arrived while another held the turn, and that one has
+            # since handed it the turn (the hand-over is the decision at this point): it
+            # goes on. Deciding again here would leave itself out of the options (it holds
+            # the turn, so it is not among those waiting for it), and with nothing else to
+            # run the world would look deadlocked.
+            handed = holds and actor.state == RUNNING
+        if handed:
+            return
         if holds:
             self._switch(actor)
         else:
