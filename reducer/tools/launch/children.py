@@ -176,6 +176,9 @@ def install(environ_of_thread: Callable[[], dict[str, str] | None]) -> Callable[
     return restore
 
 
+_START_METHOD_NAMES = ("get_context", "get_start_method", "set_start_method")
+
+
 def _start_method_per_rank(
     environ_of_thread: Callable[[], dict[str, str] | None],
 ) -> Callable[..., None]:
@@ -185,7 +188,8 @@ def _start_method_per_rank(
     ``get_context()``/``get_start_method()`` answer with it; elsewhere, the process's own.
     Returns the function that puts Python's back (``forked=True``: in a forked child, with the
     forking rank's method as the process's)."""
-    import multiprocessing.spawn  # noqa: F401 (it holds the methods too: wrapped below)
+    import multiprocessing
+    import multiprocessing.spawn  # it holds the methods too: wrapped below
     from multiprocessing import context
 
     default = context._default_context
@@ -218,16 +222,19 @@ def _start_method_per_rank(
         real_get_context(method)  # an unknown method: Python's ValueError
         methods[id(view)] = method
 
+    # The bound methods multiprocessing put in its namespace at import (one object each, which
+    # the modules that import them by name share).
+    bound = {name: getattr(multiprocessing, name) for name in _START_METHOD_NAMES}
     replacements = {
-        "get_context": (real_get_context, get_context),
-        "get_start_method": (real_get_start_method, get_start_method),
-        "set_start_method": (real_set_start_method, set_start_method),
+        "get_context": get_context,
+        "get_start_method": get_start_method,
+        "set_start_method": set_start_method,
     }
     # multiprocessing bound these methods to module names at its import, and modules that
     # imported them by name (multiprocessing.spawn, torch.multiprocessing) hold them too.
     owners = [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)]
     undo: list[Callable[[], None]] = []
-    for name, (real, replacement) in replacements.items():
+    for name, replacement in replacements.items():
         setattr(default, name, replacement)
         undo.append(functools.partial(delattr, default, name))
         for owner in owners:
@@ -235,9 +242,9 @@ def _start_method_per_rank(
                 held = vars(owner).get(name)
             except TypeError:
                 continue
-            if held is not None and held == real:
+            if held is not None and held is bound[name]:
                 setattr(owner, name, replacement)
-                undo.append(functools.partial(setattr, owner, name, real))
+                undo.append(functools.partial(setattr, owner, name, held))
 
     def put_back(*, forked: bool = False) -> None:
         method = rank_method() if forked else None
