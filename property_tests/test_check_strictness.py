@@ -19,8 +19,9 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
   of bits alone fails it;
 - what is there and what is not: on a model with a head no rank uses and a buffer, a
   wrapper that leaves the head without a gradient passes; one that drops a used
-  parameter's gradient, gives the unused head a gradient of zeros, or keeps the buffer in
-  another dtype (the same values) fails, each with its own message.
+  parameter's gradient, gives the unused head a gradient of zeros, keeps the buffer or a
+  gradient in another dtype, or a gradient in another memory layout (the same values)
+  fails, each with its own message.
 """
 
 from __future__ import annotations
@@ -283,11 +284,14 @@ class _HeadAndBuffer(torch.nn.Module):
         return out
 
 
-MISTAKES = ("none", "drop", "fill_unused", "buffer_dtype")
+MISTAKES = ("none", "drop", "fill_unused", "buffer_dtype", "grad_dtype", "grad_strides")
 _MESSAGES = {
     "drop": "expected a gradient, got None",
     "fill_unused": "expected no gradient (unused on every rank), got a gradient",
     "buffer_dtype": "buffer 'shift': not bitwise equal to the reference",
+    "grad_dtype": "gradient: expected (2, 3) torch.float32, got (2, 3) torch.float64",
+    "grad_strides": "gradient: strides (1, 2) where plain autograd gives (3, 1) (the wrapper "
+    "must keep the gradient's memory layout)",
 }
 
 
@@ -304,6 +308,12 @@ class _Mistaken(_Rounded):
             p.grad = None
         elif self.mistake == "fill_unused":
             module.unused.weight.grad = torch.zeros_like(module.unused.weight)
+        elif self.mistake == "grad_dtype":  # as a cast left in place: the same values
+            assert p.grad is not None
+            p.grad.data = p.grad.double()
+        elif self.mistake == "grad_strides":  # the same values, column-major
+            assert p.grad is not None
+            p.grad = p.grad.t().contiguous().t()
 
     def forward(self, *args: Any) -> Any:
         out = super().forward(*args)
