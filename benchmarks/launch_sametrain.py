@@ -81,7 +81,7 @@ def recorder_cost(steps: int, rounds: int) -> tuple[float, float]:
     sys.path.insert(0, str(NANOGPT.parent))
     import nanogpt_train as gpt
 
-    from reducer.sametrain._evidence import Recorder
+    from reducer.testing.sametrain._evidence import Recorder
 
     torch.manual_seed(0)
     model = gpt.GPT()

@@ -1,4 +1,4 @@
-"""The same-training verdict of ``python -m reducer launch`` (reducer.sametrain).
+"""The same-training verdict of ``python -m reducer launch`` (reducer.testing.sametrain).
 
 The corpus (tests/scripts/sametrain/) holds one script per data-parallel mistake that keeps the
 ranks in sync, and its fix: every mistake must be named with its cause, every correct script
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reducer.sametrain import CAUSES, SameTraining, deliberate
+from reducer.testing.sametrain import CAUSES, SameTraining, deliberate
 from reducer.tools import cli
 
 ROOT = Path(__file__).parent.parent

@@ -1,9 +1,10 @@
-"""reducer.sametrain's judge on hand-made evidence: what it claims and what it leaves alone."""
+"""Findings of the same-training verdict (reducer.testing.sametrain) on hand-made evidence:
+what it claims and what it leaves alone."""
 
 from __future__ import annotations
 
-from reducer.sametrain._evidence import BackwardEv, ForwardEv, LossEv, RankEvidence
-from reducer.sametrain._findings import judge
+from reducer.testing.sametrain._evidence import BackwardEv, ForwardEv, LossEv, RankEvidence
+from reducer.testing.sametrain._findings import judge
 
 
 def rank(r: int, steps: list[int], scale: float, count: int = 4) -> RankEvidence:

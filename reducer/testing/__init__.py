@@ -20,7 +20,7 @@ Hypothesis and pytest). It holds what the project's own property suite is built 
 - :mod:`~reducer.testing.algorithms`: references as algorithms: what each rank must hold
   after each step (DDP's average, ZeRO, local SGD, hierarchical averaging, FSDP2's shards
   per rank, your own);
-- ``check_same_training`` (from :mod:`reducer.sametrain`): whether a data-parallel step
+- ``check_same_training`` (from :mod:`reducer.testing.sametrain`): whether a data-parallel step
   trains what one process would on the global batch (the ranks' step replayed as one
   process, and the mistakes that keep ranks in sync named: summed loss, accumulation
   scale, uneven batches, per-rank BatchNorm, same batches); ``deliberate`` declares a
@@ -33,8 +33,6 @@ Importing it registers nothing (see :mod:`reducer.testing.plugin` for the pytest
 """
 
 from __future__ import annotations
-
-from reducer.sametrain import Verdict, check_same_training, deliberate
 
 from .algorithms import (
     Reference,
@@ -59,6 +57,7 @@ from .checks import (
 )
 from .harness import Scenario, check_against_reference
 from .reference import rank_order_average, sparse_average, sum_then_divide
+from .sametrain import Verdict, check_same_training, deliberate
 from .schedule import fewest_deviations, race_report, schedules
 from .strategies import bucket_caps_mb, generated_training_scenarios, training_scenarios
 

@@ -20,7 +20,7 @@ prints the summary.
 At every optimizer step the replica check (reducer.tools.check) compares every rank's
 parameters and gradients bit for bit and, at the first divergence, stops the ranks, says why
 and exits with code 3 (``--no-check`` turns it off; ``--check-keep-going`` reports and goes on).
-After the run, the same-training verdict (reducer.sametrain) says whether the ranks trained
+After the run, the same-training verdict (reducer.testing.sametrain) says whether the ranks trained
 what one process would on the global batch (``--no-same-training`` turns it off).
 
 torchrun's --standalone and --nnodes 1 are accepted (a launch is one node); --nproc-per-node
@@ -54,7 +54,7 @@ from pathlib import Path
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from reducer.sametrain import _launch as sametrain
+from reducer.testing.sametrain import _launch as sametrain
 
 from . import children, devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment

@@ -134,10 +134,10 @@ def loader(opts: Options, data: Dataset[Any], rank: int, world: int) -> DataLoad
 
 def train(opts: Options, rank: int, world: int) -> nn.Module:
     """The script's training, on this rank (world 1: one process, no wrapper)."""
-    import reducer.sametrain
+    import reducer.testing.sametrain
 
     if opts.deliberate:
-        reducer.sametrain.deliberate(*opts.deliberate)
+        reducer.testing.sametrain.deliberate(*opts.deliberate)
     model = build(opts)
     if world > 1 and opts.model == "cnn" and opts.batchnorm == "sync":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

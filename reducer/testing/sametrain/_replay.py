@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _checked, declared
+from ._declared import _checked, declared
 from ._evidence import Recorder
 from ._findings import Finding, Verdict, _factor, _simple, judge
 
@@ -44,13 +44,13 @@ def check_same_training(
     micro_batch)``: the loss your loop backpropagates for a micro-batch (your forward and loss,
     with any ``/ accumulation_steps``). Each rank runs on its own copy of ``model``; dropout
     is off on both sides (random masks would differ anyway). The findings are those of
-    ``python -m reducer launch`` (see :mod:`reducer.sametrain`), and a replay: the rank average
-    of the gradients against one process's on the concatenated batch (its loss scaled back to
-    the loss function's own value), equal within rounding.
+    ``python -m reducer launch`` (see :mod:`reducer.testing.sametrain`), and a replay: the
+    rank average of the gradients against one process's on the concatenated batch (its loss
+    scaled back to the loss function's own value), equal within rounding.
 
-    Returns the :class:`~reducer.sametrain.Verdict`; raises AssertionError with its report
+    Returns the :class:`~reducer.testing.sametrain.Verdict`; raises AssertionError with its report
     when it is not the same training (``raise_on_finding=False``: return it anyway).
-    ``deliberate``: causes declared on purpose (as :func:`reducer.sametrain.deliberate`).
+    ``deliberate``: causes declared on purpose (as :func:`reducer.testing.sametrain.deliberate`).
     """
     world = _validated(model, loss_fn, batches)
     chosen = _checked(deliberate, "check_same_training(deliberate=...)") | declared()

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="CAUSES",
         help="causes the same-training report keeps quiet about, comma-separated, as the "
-        f"script's reducer.sametrain.deliberate(...) call: {', '.join(sorted(CAUSES))}",
+        f"script's reducer.testing.sametrain.deliberate(...) call: {', '.join(sorted(CAUSES))}",
     )
 
 

@@ -21,16 +21,16 @@ This module imports torch only: a script may call :func:`deliberate` under torch
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO
 
+from ._declared import _DECLARED, _LOCK, ENV_VAR, _checked, declared, deliberate
 from ._evidence import Recorder, fingerprint
 from ._findings import CAUSES, Finding, Verdict, judge
+from ._replay import check_same_training
 
 __all__ = [
     "CAUSES",
@@ -43,42 +43,6 @@ __all__ = [
     "deliberate",
     "fingerprint",
 ]
-
-ENV_VAR = "REDUCER_DELIBERATE"
-
-_DECLARED: set[str] = set()  # causes the script declared deliberate (guarded by _LOCK)
-_LOCK = threading.Lock()
-
-
-def _checked(causes: Iterable[str], where: str) -> frozenset[str]:
-    out = set()
-    for cause in causes:
-        name = cause.strip()
-        if not name:
-            continue
-        if name not in CAUSES:
-            known = ", ".join(sorted(CAUSES))
-            raise ValueError(f"{where}: unknown cause {name!r}; the causes are: {known}")
-        out.add(name)
-    return frozenset(out)
-
-
-def deliberate(*causes: str) -> None:
-    """Declare causes deliberate (e.g. ``deliberate("summed-loss")`` where the learning rate
-    is scaled for a summed loss): the same-training report does not count them as findings,
-    and says they were declared. The causes are the keys of :data:`CAUSES`; an unknown one is
-    a ValueError. Any rank may call it, any number of times."""
-    names = _checked(causes, "reducer.sametrain.deliberate")
-    with _LOCK:
-        _DECLARED.update(names)
-
-
-def declared() -> frozenset[str]:
-    """The causes declared by :func:`deliberate` and ``REDUCER_DELIBERATE``."""
-    env = os.environ.get(ENV_VAR, "")
-    with _LOCK:
-        mine = frozenset(_DECLARED)
-    return mine | _checked(env.split(","), f"{ENV_VAR}={env!r}")
 
 
 class SameTraining:
@@ -137,6 +101,3 @@ class SameTraining:
         text = self.verdict().report()
         stream.write("".join(f"[same-training] {line}\n" for line in text.split("\n")))
         stream.flush()
-
-
-from ._replay import check_same_training  # noqa: E402  (it imports the functions above)
