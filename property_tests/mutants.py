@@ -1056,8 +1056,10 @@ class FirstGroupOnlyCheck(_ReplicaCheck):
     only (nanoGPT's weight-decay split puts the biases and norms in a second one), and of
     the wrappers only those no optimizer steps (the frozen ones)."""
 
-    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
-        arrival = super()._arrival(record, optimizer, step)
+    def _arrival(
+        self, record: Any, optimizer: torch.optim.Optimizer, step: int, line: str | None = None
+    ) -> Any:
+        arrival = super()._arrival(record, optimizer, step, line)
         seen = {id(p) for p in optimizer.param_groups[0]["params"]}
         seen |= {
             id(p) for w in record.wrappers.values() for p in w.parameters() if not p.requires_grad
@@ -1091,8 +1093,10 @@ class FrozenSkippedCheck(_ReplicaCheck):
     """The replica check compares only the parameters that train (``requires_grad``): a
     frozen layer whose weights some ranks loaded after wrapping is taken to be in sync."""
 
-    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
-        arrival = super()._arrival(record, optimizer, step)
+    def _arrival(
+        self, record: Any, optimizer: torch.optim.Optimizer, step: int, line: str | None = None
+    ) -> Any:
+        arrival = super()._arrival(record, optimizer, step, line)
         arrival.params = [p for p in arrival.params if p.requires_grad]
         return arrival
 
@@ -1113,8 +1117,10 @@ class IgnoredComparedCheck(_ReplicaCheck):
     """The replica check compares the parameters a wrapper was told to ignore
     (``_set_params_and_buffers_to_ignore_for_model``), which differ per rank by design."""
 
-    def _arrival(self, record: Any, optimizer: torch.optim.Optimizer, step: int) -> Any:
-        arrival = super()._arrival(record, optimizer, step)
+    def _arrival(
+        self, record: Any, optimizer: torch.optim.Optimizer, step: int, line: str | None = None
+    ) -> Any:
+        arrival = super()._arrival(record, optimizer, step, line)
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
         every = [*stepped, *(p for w in record.wrappers.values() for p in w.parameters())]
         arrival.params = list({id(p): p for p in every}.values())
