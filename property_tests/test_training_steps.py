@@ -211,6 +211,17 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 LocalSGDCase = tuple[TrainingScenario, int, int, int]
 
 
+def _mlp_scenario(world: int, steps: int, seed: int) -> TrainingScenario:
+    """A seeded MLP trained ``steps`` steps on ``world`` ranks, every parameter used."""
+    spec = ModelSpec((BranchSpec("mlp"),), seed=seed)
+    everything = frozenset({0})
+    inputs = tuple(
+        tuple((branch_inputs(spec, seed + 101 * r + 7 * k), everything) for r in range(world))
+        for k in range(steps)
+    )
+    return TrainingScenario(functools.partial(build_model, spec), inputs, loss=loss_of)
+
+
 @st.composite
 def local_sgd_cases(draw: st.DrawFn) -> LocalSGDCase:
     """(scenario of an MLP, subgroup size, start_localSGD_iter = the averager's warm-up,
@@ -220,14 +231,7 @@ def local_sgd_cases(draw: st.DrawFn) -> LocalSGDCase:
     start = draw(st.integers(0, 2))
     period = draw(st.integers(1, 3))
     steps = draw(st.integers(1, 4))
-    seed = draw(st.integers(0, 2**16))
-    spec = ModelSpec((BranchSpec("mlp"),), seed=seed)
-    everything = frozenset({0})
-    inputs = tuple(
-        tuple((branch_inputs(spec, seed + 101 * r + 7 * k), everything) for r in range(world))
-        for k in range(steps)
-    )
-    s = TrainingScenario(functools.partial(build_model, spec), inputs, loss=loss_of)
+    s = _mlp_scenario(world, steps, draw(st.integers(0, 2**16)))
     return s, group, start, period
 
 
@@ -276,14 +280,7 @@ def hierarchical_cases(draw: st.DrawFn) -> HierarchicalCase:
     )
     warmup = draw(st.integers(0, 2))
     steps = draw(st.integers(1, 4))
-    seed = draw(st.integers(0, 2**16))
-    spec = ModelSpec((BranchSpec("mlp"),), seed=seed)
-    everything = frozenset({0})
-    inputs = tuple(
-        tuple((branch_inputs(spec, seed + 101 * r + 7 * k), everything) for r in range(world))
-        for k in range(steps)
-    )
-    s = TrainingScenario(functools.partial(build_model, spec), inputs, loss=loss_of)
+    s = _mlp_scenario(world, steps, draw(st.integers(0, 2**16)))
     return s, dict(zip(periods, sizes, strict=True)), warmup
 
 

@@ -12,6 +12,7 @@ collective is refused by name.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -28,17 +29,17 @@ SCRIPTS = Path(__file__).parent / "scripts"
 CHILDREN = SCRIPTS / "child_processes.py"
 ROOT = Path(__file__).parent.parent
 LAUNCH = (sys.executable, "-m", "reducer", "launch", "--nproc", "2")
-CASES = (
-    "dl-fork",
-    "dl-fork-persistent",
-    "dl-spawn",
-    "dl-forkserver",
-    "pool-fork",
-    "pool-spawn",
-    "executor-forkserver",
-    "executor-fork",
-    "exits",
-)
+
+
+def _cases() -> tuple[str, ...]:
+    """The script's CASES, read from its source (importing it would import its torch setup)."""
+    for node in ast.parse(CHILDREN.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "CASES":
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError(f"{CHILDREN} defines no CASES")
+
+
+CASES = _cases()
 
 
 def write(tmp_path: Path, name: str, source: str) -> Path:
