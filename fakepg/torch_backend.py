@@ -847,13 +847,22 @@ class _PerThreadWorlds:
 
     def __init__(self, original: Any) -> None:
         object.__setattr__(self, "_original", original)
-        object.__setattr__(self, "_owner", threading.get_ident())
+        # The installing thread, by object: a thread ident is reused by a later thread once
+        # its thread has ended (a thread kept between worlds, say), which must not inherit
+        # the process's original state.
+        object.__setattr__(self, "_owner", threading.current_thread())
         object.__setattr__(self, "_local", threading.local())
         # Thread ident -> the state that thread made (a dict's item operations are atomic).
         object.__setattr__(self, "_by_thread", {})
 
     def _current(self) -> Any:
-        if threading.get_ident() == self._owner:
+        # A state lent to this thread comes first, even on the owner's thread: a thread kept
+        # between worlds (fakepg._threads) may be the one that installed this proxy, and
+        # later run a rank's callbacks (see :meth:`lent`).
+        lent = getattr(self._local, "lent", None)
+        if lent is not None:
+            return lent
+        if threading.current_thread() is self._owner:
             return self._original
         world = getattr(self._local, "world", None)
         if world is None:
@@ -877,12 +886,12 @@ class _PerThreadWorlds:
     def lent(self, state: Any) -> Iterator[None]:
         """The calling thread uses ``state`` (another thread's) until the block ends."""
         local = self._local
-        previous = getattr(local, "world", None)
-        local.world = state
+        previous = getattr(local, "lent", None)
+        local.lent = state
         try:
             yield
         finally:
-            local.world = previous
+            local.lent = previous
 
 
 def _reset_thread_groups() -> None:
@@ -891,7 +900,7 @@ def _reset_thread_groups() -> None:
     group names torch computes on every rank of the next world agree. See Note [Thread-local
     state of cached threads] in fakepg._threads."""
     worlds = _c10d._world
-    if not isinstance(worlds, _PerThreadWorlds) or threading.get_ident() == worlds._owner:
+    if not isinstance(worlds, _PerThreadWorlds) or threading.current_thread() is worlds._owner:
         return
     mine = getattr(worlds._local, "world", None)
     if mine is not None and mine.pg_map:
@@ -907,13 +916,14 @@ def _lend_torch_state() -> Callable[[], AbstractContextManager[None]] | None:
     when lent: the backend may be registered, and the state made, after the rank started
     (a script's own init_process_group under launch)."""
     ident = threading.get_ident()
+    me = threading.current_thread()
 
     def lend() -> AbstractContextManager[None]:
         proxy = _c10d._world
         if isinstance(proxy, _PerThreadWorlds):
             # The thread that registered the backend (a rank's own, under launch) keeps the
             # process's original state.
-            state = proxy._original if ident == proxy._owner else proxy.state_of(ident)
+            state = proxy._original if me is proxy._owner else proxy.state_of(ident)
             if state is not None:
                 return proxy.lent(state)
         return contextlib.nullcontext()

@@ -3,6 +3,8 @@ torch.distributed state and random generator, as on a gloo process."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,3 +61,49 @@ def test_a_comm_hooks_then_callback_sees_its_ranks_world_size(
     g = torch.Generator().manual_seed(1)
     inputs = tuple(tuple((torch.randn(2, 4, generator=g),) for _ in range(2)) for _ in range(2))
     check_comm_hook(world_size_in_then_hook, TrainingScenario(_model, inputs), schedule=schedule)
+
+
+def test_a_state_lent_to_the_thread_that_installed_the_proxy_is_the_one_it_sees() -> None:
+    # A thread kept between worlds may be the one that installed the per-thread proxy of
+    # torch.distributed's state (its own state is then the process's original) and later run
+    # a rank's callbacks: the lent state must win there too.
+    from fakepg.torch_backend import _PerThreadWorlds
+
+    original, lent = object(), object()
+    proxy = _PerThreadWorlds(original)  # installed by this thread: it is the owner
+    assert proxy._current() is original
+    with proxy.lent(lent):
+        assert proxy._current() is lent
+    assert proxy._current() is original
+
+
+def test_a_later_thread_with_the_installers_ident_gets_a_state_of_its_own() -> None:
+    # Thread idents are reused once a thread has ended (glibc recycles the stacks): a later
+    # thread with the installer's ident must get its own state, not the process's original.
+    import threading
+
+    from fakepg.torch_backend import _PerThreadWorlds
+
+    original = object()
+    made: dict[str, Any] = {}
+
+    def install() -> None:
+        made["proxy"] = _PerThreadWorlds(original)
+        made["ident"] = threading.get_ident()
+
+    installer = threading.Thread(target=install)
+    installer.start()
+    installer.join()
+    proxy = made["proxy"]
+    seen: list[tuple[int, Any]] = []
+
+    def look() -> None:
+        seen.append((threading.get_ident(), proxy._current()))
+
+    for _ in range(20):  # until the ident comes back, most often at once
+        later = threading.Thread(target=look)
+        later.start()
+        later.join()
+        if seen[-1][0] == made["ident"]:
+            break
+    assert all(state is not original for _, state in seen)
