@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import textwrap
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -252,3 +254,18 @@ def assert_gradients_bit_identical(
                 f"{at}: not bit-identical (max difference "
                 f"{(a.double() - b.double()).abs().max().item():.3g})"
             )
+
+
+def write_script(tmp_path: Path, name: str, source: str) -> Path:
+    """A training script for ``launch``, written from dedented ``source``."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def launch_two_ranks(*args: str) -> int:
+    """``python -m reducer launch --nproc 2`` in this process, with a 30 s timeout; its exit
+    code."""
+    from reducer.tools import cli
+
+    return cli.main(["launch", "--nproc", "2", "--timeout", "30", *args])

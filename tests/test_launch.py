@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from helpers import write_script as write
 
 from reducer.tools import cli
 
@@ -144,12 +145,6 @@ def test_a_deadlocked_script_ends_within_the_timeout_naming_the_missing_ranks() 
     # torchrun's summary:
     assert "deadlock.py FAILED" in err and "Root Cause (first observed failure):" in err
     assert "[rank0]: step 0 done: 2.0" in done.stdout
-
-
-def write(tmp_path: Path, name: str, source: str) -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(source))
-    return path
 
 
 def test_each_rank_has_its_own_environment_argv_and_main(

@@ -16,14 +16,13 @@ import ast
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-from reducer.tools import cli
+from helpers import launch_two_ranks as launch
+from helpers import write_script as write
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CHILDREN = SCRIPTS / "child_processes.py"
@@ -40,16 +39,6 @@ def _cases() -> tuple[str, ...]:
 
 
 CASES = _cases()
-
-
-def write(tmp_path: Path, name: str, source: str) -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(source))
-    return path
-
-
-def launch(*args: str) -> int:
-    return cli.main(["launch", "--nproc", "2", "--timeout", "30", *args])
 
 
 def same(a: Any, b: Any) -> bool:

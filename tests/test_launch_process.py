@@ -18,18 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-from reducer.tools import cli
-
-
-def write(tmp_path: Path, name: str, source: str) -> Path:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(source))
-    return path
-
-
-def launch(*args: str) -> int:
-    return cli.main(["launch", "--nproc", "2", "--timeout", "30", *args])
+from helpers import launch_two_ranks as launch
+from helpers import write_script as write
 
 
 def lines(text: str, rank: int) -> list[str]:
