@@ -211,6 +211,21 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 LocalSGDCase = tuple[TrainingScenario, int, int, int]
 
 
+def _post_local_sgd_ddp(
+    module: nn.Module, pg: reducer.ProcessGroup, group: int, start: int
+) -> nn.Module:
+    """This DDP with torch's post-local SGD hook: gradients averaged in consecutive subgroups
+    of ``group`` ranks from step ``start`` on (the whole world before it)."""
+    ddp = reducer.DistributedDataParallel(module, pg)
+    ranks = range(pg.size())
+    # Every rank creates every subgroup, in the same order (as torch's new_subgroups).
+    made = [pg.new_group(list(ranks[k : k + group])) for k in range(0, len(ranks), group)]  # type: ignore[attr-defined]
+    sub = next(g for g in made if g is not None)
+    state = reducer.PostLocalSGDState(None, subgroup=sub, start_localSGD_iter=start)
+    ddp.register_comm_hook(state, reducer.post_localSGD_hook)
+    return ddp
+
+
 def _mlp_scenario(world: int, steps: int, seed: int) -> TrainingScenario:
     """A seeded MLP trained ``steps`` steps on ``world`` ranks, every parameter used."""
     spec = ModelSpec((BranchSpec("mlp"),), seed=seed)
@@ -239,14 +254,7 @@ def check_post_local_sgd(case: LocalSGDCase) -> None:
     s, group, start, period = case
 
     def make(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
-        ddp = reducer.DistributedDataParallel(module, pg)
-        ranks = range(pg.size())
-        # Every rank creates every subgroup, in the same order (as torch's new_subgroups).
-        made = [pg.new_group(list(ranks[k : k + group])) for k in range(0, len(ranks), group)]  # type: ignore[attr-defined]
-        sub = next(g for g in made if g is not None)
-        state = reducer.PostLocalSGDState(None, subgroup=sub, start_localSGD_iter=start)
-        ddp.register_comm_hook(state, reducer.post_localSGD_hook)
-        return ddp
+        return _post_local_sgd_ddp(module, pg, group, start)
 
     def optimizer(params: list[nn.Parameter]) -> Any:
         return PostLocalSGDOptimizer(_sgd(params), PeriodicModelAverager(period, start))
@@ -290,12 +298,7 @@ def check_hierarchical_averaging(case: HierarchicalCase) -> None:
     s, periods, warmup = case
 
     def make(module: nn.Module, pg: reducer.ProcessGroup) -> nn.Module:
-        ddp = reducer.DistributedDataParallel(module, pg)
-        made = [pg.new_group([r]) for r in range(pg.size())]  # type: ignore[attr-defined]
-        own = next(g for g in made if g is not None)
-        state = reducer.PostLocalSGDState(None, subgroup=own, start_localSGD_iter=warmup)
-        ddp.register_comm_hook(state, reducer.post_localSGD_hook)
-        return ddp
+        return _post_local_sgd_ddp(module, pg, 1, warmup)  # local gradients after the warm-up
 
     def optimizer(params: list[nn.Parameter]) -> Any:
         return PostLocalSGDOptimizer(_sgd(params), HierarchicalModelAverager(periods, warmup))
