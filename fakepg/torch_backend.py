@@ -847,10 +847,7 @@ class _PerThreadWorlds:
 
     def __init__(self, original: Any) -> None:
         object.__setattr__(self, "_original", original)
-        # The installing thread, by object: a thread ident is reused by a later thread once
-        # its thread has ended (a thread kept between worlds, say), which must not inherit
-        # the process's original state.
-        object.__setattr__(self, "_owner", threading.current_thread())
+        object.__setattr__(self, "_owner", _owner_of_the_original())
         object.__setattr__(self, "_local", threading.local())
         # Thread ident -> the state that thread made (a dict's item operations are atomic).
         object.__setattr__(self, "_by_thread", {})
@@ -892,6 +889,18 @@ class _PerThreadWorlds:
             yield
         finally:
             local.lent = previous
+
+
+def _owner_of_the_original() -> threading.Thread:
+    """The thread that keeps the process's original torch.distributed state: the installing
+    thread, known by its object (a thread ident is reused once its thread has ended, and a
+    later thread with it must not inherit the original state). When the installer is a
+    thread kept between worlds (a rank's, whose ``init_torch_group`` came first), the main
+    thread keeps it instead: the cached thread runs later jobs, of other worlds, whose state
+    must start empty after each (``_reset_thread_groups``), not carry the first job's groups."""
+    if isinstance(_threads.current(), _threads.Job):
+        return threading.main_thread()
+    return threading.current_thread()
 
 
 def _reset_thread_groups() -> None:
@@ -944,13 +953,17 @@ def _install_per_thread_worlds() -> None:
     original = _c10d._world
     if isinstance(original, _PerThreadWorlds):
         return
-    _c10d._world = _PerThreadWorlds(original)  # type: ignore[assignment]  # a duck-typed _World
+    proxy = _PerThreadWorlds(original)
+    _c10d._world = proxy  # type: ignore[assignment]  # a duck-typed _World
     c10d_ext: Any = torch._C._distributed_c10d
     c10d_ext._set_thread_isolation_mode(True)
     # Groups that exist were registered process-wide; isolation hides them even from the thread
-    # that made them, so register them again in this (the owner) thread's registry.
-    for group, name in list(original.pg_names.items()):
-        c10d_ext._register_process_group(name, group)
+    # that made them, so register them again in this (the owner) thread's registry. (Installed
+    # from a cached thread, the owner is the main thread, whose registry this thread cannot
+    # reach: the groups stay in the original state, found by name from Python only.)
+    if threading.current_thread() is proxy._owner:
+        for group, name in list(original.pg_names.items()):
+            c10d_ext._register_process_group(name, group)
 
 
 # -------------------------------------------------------------------------------------------

@@ -107,3 +107,61 @@ def test_a_later_thread_with_the_installers_ident_gets_a_state_of_its_own() -> N
         if seen[-1][0] == made["ident"]:
             break
     assert all(state is not original for _, state in seen)
+
+
+def test_a_proxy_installed_on_a_thread_kept_between_worlds_leaves_the_original_to_main() -> None:
+    # The first init_torch_group of a process may run on a rank's thread, a cached one that
+    # later runs other worlds' jobs: it must not keep the original state (a job's groups left
+    # there would be seen by every later job on that thread).
+    import threading
+
+    from fakepg import _threads
+    from fakepg.torch_backend import _PerThreadWorlds
+
+    original = object()
+    made: dict[str, Any] = {}
+
+    def install() -> None:
+        proxy = made["proxy"] = _PerThreadWorlds(original)
+        made["state"] = proxy._current()
+
+    job = _threads.Job(target=install, name="installs the proxy")
+    job.start()
+    job.join(timeout=30)
+    proxy = made["proxy"]
+    assert proxy._owner is threading.main_thread()
+    assert made["state"] is not original
+    assert proxy._current() is original  # this test runs on the main thread
+
+
+_LEFT_BEHIND = """
+import torch.distributed as dist
+import fakepg
+
+def job(world, destroy):
+    def rank_main(pg):
+        fakepg.init_torch_group(world, pg.rank())
+        seen = (dist.get_rank(), dist.get_world_size())
+        if destroy:
+            dist.destroy_process_group()
+        return seen
+    return rank_main
+
+# The process's first registration, on a rank's thread; the ranks leave their groups behind.
+with fakepg.World(2) as world:
+    assert world.run(job(world, False)) == [(0, 2), (1, 2)]
+for _ in range(6):  # later worlds run on the same cached threads
+    with fakepg.World(2) as world:
+        assert world.run(job(world, True)) == [(0, 2), (1, 2)]
+print("ok")
+"""
+
+
+def test_groups_a_job_left_on_the_installing_thread_are_gone_for_the_next_job() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_BEHIND], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
