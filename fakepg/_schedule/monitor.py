@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterator
 from typing import Protocol
 
+from fakepg import _threads
+
 from .actors import OUTSIDE, RUNNING, Actor
 from .probe import Sample, asleep, stalled
 
@@ -95,18 +97,18 @@ class Monitor:
         self._cond = threading.Condition(lock)  # the waits of deciders for outside actors
         self._watch_cond = threading.Condition(lock)  # the monitor thread's own waits
         self._look_due = math.inf  # when the monitor thread looks next (monotonic)
-        self._thread: threading.Thread | None = None
+        self._job: _threads.Job | None = None
 
     def start(self, run: int) -> None:
-        self._thread = threading.Thread(
-            target=self._watch, args=(run,), name="fakepg-schedule-monitor", daemon=True
-        )
-        self._thread.start()
+        # On a kept thread (fakepg._threads): starting a thread per run cost more than the
+        # run's hand-overs on a busy machine (Thread.start waits for the new thread to run).
+        self._job = _threads.Job(target=self._watch, args=(run,), name="fakepg-schedule-monitor")
+        self._job.start()
 
     def join(self, timeout: float) -> None:
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        job = self._job
+        if job is not None and job is not _threads.current():
+            job.join(timeout)
 
     def wake_locked(self) -> None:
         """Something the monitor may wait for happened: an outside actor came back, or the run
