@@ -120,7 +120,7 @@ from .faults import (
 from .group import FakeProcessGroup
 from .netmodel import NetworkModel
 from .schedule import Schedule, _Scheduler, install_future_wait
-from .work import Channel, Collective, ErrorFactory, Work
+from .work import INLINE_BYTES, Channel, Collective, ErrorFactory, Work
 
 __all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
 
@@ -387,10 +387,18 @@ class World:
                     order = _streams.StreamOrder(self.side_streams, collective.ready)
                     collective.stream_order = order
                     tasks = [order.wrap(task) for task in tasks]
-                if scheduler is None:
-                    collective.start(tasks, lands_at_ns)
-                else:
+                if scheduler is not None:
                     complete = functools.partial(collective.run_inline, tasks)
+                elif (
+                    lands_at_ns is None
+                    and collective.stream_order is None
+                    and len(tasks) <= 1
+                    and nbytes * len(channel.members) <= INLINE_BYTES
+                ):
+                    # See Note [Small collectives move on the last rank's thread] in fakepg.work.
+                    collective.move_here(tasks, rank)
+                else:
+                    collective.start(tasks, lands_at_ns)
         if scheduler is not None:
             # A point: who runs next, and when this collective completes, is decided there.
             # As this rank issued it (its peers' may differ: a desync).
