@@ -584,7 +584,11 @@ class World:
         lock = threading.Lock()
         failures: list[tuple[int, BaseException]] = []
         returned: set[int] = set()  # ranks whose result is in results
-        changed = threading.Event()  # set whenever a rank ends or fails
+        ended = [0]  # rank functions that have ended, guarded by lock too
+        # Set once every rank's function has ended, or one ended with the world aborted or
+        # closed: the caller wakes then, not at each rank's end (under the GIL a wake-up
+        # takes the interpreter from the ranks still computing).
+        changed = threading.Event()
         streams = _rng.RankStreams(self.world_size) if per_rank_rng else None
 
         def fail(rank: int, exc: BaseException) -> None:
@@ -625,7 +629,11 @@ class World:
             finally:
                 if scheduler is not None:
                     scheduler.leave()
-                changed.set()
+                with lock:
+                    ended[0] += 1
+                    everyone = ended[0] == self.world_size
+                if everyone or self._abort is not None or self._closed:
+                    changed.set()
 
         threads = [
             _threads.Job(target=rank_main, args=(r,), name=f"fakepg-rank-{r}")
@@ -635,7 +643,9 @@ class World:
             scheduler.begin()
         for thread in threads:
             thread.start()
-        stuck = _join_ranks(self, threads, changed, grace_s=float(grace_s))
+        stuck = _join_ranks(
+            self, threads, changed, lambda: ended[0] == self.world_size, grace_s=float(grace_s)
+        )
         if scheduler is not None:
             scheduler.end()
         with lock:
@@ -955,16 +965,23 @@ def run(
 
 
 def _join_ranks(
-    world: World, threads: list[_threads.Job], changed: threading.Event, grace_s: float
+    world: World,
+    threads: list[_threads.Job],
+    changed: threading.Event,
+    all_ended: Callable[[], bool],
+    grace_s: float,
 ) -> list[int]:
     """Wait for every rank thread; once the world is aborted or closed, stop the stragglers.
+    ``changed`` is set when ``all_ended()`` becomes true or a rank ends in an aborted world;
+    the threads themselves are then joined (a job is done a little after its function ended:
+    its thread resets its state first).
 
     A rank blocked in a collective wakes with the abort. A rank busy elsewhere gets ``grace_s``
     to reach a collective, then an asynchronous ``_Stop``, then ``grace_s`` more; a thread
     still alive after that (stuck in a C call) is returned instead of waited for forever.
     """
     try:
-        while any(t.is_alive() for t in threads) and not (world.aborted or world.closed):
+        while not all_ended() and not (world.aborted or world.closed):
             changed.wait(0.1)  # a timeout too, so that Ctrl-C and close() are seen
             changed.clear()
         for attempt in range(2):
