@@ -9,7 +9,9 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # autograd's, and its completion threads, where its futures' callbacks run), but every method
 # of World, FakeProcessGroup and Work is thread-safe. A world holds no global state; any
 # number of worlds run at once in one process, nested or not. Threads a world starts (the
-# data workers, the timer, the ranks' completion threads) are joined by its close(). Under a
+# data workers, the ranks' completion threads) are joined by its close(); its timer's
+# callbacks run on one process-wide thread (fakepg.executor.Timer), and none runs after
+# close() has returned. Under a
 # schedule (see Note [Controlled scheduling] in fakepg.schedule) one controlled thread runs at
 # a time, and a collective's data moves on the thread that decides its completion.
 
