@@ -287,14 +287,23 @@ def test_a_held_work_that_its_rank_only_polls_completes() -> None:
 
 def test_a_held_works_future_completes_on_its_ranks_lane() -> None:
     with fakepg.World(2) as world:
+        # Rank 1's lane is kept busy by a callback of an earlier collective until the gate
+        # opens, so that what the held work's future does can be seen before it runs.
+        gate = threading.Event()
+        first = [torch.ones(2), torch.ones(2)]
+        earlier = world.group(1).allreduce([first[1]])
+        earlier.get_future().then(lambda _: gate.wait(10.0))
+        world.group(0).allreduce([first[0]])
         tensors = [torch.ones(2), torch.ones(2)]
         world.group(0).allreduce([tensors[0]])
         last = world.group(1).allreduce([tensors[1]])
+        future = last.get_future()
+        assert not future.done() and not last.is_completed()  # not at once, on this thread
         finisher: list[str] = []
-        chained = last.get_future().then(lambda f: finisher.append(_thread_name()) or f.value())
+        chained = future.then(lambda f: finisher.append(_thread_name()) or f.value())
+        gate.set()
         assert torch.equal(chained.wait()[0], torch.full((2,), 2.0))
-        # Run by rank 1's completion thread, not at once on the calling thread.
-        assert finisher and finisher[0].endswith("-rank1-completion0"), finisher
+        assert len(finisher) == 1 and finisher[0].endswith("-rank1-completion0"), finisher
         assert last.is_completed()
 
 
