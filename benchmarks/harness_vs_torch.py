@@ -497,11 +497,47 @@ def bug_hunt(way: str, seeds: Sequence[int], examples_cap: int) -> list[Run]:
     return runs
 
 
+@contextlib.contextmanager
+def torch_work_clock(cpu: list[float]) -> Iterator[None]:
+    """While inside: ``cpu[0]`` grows by the CPU time (``time.thread_time``) that threads other
+    than the main one spend in torch's DDP constructor, its forward and ``Tensor.backward``:
+    the ranks' torch work, the same code on the fake world and on the threaded group (their
+    collectives' calls included, as those run inside it)."""
+    ddp = nn.parallel.DistributedDataParallel
+    originals = (ddp.__init__, ddp.forward, torch.Tensor.backward)
+    main = threading.main_thread()
+    lock = threading.Lock()
+
+    def clocked(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is main:
+                return fn(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    cpu[0] += time.thread_time() - start
+
+        return call
+
+    ddp.__init__ = clocked(originals[0])  # type: ignore[method-assign]
+    ddp.forward = clocked(originals[1])  # type: ignore[method-assign]
+    torch.Tensor.backward = clocked(originals[2])  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ddp.__init__, ddp.forward, torch.Tensor.backward = originals  # type: ignore[method-assign]
+
+
 def parts(world_size: int, count: int, rounds: int) -> list[list[object]]:
     """Milliseconds per example of the library's check and of its parts (the argument checks,
     the world and its ranks, the reference and the comparison), beside the threaded way's
     whole check, in turns over ``rounds`` rounds of ``count`` examples (median): where the
-    time goes. Private functions of the checks: the benchmark measures what they cost."""
+    time goes; each as wall time and as the process's CPU time (every thread's), and, for
+    both whole checks, the rank threads' CPU time in torch's DDP (constructor, forward,
+    backward): the torch work both ways do alike. Private functions of the checks: the
+    benchmark measures what they cost."""
     from reducer.testing import TrainingScenario, torch_ddp
     from reducer.testing import checks as library
     from reducer.testing._judge import Bounds, judge
@@ -545,16 +581,32 @@ def parts(world_size: int, count: int, rounds: int) -> list[list[object]]:
         "threaded: the whole check": threaded_way("none"),
     }
     ms: dict[str, list[float]] = {name: [] for name in ways}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in ways}
+    torch_ms: dict[str, list[float]] = {name: [] for name in ways}
     with threaded_group():
         for fn in ways.values():
             fn(batch[0])
         for _ in range(rounds):
             for name, fn in ways.items():
-                start = time.perf_counter()
-                for e in batch:
-                    fn(e)
-                ms[name].append((time.perf_counter() - start) / count * 1e3)
-    return [[name, world_size, statistics.median(v)] for name, v in ms.items()]
+                in_torch = [0.0]
+                with torch_work_clock(in_torch):
+                    start, cpu = time.perf_counter(), time.process_time()
+                    for e in batch:
+                        fn(e)
+                    ms[name].append((time.perf_counter() - start) / count * 1e3)
+                    cpu_ms[name].append((time.process_time() - cpu) / count * 1e3)
+                torch_ms[name].append(in_torch[0] / count * 1e3)
+    whole = ("fakepg: check_data_parallel", "threaded: the whole check")
+    return [
+        [
+            name,
+            world_size,
+            statistics.median(ms[name]),
+            statistics.median(cpu_ms[name]),
+            statistics.median(torch_ms[name]) if name in whole else "",
+        ]
+        for name in ways
+    ]
 
 
 def suite(timeout: int) -> list[list[object]]:
@@ -672,9 +724,13 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     if args.parts:
-        print("\n# where an example's time goes (ms per example, median of the rounds)\n")
+        print(
+            "\n# where an example's time goes (ms per example, median of the rounds; CPU: the "
+            "process's, every thread's)\n"
+        )
         rows = [r for w in _ints(args.world_sizes) for r in parts(w, args.examples, args.rounds)]
-        print(table(["part", "W", "ms per example"], rows))
+        headers = ["part", "W", "ms per example", "CPU ms", "ranks' CPU ms in torch's DDP"]
+        print(table(headers, rows))
     if args.suite:
         print("\n# torch's own DDP suite\n")
         print(table(["suite", "on", "seconds", "result"], suite(300)))

@@ -80,59 +80,118 @@ class Executor:
 
 
 class Timer:
-    """One daemon thread that runs callbacks at given times, for simulated network time.
+    """A world's callbacks at given times: simulated network time, the watchdog, stall checks.
 
     # Guarantees: ``call_at`` is safe from any thread. Callbacks run on the timer thread in
     # deadline order, never before their deadline, and must not raise or block (they may
-    # call ``call_at``). ``close``
-    # drops callbacks not yet due (the world fails their collectives first) and joins the
-    # thread. Deadlines are on the ``time.perf_counter_ns`` clock, the one collectives'
-    # timings use, so "completed no earlier than the deadline" holds exactly.
+    # call ``call_at``). ``close`` drops callbacks not yet due (the world fails their
+    # collectives first) and returns once none of this timer's callbacks is running (unless
+    # it is called from one). Deadlines are on the ``time.perf_counter_ns`` clock, the one
+    # collectives' timings use, so "completed no earlier than the deadline" holds exactly.
+
+    Every world's timer runs on one process-wide thread (see :class:`_Clock`): a world of a
+    property test lives for milliseconds, and a thread started and joined for each would
+    cost it two hand-offs between threads, on busy cores each a scheduling delay.
     """
 
     def __init__(self, *, name: str) -> None:
         self._name = name
-        # _cond guards _heap, _thread and _closed; the timer thread sleeps on it until the
-        # earliest deadline or a new, earlier entry.
-        self._cond = threading.Condition(threading.Lock())
-        self._heap: list[tuple[int, int, Callable[[], None]]] = []
-        self._count = 0  # tie-breaker: equal deadlines run in submission order
-        self._thread: _threads.Job | None = None
+        # Guarded by the clock's lock.
         self._closed = False
+        self._pending = 0  # entries of this timer in the clock's heap
 
     def call_at(self, deadline_ns: int, callback: Callable[[], None]) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"{self._name}: the world is closed; no collective can run")
-            entry = (deadline_ns, self._count, callback)
-            heapq.heappush(self._heap, entry)
-            self._count += 1
-            if self._thread is None:
-                self._thread = _threads.Job(target=self._run, name=f"{self._name}-timer")
-                self._thread.start()
-            if self._heap[0] is entry:  # a new earliest deadline: the thread sleeps too long
-                self._cond.notify()
+        _CLOCK.call_at(self, deadline_ns, callback)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and (
-                    not self._heap or self._heap[0][0] > time.perf_counter_ns()
-                ):
-                    wait = (self._heap[0][0] - time.perf_counter_ns()) / 1e9 if self._heap else None
-                    self._cond.wait(wait)
-                if self._closed:
-                    return
-                _, _, callback = heapq.heappop(self._heap)
-            callback()
+    def pending(self) -> int:
+        """How many callbacks are waiting for their time."""
+        with _CLOCK.lock:
+            return self._pending
 
     def close(self, timeout: float = 10.0) -> list[_threads.Job]:
-        with self._cond:
-            self._closed = True
-            self._heap.clear()
-            thread = self._thread
-            self._cond.notify()
-        if thread is None or thread is _threads.current():
-            return []
-        thread.join(timeout)
-        return [thread] if thread.is_alive() else []
+        """Drop what is not due yet; wait (up to ``timeout``) for a callback of this timer
+        that is running. Returns no threads (the clock's is process-wide)."""
+        _CLOCK.close(self, timeout)
+        return []
+
+
+class _Clock:
+    """The one daemon thread that runs every timer's callbacks at their deadlines: started on
+    first use, it exits after ``_threads.IDLE_S`` seconds with nothing to wait for.
+
+    # Guarantees: ``lock`` guards every field here and every Timer's; the thread never holds
+    # it while running a callback, so a callback may take any lock a world holds while it
+    # calls ``call_at`` (the timer's lock comes last in every world's lock order). A callback
+    # that raises is reported as an uncaught exception of a thread is, and the clock goes on.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)  # the thread sleeps on it
+        self._idle = threading.Condition(self.lock)  # a closing timer waits on it
+        self._heap: list[tuple[int, int, Timer, Callable[[], None]]] = []
+        self._count = 0  # tie-breaker: equal deadlines run in submission order
+        self._thread: threading.Thread | None = None
+        self._running: Timer | None = None  # whose callback runs now
+
+    def call_at(self, timer: Timer, deadline_ns: int, callback: Callable[[], None]) -> None:
+        with self.lock:
+            if timer._closed:
+                raise RuntimeError(f"{timer._name}: the world is closed; no collective can run")
+            entry = (deadline_ns, self._count, timer, callback)
+            heapq.heappush(self._heap, entry)
+            self._count += 1
+            timer._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="timer of the fake worlds", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0] is entry:  # a new earliest deadline: the thread sleeps too long
+                self._wake.notify()
+
+    def close(self, timer: Timer, timeout: float) -> None:
+        with self.lock:
+            timer._closed = True
+            if timer._pending:
+                self._heap = [e for e in self._heap if e[2] is not timer]
+                heapq.heapify(self._heap)
+                timer._pending = 0
+            deadline = time.monotonic() + timeout
+            while self._running is timer and threading.current_thread() is not self._thread:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._idle.wait(left)
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        with self.lock:
+            while True:
+                if not self._heap:
+                    if not self._wake.wait(_threads.IDLE_S) and not self._heap:
+                        self._thread = None
+                        return
+                    continue
+                due, _, timer, callback = self._heap[0]
+                now = time.perf_counter_ns()
+                if due > now:
+                    self._wake.wait((due - now) / 1e9)
+                    continue
+                heapq.heappop(self._heap)
+                timer._pending -= 1
+                self._running = timer
+                self.lock.release()
+                try:
+                    callback()
+                except BaseException as exc:
+                    threading.excepthook(
+                        threading.ExceptHookArgs((type(exc), exc, exc.__traceback__, me))
+                    )
+                finally:
+                    self.lock.acquire()
+                    self._running = None
+                    self._idle.notify_all()
+
+
+_CLOCK = _Clock()

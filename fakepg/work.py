@@ -2,11 +2,28 @@
 belongs to (:class:`Channel`), and each rank's handle (:class:`Work`).
 
 # Guarantees: a Collective finishes exactly once, successfully or with an error, from whichever
-# thread gets there first (the executor after the last kernel task, a rank whose wait timed
-# out, the world's watchdog, an abort). ``finish`` is safe from any thread, never blocks and
-# never runs a callback, so it may be called with the world's lock held: each rank's
-# done-callbacks are posted to that rank's completion lane (see Note [Completion lanes] in
-# fakepg.completion), in the order collectives finish. Work methods are safe from any thread.
+# thread gets there first (the executor after the last kernel task, the rank that joined a
+# small collective last, a rank whose wait timed out, the world's watchdog, an abort).
+# ``finish`` is safe from any thread, never blocks and never runs a callback, so it may be
+# called with the world's lock held: each rank's done-callbacks are posted to that rank's
+# completion lane (see Note [Completion lanes] in fakepg.completion), in the order
+# collectives finish. Work methods are safe from any thread.
+
+# Note [Small collectives move on the last rank's thread]
+# Handing a collective of a few kilobytes to a worker thread costs more than moving its data:
+# a wake-up of the worker, and another of each waiting rank once the worker is done; on busy
+# cores each is a scheduling delay. So the rank that joins a small collective last (no
+# simulated network, no CUDA stream order, one task of at most INLINE_BYTES in all) moves its
+# data itself, before its call returns, and finishes it: every other rank's work completes
+# then (they issued it earlier, and their calls have long returned), and their
+# done-callbacks go to their lanes as always. The last rank's own work is *held*: it is not
+# complete when its call returns, as no work ever is. It completes once that rank waits for
+# it (the wait returns at once: the data has landed), or once its lane runs the callbacks of
+# the future it asked for, or, for a rank that only polls ``is_completed``, on the world's
+# timer _RELEASE_AFTER_NS after its first poll (which sees it pending). The bits are those a
+# worker gives (the same tasks), and every lane receives the collectives in the same order.
+# Under a controlled schedule, decisions move the data instead (see Note [Controlled
+# scheduling] in fakepg.schedule).
 """
 
 from __future__ import annotations
@@ -34,6 +51,12 @@ if TYPE_CHECKING:
 __all__ = ["Work"]
 
 ErrorFactory = Callable[[int], BaseException]
+
+# A held work (see Note [Small collectives move on the last rank's thread]) that its rank
+# only polls completes this long after the first poll.
+_RELEASE_AFTER_NS = 1_000_000
+# At most this many bytes in all ranks' tensors together move on the last rank's thread.
+INLINE_BYTES = 256 * 1024
 
 
 class _Host(Protocol):
@@ -118,6 +141,11 @@ class Collective:
         # run in, set before they start.
         self.ready: list[tuple[torch.device, Any]] = []
         self.stream_order: StreamOrder | None = None
+        # See Note [Small collectives move on the last rank's thread]: the rank whose work
+        # completes after ``done`` (set before ``done``, never changed after), and when.
+        self._held: int | None = None
+        self._released = threading.Event()
+        self._release_armed = False
 
     def describe(self) -> str:
         """``allreduce #3 (op=SUM)``, ``broadcast #0 (root=1) in group [0, 2]``, ``send/recv
@@ -152,6 +180,20 @@ class Collective:
             self.world.timer.call_at(lands_at_ns, lambda: self._submit(tasks))
         else:
             self._submit(tasks)
+
+    def move_here(self, tasks: list[Task], rank: int) -> None:
+        """Move the data now, on the calling thread (rank ``rank``'s, which joined last), then
+        finish with ``rank``'s completion held back until its call has returned. See Note
+        [Small collectives move on the last rank's thread]."""
+        if self.started_ns is None:
+            self.started_ns = time.perf_counter_ns()
+        for task in tasks:
+            try:
+                task()
+            except BaseException as exc:
+                self.finish(_internal_error(self, exc))
+                return
+        self.finish(None, held=rank)
 
     def run_inline(self, tasks: list[Task]) -> None:
         """Move the data now, on this thread, then finish: how a controlled schedule completes
@@ -206,16 +248,20 @@ class Collective:
                 return
         self.finish(None)
 
-    def finish(self, error_for: ErrorFactory | None) -> bool:
+    def finish(self, error_for: ErrorFactory | None, *, held: int | None = None) -> bool:
         """End the collective (with an error if ``error_for``); False if it had already ended.
 
-        Each rank's callbacks go to its completion lane; none runs here.
+        Each rank's callbacks go to its completion lane; none runs here. ``held``: the rank
+        whose work completes later, once its call has returned (see Note [Small collectives
+        move on the last rank's thread]); every other rank's completes now.
         """
         completions = self.world.completions
         with self._lock:
             if self.done.is_set():
                 return False
             self._error_for = error_for
+            if held is not None:
+                self._held = held
             # One lock for every lane: collectives reach the lanes in the order they finish.
             with completions.lock:
                 now = time.perf_counter_ns()
@@ -229,17 +275,50 @@ class Collective:
                     completions.collective_finished_locked(lane, now)
         return True
 
+    def completed_for(self, rank: int) -> threading.Event:
+        """Set once ``rank``'s work is complete: ``done``, or for a held rank its own."""
+        return self._released if rank == self._held else self.done
+
+    def is_complete_for(self, rank: int) -> bool:
+        """Whether ``rank``'s work is complete. A held one that is polled completes
+        _RELEASE_AFTER_NS after the first poll, on the world's timer (never at once: the
+        rank sees it pending at least once)."""
+        if rank != self._held or self._released.is_set():
+            return self.done.is_set()
+        if not self._release_armed:  # a second arming (two threads polling) is harmless
+            self._release_armed = True
+            try:
+                self.world.timer.call_at(time.perf_counter_ns() + _RELEASE_AFTER_NS, self.release)
+            except RuntimeError:  # the world is closed: no timer, nothing left to overlap
+                self.release()
+        return False
+
+    def release(self) -> None:
+        """Complete the held rank's work (any thread; idempotent)."""
+        self._released.set()
+
     def add_done_callback(self, rank: int, callback: Callable[[], None]) -> None:
         """Run ``callback`` on rank ``rank``'s completion lane once finished; at once, on this
-        thread, if it already finished and the rank's earlier callbacks were delivered."""
+        thread, if the rank's work is complete and its earlier callbacks were delivered."""
         with self._lock:
             if not self.done.is_set() or rank in self._callbacks:
                 self._callbacks.setdefault(rank, []).append(callback)
                 return
+            if not self.completed_for(rank).is_set():
+                # Held: the rank's lane completes it, then runs the callback.
+                self._callbacks[rank] = [callback]
+                with self.world.completions.lock:
+                    deliver = functools.partial(self._deliver, rank)
+                    level = self.levels.get(rank, 0)
+                    self.world.completions.post_locked(rank, level, deliver, self.describe())
+                return
         callback()
 
     def _deliver(self, rank: int) -> None:
-        """On rank ``rank``'s lane: run its callbacks, those added meanwhile included."""
+        """On rank ``rank``'s lane: complete its work if held, then run its callbacks, those
+        added meanwhile included."""
+        if rank == self._held:
+            self.release()
         with self._lock:
             callbacks = self._callbacks.pop(rank, [])
         for callback in callbacks:
@@ -277,6 +356,8 @@ class Work:
         c = self._collective
         checked = _args.check_timeout(timeout, "Work.wait", RULES)
         limit = c.world.timeout if checked is None else checked
+        if c._held == self._rank and c.done.is_set():
+            c.release()  # its data has landed, and its call has returned: complete now
         with c._lock:
             c.waiters += 1
         try:
@@ -284,7 +365,7 @@ class Work:
             if scheduler is not None and not c.done.is_set():
                 # A point: wait until a decision completes it (or the schedule lets go).
                 scheduler.block(c.done.is_set, "wait", c.describe())
-            if not c.done.wait(limit):
+            if not c.completed_for(self._rank).wait(limit):
                 c.world._wait_timed_out(c, self._rank, limit)
         finally:
             with c._lock:
@@ -296,11 +377,11 @@ class Work:
             c.stream_order.wait_done()
 
     def is_completed(self) -> bool:
-        return self._collective.done.is_set()
+        return self._collective.is_complete_for(self._rank)
 
     def is_success(self) -> bool:
         """True once completed without error."""
-        return self._collective.done.is_set() and not self._collective.failed
+        return self.is_completed() and not self._collective.failed
 
     def exception(self) -> BaseException | None:
         """The error this rank's ``wait`` raises, or None (also while not yet completed)."""

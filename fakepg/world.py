@@ -9,7 +9,9 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 # autograd's, and its completion threads, where its futures' callbacks run), but every method
 # of World, FakeProcessGroup and Work is thread-safe. A world holds no global state; any
 # number of worlds run at once in one process, nested or not. Threads a world starts (the
-# data workers, the timer, the ranks' completion threads) are joined by its close(). Under a
+# data workers, the ranks' completion threads) are joined by its close(); its timer's
+# callbacks run on one process-wide thread (fakepg.executor.Timer), and none runs after
+# close() has returned. Under a
 # schedule (see Note [Controlled scheduling] in fakepg.schedule) one controlled thread runs at
 # a time, and a collective's data moves on the thread that decides its completion.
 
@@ -120,7 +122,7 @@ from .faults import (
 from .group import FakeProcessGroup
 from .netmodel import NetworkModel
 from .schedule import Schedule, _Scheduler, install_future_wait
-from .work import Channel, Collective, ErrorFactory, Work
+from .work import INLINE_BYTES, Channel, Collective, ErrorFactory, Work
 
 __all__ = ["FakeProcessGroup", "World", "run"]  # FakeProcessGroup: re-exported
 
@@ -387,10 +389,18 @@ class World:
                     order = _streams.StreamOrder(self.side_streams, collective.ready)
                     collective.stream_order = order
                     tasks = [order.wrap(task) for task in tasks]
-                if scheduler is None:
-                    collective.start(tasks, lands_at_ns)
-                else:
+                if scheduler is not None:
                     complete = functools.partial(collective.run_inline, tasks)
+                elif (
+                    lands_at_ns is None
+                    and collective.stream_order is None
+                    and len(tasks) <= 1
+                    and nbytes * len(channel.members) <= INLINE_BYTES
+                ):
+                    # See Note [Small collectives move on the last rank's thread] in fakepg.work.
+                    collective.move_here(tasks, rank)
+                else:
+                    collective.start(tasks, lands_at_ns)
         if scheduler is not None:
             # A point: who runs next, and when this collective completes, is decided there.
             # As this rank issued it (its peers' may differ: a desync).
@@ -576,7 +586,11 @@ class World:
         lock = threading.Lock()
         failures: list[tuple[int, BaseException]] = []
         returned: set[int] = set()  # ranks whose result is in results
-        changed = threading.Event()  # set whenever a rank ends or fails
+        ended = [0]  # rank functions that have ended, guarded by lock too
+        # Set once every rank's function has ended, or one ended with the world aborted or
+        # closed: the caller wakes then, not at each rank's end (under the GIL a wake-up
+        # takes the interpreter from the ranks still computing).
+        changed = threading.Event()
         streams = _rng.RankStreams(self.world_size) if per_rank_rng else None
 
         def fail(rank: int, exc: BaseException) -> None:
@@ -617,7 +631,11 @@ class World:
             finally:
                 if scheduler is not None:
                     scheduler.leave()
-                changed.set()
+                with lock:
+                    ended[0] += 1
+                    everyone = ended[0] == self.world_size
+                if everyone or self._abort is not None or self._closed:
+                    changed.set()
 
         threads = [
             _threads.Job(target=rank_main, args=(r,), name=f"fakepg-rank-{r}")
@@ -627,7 +645,9 @@ class World:
             scheduler.begin()
         for thread in threads:
             thread.start()
-        stuck = _join_ranks(self, threads, changed, grace_s=float(grace_s))
+        stuck = _join_ranks(
+            self, threads, changed, lambda: ended[0] == self.world_size, grace_s=float(grace_s)
+        )
         if scheduler is not None:
             scheduler.end()
         with lock:
@@ -947,16 +967,23 @@ def run(
 
 
 def _join_ranks(
-    world: World, threads: list[_threads.Job], changed: threading.Event, grace_s: float
+    world: World,
+    threads: list[_threads.Job],
+    changed: threading.Event,
+    all_ended: Callable[[], bool],
+    grace_s: float,
 ) -> list[int]:
     """Wait for every rank thread; once the world is aborted or closed, stop the stragglers.
+    ``changed`` is set when ``all_ended()`` becomes true or a rank ends in an aborted world;
+    the threads themselves are then joined (a job is done a little after its function ended:
+    its thread resets its state first).
 
     A rank blocked in a collective wakes with the abort. A rank busy elsewhere gets ``grace_s``
     to reach a collective, then an asynchronous ``_Stop``, then ``grace_s`` more; a thread
     still alive after that (stuck in a C call) is returned instead of waited for forever.
     """
     try:
-        while any(t.is_alive() for t in threads) and not (world.aborted or world.closed):
+        while not all_ended() and not (world.aborted or world.closed):
             changed.wait(0.1)  # a timeout too, so that Ctrl-C and close() are seen
             changed.clear()
         for attempt in range(2):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -250,6 +251,60 @@ def test_collectives_return_before_peers_join_and_data_moves_off_the_callers_thr
         assert finisher and finisher[0].endswith("-rank0-completion0"), finisher
         assert work0.started_ns is not None and work0.completed_ns is not None
         assert work0.launched_ns <= work0.started_ns <= work0.completed_ns
+
+
+def test_a_small_collective_moves_on_the_last_ranks_thread_its_work_pending_on_return() -> None:
+    # See Note [Small collectives move on the last rank's thread] in fakepg.work.
+    with fakepg.World(3) as world:
+        tensors = [torch.full((3,), float(r + 1)) for r in range(3)]
+        earlier = [world.group(r).allreduce([tensors[r]]) for r in (0, 1)]
+        last = world.group(2).allreduce([tensors[2]])
+        # The last rank moved the data in its call, with no worker thread: the earlier ranks'
+        # works are complete, with the sum.
+        assert world.executor._threads == []
+        assert all(w.is_completed() for w in earlier)
+        assert all(torch.equal(t, torch.full((3,), 6.0)) for t in tensors)
+        # The last rank's own work was pending when its call returned; its wait returns at once.
+        assert not last.is_completed()
+        last.wait(timeout=5)
+        assert last.is_completed() and last.is_success() and last.exception() is None
+
+
+def test_a_held_work_that_its_rank_only_polls_completes() -> None:
+    with fakepg.World(2) as world:
+        tensors = [torch.ones(2), torch.ones(2)]
+        world.group(0).allreduce([tensors[0]])
+        last = world.group(1).allreduce([tensors[1]])
+        polls = 1
+        assert not last.is_completed()  # the first poll sees it pending
+        deadline = time.monotonic() + 10.0
+        while not last.is_completed():
+            assert time.monotonic() < deadline, "a polled held work never completed"
+            polls += 1
+            time.sleep(0.001)
+        assert polls > 1 and torch.equal(tensors[1], torch.full((2,), 2.0))
+
+
+def test_a_held_works_future_completes_on_its_ranks_lane() -> None:
+    with fakepg.World(2) as world:
+        # Rank 1's lane is kept busy by a callback of an earlier collective until the gate
+        # opens, so that what the held work's future does can be seen before it runs.
+        gate = threading.Event()
+        first = [torch.ones(2), torch.ones(2)]
+        earlier = world.group(1).allreduce([first[1]])
+        earlier.get_future().then(lambda _: gate.wait(10.0))
+        world.group(0).allreduce([first[0]])
+        tensors = [torch.ones(2), torch.ones(2)]
+        world.group(0).allreduce([tensors[0]])
+        last = world.group(1).allreduce([tensors[1]])
+        future = last.get_future()
+        assert not future.done() and not last.is_completed()  # not at once, on this thread
+        finisher: list[str] = []
+        chained = future.then(lambda f: finisher.append(_thread_name()) or f.value())
+        gate.set()
+        assert torch.equal(chained.wait()[0], torch.full((2,), 2.0))
+        assert len(finisher) == 1 and finisher[0].endswith("-rank1-completion0"), finisher
+        assert last.is_completed()
 
 
 def test_get_future_carries_the_result() -> None:

@@ -172,6 +172,34 @@ def test_the_api_is_exactly_what_init_exports() -> None:
     assert set(fakepg.__all__) == public - modules
 
 
+def test_every_worlds_timer_runs_on_one_process_wide_thread() -> None:
+    """A world starts no timer thread of its own (see fakepg.executor.Timer)."""
+    ran: list[threading.Thread] = []
+    both = threading.Event()
+
+    def record() -> None:
+        ran.append(threading.current_thread())
+        if len(ran) == 2:
+            both.set()
+
+    with fakepg.World(2) as first, fakepg.World(2) as second:
+        for world in (first, second):
+            world.timer.call_at(time.perf_counter_ns(), record)
+        assert both.wait(10.0)
+    assert ran[0] is ran[1] and ran[0] is not threading.current_thread()
+
+
+def test_a_closed_timer_drops_what_is_not_due_and_refuses_more() -> None:
+    world = fakepg.World(2)
+    ran: list[int] = []
+    world.timer.call_at(time.perf_counter_ns() + 3_600 * 10**9, lambda: ran.append(1))
+    assert world.timer.pending() == 1
+    world.close()
+    assert world.timer.pending() == 0 and ran == []
+    with pytest.raises(RuntimeError, match="the world is closed"):
+        world.timer.call_at(time.perf_counter_ns(), lambda: ran.append(2))
+
+
 def test_the_watchdog_holds_only_the_collectives_in_flight() -> None:
     """Every collective has a deadline (the world's timeout), but once every rank has issued
     it, the watchdog forgets it: over a 3,000-iteration soak at torch's 30-minute default
@@ -200,7 +228,7 @@ def test_the_watchdog_holds_only_the_collectives_in_flight() -> None:
         for _ in range(3):
             world.run(soak)
             # One watchdog entry at most, and one stall check per completion lane (2 ranks).
-            assert len(world.timer._heap) <= 3
+            assert world.timer.pending() <= 3
             assert not world._deadlines  # nothing in flight between runs
             counts.append(tracked())
     # Flat: the last 2,000 iterations added at most 100 tracked objects (noise from the
