@@ -47,7 +47,7 @@ import sysconfig
 import threading
 import traceback
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,7 @@ from reducer.testing.sametrain import _launch as sametrain
 from . import children, devices, imports, process, singletons
 from .threads import RankOutput, ThreadEnviron, rank_environment
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "run_function"]
 
 # Note [What a launch changes in the process]
 # Ranks are threads, so what a script takes to be its process's own is made per thread, for
@@ -312,6 +312,68 @@ def run(args: argparse.Namespace) -> int:
     return int(check.exit_code(code))
 
 
+def run_function(
+    fn: Callable[[int], object],
+    world: Any,
+    *,
+    name: str = "<function>",
+    environ: Callable[[int, int], dict[str, str]] = rank_environment,
+) -> list[int | None]:
+    """Call ``fn(rank)`` on every rank thread of ``world`` as a launch runs a script there.
+
+    For code written for a process per rank that is reached through a function rather than
+    a script (a test harness running each test's ranks as threads): everything a launch makes
+    per rank is so for ``fn`` (see Note [What a launch changes in the process]): os.environ
+    with the rank's torchrun variables, rank-prefixed output, ``init_process_group`` with any
+    backend joining ``world``, ``sys.exit`` and ``os._exit`` ending the rank only. No replica
+    check, no device mapping, torch's generator per rank. ``name`` stands for the script
+    (``sys.argv[0]``). ``environ(rank, world_size)``: the variables rank ``rank`` sees on top
+    of the process's environment; by default torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+    Code that expects no launcher's variables (a process spawned by multiprocessing, whose
+    variables C code reads too) passes ``lambda rank, size: {}``. Call it from a thread that
+    is no rank's; ``world`` is left open.
+
+    Returns each rank's exit code as torchrun reports a worker's: 0; the code of ``sys.exit``
+    or ``os._exit``; 1 for an exception; None for a rank that never ended (still running after
+    the world's abort and its grace: see ``World.run``). A failing rank aborts the world, as
+    in a launch: the ranks that wait for it in a collective wake with an error.
+    """
+    if not callable(fn):
+        raise ValueError(f"run_function: fn must be callable, got {fn!r}")
+    target = _FunctionTarget(name, fn)
+    launch = _Launch(target, [], world, None)
+    launch.rank_environment = environ
+    target.rank_of_thread = launch.rank_of_thread
+    with launch.installed():
+        launch.run_ranks(per_rank_rng=True)
+    return [outcome.code for outcome in launch.outcomes]
+
+
+class _FunctionTarget:
+    """A function in place of the script: ``fn(rank)`` on each rank (see run_function)."""
+
+    path: Path | None = None
+    path0: str | None = None
+
+    def __init__(self, name: str, fn: Callable[[int], object]) -> None:
+        self.name = name
+        self.fn = fn
+        self.rank_of_thread: Callable[[], int | None] = lambda: None
+
+    @property
+    def argv0(self) -> str:
+        return self.name
+
+    def preimport(self) -> None:
+        """Nothing to import ahead: the caller has imported what ``fn`` needs."""
+
+    def execute(self, main: ModuleType) -> None:
+        rank = self.rank_of_thread()
+        if rank is None:
+            raise RuntimeError("run_function: the function ran on a thread that is no rank's")
+        self.fn(rank)
+
+
 def gil_note(*, gil_enabled: bool | None = None) -> str | None:
     """What the launch says at start on a free-threaded Python (the GIL off: ``gil_enabled``,
     by default ``sys._is_gil_enabled()``), where it runs everything it runs with the GIL; None
@@ -539,7 +601,7 @@ class _Launch:
 
     def __init__(
         self,
-        target: _Target,
+        target: _Target | _FunctionTarget,
         argv: list[str],
         world: Any,
         ranks: set[int] | None,
@@ -570,6 +632,8 @@ class _Launch:
         self.main: process.MainModules | None = None  # sys.modules["__main__"] (installed())
         self.devices: _DevicePlan | None = None  # CUDA on the rank threads (see .devices)
         self.switch_interval = _SWITCH_INTERVAL_S  # sys.setswitchinterval while ranks run
+        # The variables each rank sees on top of the process's (run_function may change it).
+        self.rank_environment: Callable[[int, int], dict[str, str]] = rank_environment
 
     # ---------------------------------------------------------------------------------------
     # See Note [What a launch changes in the process].
@@ -687,7 +751,7 @@ class _Launch:
         rank 0's environment and output (see Note [Imports before the ranks start] in
         .imports). False if Ctrl-C stopped it."""
         assert self.environ is not None and self.stdout is not None and self.stderr is not None
-        self.environ.bind(rank_environment(0, self.nproc))
+        self.environ.bind(self.rank_environment(0, self.nproc))
         self.stdout.bind(0)
         self.stderr.bind(0)
         try:
@@ -731,7 +795,7 @@ class _Launch:
         self._thread_rank.rank = rank
         if self.check is not None:
             self.check.bind(rank)
-        self.environ.bind(rank_environment(rank, self.nproc))
+        self.environ.bind(self.rank_environment(rank, self.nproc))
         self.stdout.bind(rank)
         self.stderr.bind(rank)
         if "OMP_NUM_THREADS" not in self.environ.real:
