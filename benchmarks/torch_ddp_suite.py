@@ -22,6 +22,16 @@ how many torch's DDP passes, and how many of those this one passes too.
 ``-k`` keeps the tests whose name contains any of the patterns (a Python regex search).
 A whole run spawns some 400 rank processes; on 2 busy cores it takes the better part of an
 hour: run a ``-k`` selection while developing. The ranks' logs go to ``--log``.
+
+``--world fake`` runs each test's ranks as threads of one fake world instead (see
+benchmarks/_torch_suite_fake.py): the same test class, torch's own scaffolding judging the
+ranks' exit codes, in a worker process per mode and DDP that runs one test after another (a
+test that does not answer within ``--timeout`` plus two minutes has its worker killed, and the
+next test gets a new one). ``--world both`` runs every test in both worlds, one after the
+other, and ends with a comparison: verdicts that differ, and the seconds of each world.
+
+    PYTHONPATH=$PWD python benchmarks/torch_ddp_suite.py --world fake --mode cpu
+    PYTHONPATH=$PWD python benchmarks/torch_ddp_suite.py --world both --mode cpu -k hook
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ import inspect
 import json
 import os
 import re
+import select
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -210,6 +223,132 @@ def run_one(name: str, impl: str, cpu: bool, log: Path) -> Outcome:
     return result.outcome
 
 
+# -------------------------------------------------------------------------------------------
+# The fake world: a worker process per mode and DDP (the CPU mapping and the DDP patched in
+# are one process's, as in each spawned rank), running the tests it is sent one at a time.
+
+# How long the runner waits for a worker to start, and for a test beyond its --timeout (the
+# worker stops a test's ranks at --timeout itself; this is for a worker that cannot).
+_WORKER_START_S = 300.0
+_WORKER_SLACK_S = 120.0
+
+
+def fake_worker(timeout: int) -> int:
+    """``--fake-worker``: run the tests named on stdin (one a line) on the fake world, with
+    the DDP and mode of ``DDP_SUITE_IMPL`` and ``DDP_SUITE_CPU``; write "ready", then one JSON
+    line per test (its Outcome), to the original stdout. Everything else, the ranks' output
+    included, goes to stderr."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    commands = os.fdopen(os.dup(0), "r")  # the launch points fd 0 at the null device
+    os.dup2(2, 1)
+    _set_timeout(timeout)
+    import _torch_suite_fake
+
+    print("ready", file=answers, flush=True)
+    for line in commands:
+        name = line.strip()
+        if not name:
+            continue
+        print(f"===== {name} (fake world) impl={os.environ.get('DDP_SUITE_IMPL')} "
+              f"cpu={os.environ.get('DDP_SUITE_CPU')}", file=sys.stderr, flush=True)  # fmt: skip
+        case = _torch_suite_fake.TestDistBackendOnFakeWorld(name)
+        result = _Result()
+        start = time.monotonic()
+        case.run(result)
+        result.outcome.seconds = time.monotonic() - start
+        print(json.dumps(dataclasses.asdict(result.outcome)), file=answers, flush=True)
+    return 0
+
+
+class FakeWorker:
+    """The runner's side of a ``--fake-worker`` process: ``run(name)`` sends a test and waits
+    for its outcome, within a deadline; a worker that misses it, or dies, is replaced by a new
+    one at the next test. ``startup_s`` adds up the seconds its processes took to be ready."""
+
+    def __init__(self, impl: str, cpu: bool, timeout: int, log: Path) -> None:
+        self.impl, self.cpu, self.timeout, self.log = impl, cpu, timeout, log
+        self.startup_s = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+
+    def _start(self) -> str | None:
+        """A new worker process; None when ready, else why not."""
+        env = dict(os.environ, DDP_SUITE_IMPL=self.impl, DDP_SUITE_CPU="1" if self.cpu else "0")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        start = time.monotonic()
+        with open(self.log, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, __file__, "--fake-worker", "--timeout", str(self.timeout)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+            )  # fmt: skip
+        self._buffer = b""
+        line = self._readline(start + _WORKER_START_S)
+        self.startup_s += time.monotonic() - start
+        if line != "ready":
+            return self._fail(f"the fake-world worker did not start ({line or 'no answer'})")
+        return None
+
+    def _readline(self, deadline: float) -> str | None:
+        """The worker's next line, or None at its deadline or end of output."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def _fail(self, why: str) -> str:
+        """Kill the worker (a new one starts at the next test); say why, with its exit code."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            code = self._proc.wait()
+            why = f"{why}; worker exit code {code}"
+            self._proc = None
+        return why
+
+    def run(self, name: str) -> Outcome:
+        start = time.monotonic()
+        if self._proc is None:
+            why = self._start()
+            if why is not None:
+                return Outcome("FAIL", why, time.monotonic() - start)
+            start = time.monotonic()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(f"{name}\n".encode())
+            self._proc.stdin.flush()
+        except OSError as exc:
+            return Outcome("FAIL", self._fail(f"the worker is gone ({exc})"), 0.0)
+        line = self._readline(start + self.timeout + _WORKER_SLACK_S)
+        seconds = time.monotonic() - start
+        if line is None:
+            code = self._proc.poll()
+            why = "the worker died" if code is not None else "no answer: the worker was killed"
+            return Outcome("FAIL", self._fail(why), seconds)
+        outcome = Outcome(**json.loads(line))
+        outcome.seconds = seconds  # as the runner saw it, as for gloo
+        return outcome
+
+    def close(self) -> None:
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._fail("closing")
+            self._proc = None
+
+
 def _has_cuda_devices() -> bool:
     """What the CUDA skips of torch's suite ask: a CUDA device per rank."""
     import torch
@@ -217,7 +356,7 @@ def _has_cuda_devices() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
 
 
-def _as_json(results: dict[str, dict[str, dict[str, Outcome]]]) -> object:
+def _as_json(results: dict[str, dict[str, dict[str, Outcome]]]) -> dict[str, object]:
     return {
         mode: {
             impl: {n: dataclasses.asdict(o) for n, o in outs.items()} for impl, outs in r.items()
@@ -244,7 +383,9 @@ def _short(outcome: Outcome | None) -> str:
     return "-" if outcome is None else outcome.result
 
 
-def report(mode: str, names: list[str], runs: dict[str, dict[str, Outcome]]) -> tuple[int, int]:
+def report(
+    mode: str, names: list[str], runs: dict[str, dict[str, Outcome]], world: str = "gloo"
+) -> tuple[int, int]:
     """Print the comparison table of one mode; return (torch passes, ours among them)."""
     torch_runs, ours_runs = runs.get("torch", {}), runs.get("ours", {})
     rows = []
@@ -257,7 +398,7 @@ def report(mode: str, names: list[str], runs: dict[str, dict[str, Outcome]]) -> 
             reason = t.reason
         rows.append((name, _short(t), _short(o), reason))
     width = max([len(r[0]) for r in rows] + [4])
-    print(f"\n## mode: {mode}\n")
+    print(f"\n## mode: {mode}" + ("" if world == "gloo" else f" ({world} world)") + "\n")
     print(f"| {'test'.ljust(width)} | torch | ours  | reason")
     print(f"|{'-' * (width + 2)}|-------|-------|-------")
     for name, t_res, o_res, reason in rows:
@@ -266,11 +407,86 @@ def report(mode: str, names: list[str], runs: dict[str, dict[str, Outcome]]) -> 
     torch_pass = [n for n in names if torch_runs.get(n, Outcome("-")).result == "pass"]
     both = [n for n in torch_pass if ours_runs.get(n, Outcome("-")).result == "pass"]
     ours_pass = sum(1 for n in names if ours_runs.get(n, Outcome("-")).result == "pass")
+    label = mode if world == "gloo" else f"{mode} ({world} world)"
     print(
-        f"\nsummary {mode}: {len(names)} tests; torch's DDP passes {len(torch_pass)}; "
+        f"\nsummary {label}: {len(names)} tests; torch's DDP passes {len(torch_pass)}; "
         f"this DDP passes {len(both)} of those ({ours_pass} in all)"
     )
     return len(torch_pass), len(both)
+
+
+def verdict(outcome: Outcome) -> tuple[str, str]:
+    """What must agree between the worlds: the result, and a skip's reason (a failure's
+    message may word the same failure differently: processes and threads)."""
+    return (outcome.result, outcome.reason if outcome.result == "skip" else "")
+
+
+def compare_worlds(
+    plan: dict[str, list[str]],
+    results: dict[str, dict[str, dict[str, dict[str, Outcome]]]],
+    startup: dict[tuple[str, str], float],
+) -> None:
+    """Print, per mode and DDP, how many verdicts agree and each world's seconds; then the
+    tests whose verdicts differ."""
+    print("\n## fake world against gloo processes\n")
+    print("| mode | DDP | tests | verdicts matching | gloo s | fake s | gloo / fake | "
+          "per-test median gloo / fake |")  # fmt: skip
+    print("|------|-----|------:|------------------:|-------:|-------:|------------:|"
+          "----------------------------:|")  # fmt: skip
+    differ = []
+    for mode, names in plan.items():
+        for impl in ("torch", "ours"):
+            gloo = results.get("gloo", {}).get(mode, {}).get(impl, {})
+            fake = results.get("fake", {}).get(mode, {}).get(impl, {})
+            both = [n for n in names if n in gloo and n in fake]
+            if not both:
+                continue
+            same = [n for n in both if verdict(gloo[n]) == verdict(fake[n])]
+            differ += [(mode, impl, n, gloo[n], fake[n]) for n in both if n not in same]
+            gloo_s = sum(gloo[n].seconds for n in both)
+            fake_s = sum(fake[n].seconds for n in both) + startup.get((mode, impl), 0.0)
+            ratios = [
+                gloo[n].seconds / fake[n].seconds
+                for n in both
+                if gloo[n].seconds > 0 and fake[n].seconds > 0
+            ]
+            median = f"{statistics.median(ratios):.1f}x" if ratios else "-"
+            print(
+                f"| {mode} | {'torch' if impl == 'torch' else 'this'} | {len(both)} | "
+                f"{len(same)} | {gloo_s:.1f} | {fake_s:.1f} | "
+                f"{gloo_s / fake_s if fake_s else float('nan'):.1f}x | {median} |"
+            )
+    print("\n(fake s includes starting its worker processes)")
+    if differ:
+        print("\nverdicts that differ:\n")
+        print("| mode | DDP | test | gloo | fake |")
+        print("|------|-----|------|------|------|")
+        for mode, impl, name, g, f in differ:
+            print(f"| {mode} | {impl} | {name} | {g.result}: {g.reason} | {f.result}: {f.reason} |")
+    else:
+        print("\nevery verdict agrees")
+
+
+def _load(paths: list[Path]) -> dict[str, dict[str, dict[str, dict[str, Outcome]]]]:
+    """Results a --save wrote: {mode: {impl: ...}} for gloo, "fake:<mode>" keys for fake."""
+    saved: dict[str, dict[str, dict[str, dict[str, Outcome]]]] = {}
+    for path in paths:
+        for key, by_impl in json.loads(path.read_text()).items():
+            world, _, mode = key.rpartition(":")
+            for impl, outcomes in by_impl.items():
+                for name, fields in outcomes.items():
+                    saved.setdefault(world or "gloo", {}).setdefault(mode, {}).setdefault(impl, {})[
+                        name
+                    ] = Outcome(**fields)
+    return saved
+
+
+def _as_saved(results: dict[str, dict[str, dict[str, dict[str, Outcome]]]]) -> object:
+    out = {}
+    for world, by_mode in results.items():
+        for mode, value in _as_json(by_mode).items():
+            out[mode if world == "gloo" else f"{world}:{mode}"] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("plain", "cpu", "both"), default="both")
     parser.add_argument("--impl", choices=("torch", "ours", "both"), default="both")
+    parser.add_argument(
+        "--world", choices=("gloo", "fake", "both"), default="gloo",
+        help="gloo: a spawned process per rank, as upstream; fake: the ranks as threads of "
+        "one fake world; both: each test in both, then a comparison",
+    )  # fmt: skip
     parser.add_argument("-k", action="append", default=[], help="regex on the test name")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument("--log", type=Path, default=Path(temp) / "ranks.log")
@@ -292,12 +513,16 @@ def main(argv: list[str] | None = None) -> int:
         "--where-torch-passes", type=Path,
         help="run this DDP only on the tests that torch's DDP passes in a file --save wrote",
     )  # fmt: skip
+    parser.add_argument("--fake-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.fake_worker:
+        return fake_worker(args.timeout)
     _set_timeout(args.timeout)
     selected = [n for n in ddp_tests() if not args.k or any(re.search(k, n) for k in args.k)]
     modes = ("plain", "cpu") if args.mode == "both" else (args.mode,)
     impls = ("torch", "ours") if args.impl == "both" else (args.impl,)
+    worlds = ("fake", "gloo") if args.world == "both" else (args.world,)
     plan = {m: selected if m == "plain" else [n for n in selected if cuda_gated(n)] for m in modes}
     if args.list:
         for mode, names in plan.items():
@@ -306,50 +531,69 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}")
         return 0
 
-    saved: dict[str, dict[str, dict[str, Outcome]]] = {}
-    for path in args.load:
-        for mode, by_impl in json.loads(path.read_text()).items():
-            for impl, outcomes in by_impl.items():
-                for name, fields in outcomes.items():
-                    saved.setdefault(mode, {}).setdefault(impl, {})[name] = Outcome(**fields)
+    saved = _load(args.load)
     torch_passes: dict[str, set[str]] | None = None
     if args.where_torch_passes:
-        loaded = json.loads(args.where_torch_passes.read_text())
+        loaded = _load([args.where_torch_passes])
         torch_passes = {
-            mode: {n for n, o in r.get("torch", {}).items() if o["result"] == "pass"}
-            for mode, r in loaded.items()
+            mode: {n for n, o in r.get("torch", {}).items() if o.result == "pass"}
+            for mode, r in loaded.get(worlds[0], loaded.get("gloo", {})).items()
         }
     totals = {}
-    results: dict[str, dict[str, dict[str, Outcome]]] = {}
+    results: dict[str, dict[str, dict[str, dict[str, Outcome]]]] = {}
+    startup: dict[tuple[str, str], float] = {}  # (mode, impl) -> its fake workers' start, s
+    start = time.monotonic()
     for mode, names in plan.items():
-        runs = results.setdefault(mode, {impl: {} for impl in impls})
-        for impl, outcomes in saved.get(mode, {}).items():
-            runs.setdefault(impl, {}).update({n: o for n, o in outcomes.items() if n in names})
-        for name in names:
+        workers = {impl: FakeWorker(impl, mode == "cpu", args.timeout, args.log) for impl in impls}
+        runs = {w: results.setdefault(w, {}).setdefault(mode, {}) for w in worlds}
+        for by_impl in runs.values():
             for impl in impls:
-                if name in runs[impl]:
-                    continue
-                if impl == "ours" and name not in (torch_passes or {}).get(mode, {name}):
-                    continue  # --where-torch-passes: torch's DDP does not pass it
-                if mode == "plain" and cuda_gated(name) and not _has_cuda_devices():
-                    # The test's own decorator would skip it in each rank; said here, without
-                    # spawning them.
-                    outcome = Outcome("skip", "Need at least 2 CUDA devices (not spawned)")
-                else:
-                    outcome = run_one(name, impl, mode == "cpu", args.log)
-                runs[impl][name] = outcome
-                if args.save:
-                    args.save.write_text(json.dumps(_as_json(results), indent=1))
-                if not args.quiet:
-                    print(
-                        f"[{mode}] {name} {impl}: {outcome.result} ({outcome.seconds:.1f} s) "
-                        f"{outcome.reason}",
-                        flush=True,
-                    )
-        totals[mode] = report(mode, names, runs)
+                by_impl.setdefault(impl, {})
+        for world in worlds:
+            for impl, outcomes in saved.get(world, {}).get(mode, {}).items():
+                runs[world].setdefault(impl, {}).update(
+                    {n: o for n, o in outcomes.items() if n in names}
+                )
+        try:
+            for name in names:
+                for impl in impls:
+                    if impl == "ours" and name not in (torch_passes or {}).get(mode, {name}):
+                        continue  # --where-torch-passes: torch's DDP does not pass it
+                    for world in worlds:
+                        if name in runs[world][impl]:
+                            continue
+                        if mode == "plain" and cuda_gated(name) and not _has_cuda_devices():
+                            # The test's own decorator would skip it in each rank; said here,
+                            # without starting them.
+                            outcome = Outcome("skip", "Need at least 2 CUDA devices (not spawned)")
+                        elif world == "fake":
+                            outcome = workers[impl].run(name)
+                        else:
+                            outcome = run_one(name, impl, mode == "cpu", args.log)
+                        runs[world][impl][name] = outcome
+                        if args.save:
+                            args.save.write_text(json.dumps(_as_saved(results), indent=1))
+                        if not args.quiet:
+                            where = "" if args.world == "gloo" else f" {world}"
+                            print(
+                                f"[{mode}{where}] {name} {impl}: {outcome.result} "
+                                f"({outcome.seconds:.1f} s) {outcome.reason}",
+                                flush=True,
+                            )
+        finally:
+            for impl, worker in workers.items():
+                worker.close()
+                startup[(mode, impl)] = worker.startup_s
+        for world in worlds:
+            totals[(mode, world)] = report(mode, names, runs[world], world)
+    wall = time.monotonic() - start
+    if args.world == "both":
+        compare_worlds(plan, results, startup)
     print()
-    for mode, (torch_pass, both) in totals.items():
-        print(f"acceptance {mode}: this DDP passes {both} of the {torch_pass} torch's DDP passes")
+    for (mode, world), (torch_pass, both) in totals.items():
+        label = mode if args.world == "gloo" else f"{mode} ({world} world)"
+        print(f"acceptance {label}: this DDP passes {both} of the {torch_pass} torch's DDP passes")
+    print(f"wall time: {wall:.1f} s ({', '.join(worlds)})")
     print(f"rank logs: {args.log}")
     return 0
 
