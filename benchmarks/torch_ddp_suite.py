@@ -53,6 +53,7 @@ import unittest
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -233,7 +234,7 @@ _WORKER_START_S = 300.0
 _WORKER_SLACK_S = 120.0
 
 
-def fake_worker(timeout: int) -> int:
+def fake_worker(timeout: int) -> NoReturn:
     """``--fake-worker``: run the tests named on stdin (one a line) on the fake world, with
     the DDP and mode of ``DDP_SUITE_IMPL`` and ``DDP_SUITE_CPU``; write "ready", then one JSON
     line per test (its Outcome), to the original stdout. Everything else, the ranks' output
@@ -257,13 +258,18 @@ def fake_worker(timeout: int) -> int:
         case.run(result)
         result.outcome.seconds = time.monotonic() - start
         print(json.dumps(dataclasses.asdict(result.outcome)), file=answers, flush=True)
-    return 0
+    # No interpreter teardown (torch's exit handlers, threads a test left behind): minutes
+    # on a loaded machine, for nothing the runner reads.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class FakeWorker:
     """The runner's side of a ``--fake-worker`` process: ``run(name)`` sends a test and waits
     for its outcome, within a deadline; a worker that misses it, or dies, is replaced by a new
-    one at the next test. ``startup_s`` adds up the seconds its processes took to be ready."""
+    one at the next test. ``startup_s`` adds up the seconds its processes took to be ready
+    and to end."""
 
     def __init__(self, impl: str, cpu: bool, timeout: int, log: Path) -> None:
         self.impl, self.cpu, self.timeout, self.log = impl, cpu, timeout, log
@@ -341,12 +347,14 @@ class FakeWorker:
     def close(self) -> None:
         if self._proc is not None:
             assert self._proc.stdin is not None
+            start = time.monotonic()
             self._proc.stdin.close()
             try:
                 self._proc.wait(30)
             except subprocess.TimeoutExpired:
                 self._fail("closing")
             self._proc = None
+            self.startup_s += time.monotonic() - start
 
 
 def _has_cuda_devices() -> bool:
@@ -456,7 +464,7 @@ def compare_worlds(
                 f"{len(same)} | {gloo_s:.1f} | {fake_s:.1f} | "
                 f"{gloo_s / fake_s if fake_s else float('nan'):.1f}x | {median} |"
             )
-    print("\n(fake s includes starting its worker processes)")
+    print("\n(fake s includes starting and ending its worker processes)")
     if differ:
         print("\nverdicts that differ:\n")
         print("| mode | DDP | test | gloo | fake |")
