@@ -276,6 +276,7 @@ class FakeWorker:
         self.startup_s = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
+        self._ended = False
 
     def _start(self) -> str | None:
         """A new worker process; None when ready, else why not."""
@@ -290,6 +291,7 @@ class FakeWorker:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
             )  # fmt: skip
         self._buffer = b""
+        self._ended = False  # its output ended (it exited, or is exiting)
         line = self._readline(start + _WORKER_START_S)
         self.startup_s += time.monotonic() - start
         if line != "ready":
@@ -306,6 +308,7 @@ class FakeWorker:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
+                self._ended = True
                 return None
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
@@ -337,8 +340,7 @@ class FakeWorker:
         line = self._readline(start + self.timeout + _WORKER_SLACK_S)
         seconds = time.monotonic() - start
         if line is None:
-            code = self._proc.poll()
-            why = "the worker died" if code is not None else "no answer: the worker was killed"
+            why = "the worker died" if self._ended else "no answer: the worker was killed"
             return Outcome("FAIL", self._fail(why), seconds)
         outcome = Outcome(**json.loads(line))
         outcome.seconds = seconds  # as the runner saw it, as for gloo

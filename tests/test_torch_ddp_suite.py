@@ -8,7 +8,7 @@ torch.load). It spawns two ranks per DDP: some 40 s on two idle cores.
 
 The same test and one that skips from inside its ranks, on the fake world (``--world fake``:
 the ranks as threads, torch's own scaffolding judging their exit codes), with the verdicts the
-gloo processes give: some 25 s on two idle cores, most of it starting the runner and its
+gloo processes give: some 17 s on two idle cores, most of it starting the runner and its
 workers (each imports torch's suite).
 """
 
@@ -56,7 +56,6 @@ FAKE_WORLD_VERDICTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_torchs_suite_on_the_fake_world_gives_the_process_verdicts() -> None:
     pattern = "|".join(f"^{name}$" for name in FAKE_WORLD_VERDICTS)
