@@ -13,7 +13,11 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
   ``skip_all_reduce_unused_params`` drawn (buckets of unused parameters not reduced);
 - this project's DDP with ``mixed_precision`` reducing in float16 or bfloat16 (drawn):
   each rank's gradient cast to ``reduce_dtype``, summed there in rank order, divided by W
-  there, cast back (gradients only: SGD on rounded gradients may diverge);
+  there, cast back (gradients only: SGD on rounded gradients may diverge); and its twins
+  (torch's ``_mp_param`` / ``_fp_param``): every parameter not ignored has them, in a direct
+  subclass of its own class (a user's own ``nn.Parameter`` subclass, its repr kept; a module
+  wrapped twice, subclassed once), an ignored parameter (first in the module) and ignored
+  buffers are left alone;
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
