@@ -21,21 +21,39 @@ bugs, whatever the wrappers do, are checked here against wrappers wrong on purpo
   wrapper that leaves the head without a gradient passes; one that drops a used
   parameter's gradient, gives the unused head a gradient of zeros, keeps the buffer or a
   gradient in another dtype, or a gradient in another memory layout (the same values)
-  fails, each with its own message.
+  fails, each with its own message;
+- the bounds of a lossy comm hook (``check_comm_hook``'s ``atol``, ``rtol``, ``range_rtol``,
+  ``norm_rtol``): a hook that moves one element of the exact average by half the error the
+  stated bounds allow passes, and by twice that error, or to infinity, fails, naming the
+  parameter (elementwise bounds) or its bucket and bound (per-bucket ones), and the overflow
+  where the value is infinite; an atol beside a per-bucket bound belongs to it (half the
+  error allowed is more than the atol): a check that takes it for an elementwise bound too,
+  skips a bound, or takes one kind for another gives another verdict.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, event, find, given, settings
+import torch.distributed as dist
+from hypothesis import HealthCheck, Phase, assume, event, find, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from reducer.testing import TrainingScenario, check_data_parallel, generated_training_scenarios
+from reducer.testing import (
+    CheckReport,
+    TrainingScenario,
+    check_comm_hook,
+    check_data_parallel,
+    generated_training_scenarios,
+)
 from reducer.testing.harness import note_size
 from reducer.testing.profiles import CI_MAX_EXAMPLES
 from reducer.testing.strategies import model_specs
@@ -355,3 +373,163 @@ def test_missing_extra_and_retyped_values_fail_with_their_message(case: MistakeC
     note_size(2, case[0])
     event(f"mistake: {case[1]}")
     check_mistakes(case)
+
+
+# -- the bounds of a lossy comm hook -------------------------------------------------------------
+
+
+class _Weighted(torch.nn.Module):
+    """``(weight * c).sum()``: the gradient of ``weight`` is the input ``c``, exactly."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(size))
+
+    def forward(self, c: Tensor) -> Tensor:
+        return (self.weight * c).sum()
+
+
+def _the_output(out: Tensor) -> Tensor:
+    return out
+
+
+# Which bounds a case states: elementwise ones (atol, rtol, both: torch.testing.assert_close's
+# |got - want| <= atol + rtol |want|) or one per bucket (range_rtol, norm_rtol), each with an
+# atol that adds to the bucket's bound and is no elementwise bound of its own.
+BOUND_KINDS = ("atol", "rtol", "atol+rtol", "range_rtol", "norm_rtol")
+_ELEMENTWISE = "rank 0, step 0, parameter 0 ('weight'), gradient: beyond the stated bound: "
+_BEYOND = {
+    "atol": _ELEMENTWISE,
+    "rtol": _ELEMENTWISE,
+    "atol+rtol": _ELEMENTWISE,
+    "range_rtol": "rank 0, step 0, bucket 0 (parameters 'weight'): error up to ",
+    "norm_rtol": "rank 0, step 0, bucket 0 (parameters 'weight'): error of norm ",
+}
+_OVERFLOW = "Diagnosis: 1 element(s) are inf where the exact average is finite"
+
+
+@dataclass(frozen=True)
+class BoundCase:
+    """Each rank's gradient (``columns[rank]``: one parameter, one bucket), the bounds
+    stated, the element ``index`` the hook moves, and how far beyond the bounds it moves it
+    in the failing half of the property: 2 times the error they allow, or to infinity."""
+
+    kind: str
+    columns: tuple[tuple[float, ...], ...]
+    atol: float
+    rtol: float
+    per_bucket: float | None  # range_rtol or norm_rtol, by kind
+    index: int
+    beyond: float  # 2.0 or inf
+
+    def exact(self) -> Tensor:
+        """The average the allreduce hook gives (each gradient divided, then summed in rank
+        order: the "divide" rounding), written out here."""
+        column = [torch.tensor(c, dtype=torch.float32) for c in self.columns]
+        return roundings_of(column)["divide"]
+
+    def allowed(self) -> float:
+        """The error the bounds allow at ``index`` (for a per-bucket kind, the bucket's bound:
+        with one element moved, the error's largest element and its norm are that element's)."""
+        w = self.exact().double()
+        if self.kind == "range_rtol":
+            assert self.per_bucket is not None
+            return self.per_bucket * float(w.max() - w.min()) + self.atol
+        if self.kind == "norm_rtol":
+            assert self.per_bucket is not None
+            return self.per_bucket * float(w.norm()) + self.atol
+        return self.atol + self.rtol * abs(float(w[self.index]))
+
+    def moved(self, factor: float) -> float:
+        """The element at ``index`` moved ``factor`` times the error allowed, in float32."""
+        w = float(self.exact()[self.index])
+        return float(torch.tensor(w + factor * self.allowed(), dtype=torch.float32))
+
+
+@st.composite
+def bound_cases(draw: st.DrawFn, kind: str) -> BoundCase:
+    """1 to 3 ranks; gradients of 1 to 3 elements, quarters in [-16, 16], with an average
+    not all zero (and, for range_rtol, not all equal); bounds from 1/1000 to 1, and beside a
+    per-bucket bound an atol of 0 or a tenth or a quarter of it; beyond: twice or inf."""
+    world = draw(st.integers(1, 3))
+    size = draw(st.integers(2 if kind == "range_rtol" else 1, 3))
+    quarter = st.integers(-64, 64).map(lambda q: q / 4)
+    columns = tuple(
+        tuple(draw(st.lists(quarter, min_size=size, max_size=size))) for _ in range(world)
+    )
+    w = BoundCase(kind, columns, 0.0, 0.0, None, 0, 2.0).exact().double()
+    assume(float(w.max() - w.min()) > 0 if kind == "range_rtol" else bool((w != 0).any()))
+    bound = st.floats(1e-3, 1.0)
+    atol = draw(bound) if kind in ("atol", "atol+rtol") else 0.0
+    rtol = draw(bound) if kind in ("rtol", "atol+rtol") else 0.0
+    per_bucket = None
+    if kind in ("range_rtol", "norm_rtol"):
+        per_bucket = draw(bound)
+        spread = float(w.max() - w.min()) if kind == "range_rtol" else float(w.norm())
+        atol = draw(st.sampled_from([0.25, 0.0, 0.1])) * per_bucket * spread
+    index = int(w.abs().argmax())  # nonzero: a relative bound above 0 there
+    beyond = draw(st.sampled_from([2.0, float("inf")]))
+    return BoundCase(kind, columns, atol, rtol, per_bucket, index, beyond)
+
+
+def _moving_hook(state: tuple[int, float], bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """torch's allreduce hook, then one element of the average set to a value."""
+    index, value = state
+
+    def move(fut: torch.futures.Future[Tensor]) -> Tensor:
+        average = fut.value()
+        average[index] = value
+        return average
+
+    return default_hooks.allreduce_hook(None, bucket).then(move)  # type: ignore[arg-type]
+
+
+# torch's DDP reads a hook's annotations, which this module's ``annotations`` import turns into
+# strings: give it the objects.
+_moving_hook.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _check_moved(case: BoundCase, value: float) -> CheckReport:
+    """check_comm_hook with the case's bounds on the hook that sets ``value`` at its index."""
+    inputs = ((tuple((torch.tensor(c, dtype=torch.float32),) for c in case.columns)),)
+    s = TrainingScenario(
+        functools.partial(_Weighted, len(case.columns[0])), inputs, loss=_the_output, lr=0.0
+    )
+    bounds: dict[str, Any] = {"atol": case.atol, "rtol": case.rtol}
+    if case.per_bucket is not None:
+        bounds[case.kind] = case.per_bucket
+    return check_comm_hook(
+        _moving_hook, s, state=lambda pg: (case.index, value), scaling="divide", **bounds
+    )
+
+
+def check_bounds(case: BoundCase) -> None:
+    """The property: the check passes the value moved by half the error the stated bounds
+    allow, and fails it moved by twice that error (or to infinity), naming the parameter
+    (elementwise bounds) or its bucket and the bound (per-bucket bounds), and diagnosing
+    the overflow where the value is infinite. An atol beside a per-bucket bound is that
+    bound's, not one per element: half the error allowed is more than the atol."""
+    report = _check_moved(case, case.moved(0.5))
+    assert (report.exact, report.compared, report.roundings) == (False, len(case.columns), ())
+    with pytest.raises(AssertionError) as failed:
+        _check_moved(case, case.moved(case.beyond))
+    message = str(failed.value)
+    assert _BEYOND[case.kind] in message, message
+    if case.per_bucket is not None:
+        assert f"beyond {case.kind} x the bucket's" in message, message
+    assert (_OVERFLOW in message) == math.isinf(case.beyond), message
+
+
+@pytest.mark.parametrize("kind", BOUND_KINDS)
+@given(data=st.data())
+def test_the_check_holds_a_lossy_hook_to_its_bounds_exactly(kind: str, data: st.DataObject) -> None:
+    case = data.draw(bound_cases(kind))
+    note_size(1, len(case.columns))
+    event(f"beyond: {case.beyond}x")
+    if case.per_bucket is not None:
+        event(f"an atol beside the per-bucket bound: {case.atol > 0}")
+    check_bounds(case)

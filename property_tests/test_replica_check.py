@@ -10,7 +10,10 @@ only, nanoGPT's split), one optimizer step, and one of these (``feature``):
   rank that ran out for a stalled one stops a correct run); without it, uneven counts are
   an error (a rank that ran out leaves the others waiting in a reduction), which a check
   that reads the join state from any wrapper's configuration, present or not enabled,
-  takes for a correct run;
+  takes for a correct run. The wrapper may also be a user's own (:class:`OwnDDP`): a
+  subclass of torch's DDP, so that tools take it for one, that reduces by itself and has
+  none of torch's state, no join configuration among it: the check reads what a wrapper
+  has, so it gives the same verdicts (a check that needs a join configuration fails);
 - ``zero``: ``ZeroRedundancyOptimizer`` over two blocks of equal shapes: each rank's inner
   optimizer steps its own shard, so comparing the shards by position reports blocks that
   are not replicas (the whole model is compared, every parameter of it);
@@ -78,7 +81,7 @@ class CheckScenario:
     or (rank, index into the feature's trained parameters) whose gradient that rank moves
     one ulp up before the optimizer step."""
 
-    kind: str  # "torch" or "ours"
+    kind: str  # "torch", "ours" or "user" (OwnDDP; plain only)
     world_size: int
     groups: int  # 1, or 2: weight decay on the matrices only
     fault: tuple[int, int] | None
@@ -102,13 +105,16 @@ def check_scenarios(draw: st.DrawFn, features: tuple[str, ...] = FEATURES) -> Ch
     drawn (the first is what a failing example shrinks to)."""
     world = draw(st.sampled_from([2, 3, 3, 4]))
     feature = draw(st.sampled_from(features))
+    kind = draw(
+        st.sampled_from(["torch", "ours", "user"] if feature == "plain" else ["torch", "ours"])
+    )
     fault = None
     if feature != "summed" and draw(st.sampled_from([True, True, False])):  # two in three
         fault = (draw(st.integers(0, world - 1)), draw(st.integers(0, len(TRAINED[feature]) - 1)))
     joined = None
     join = True
     if feature == "plain" and fault is None:  # the one step without a fault: see siamese
-        join = draw(st.booleans())
+        join = kind != "user" and draw(st.booleans())  # a user's wrapper has no join()
         # Without join(), two synced steps at least: torch's DDP rebuilds its buckets (a
         # collective) at its second forward even under no_sync.
         joined = tuple(draw(st.integers(1 if join else 2, 3)) for _ in range(world))
@@ -133,7 +139,7 @@ def check_scenarios(draw: st.DrawFn, features: tuple[str, ...] = FEATURES) -> Ch
         heads = tuple(draw(st.integers(0, 1)) for _ in range(world))
         skip = draw(st.booleans())
     return CheckScenario(
-        draw(st.sampled_from(["torch", "ours"])),
+        kind,
         world,
         1 if feature == "zero" else draw(st.sampled_from([2, 1])),
         fault,
@@ -179,6 +185,33 @@ class _TwoHeads(nn.Module):
     def forward(self, x: torch.Tensor, left: bool) -> torch.Tensor:
         h = torch.tanh(self.trunk(x))
         return self.left(h) if left else self.right(h)  # type: ignore[no-any-return]
+
+
+class OwnDDP(nn.parallel.DistributedDataParallel):
+    """A user's own data-parallel wrapper: a subclass of torch's DDP (for the tools that
+    ask ``isinstance``) without torch's constructor, so without its state (no reducer, no
+    join configuration; it has no ``join()``). Each gradient, once accumulated, is scaled by
+    1/W and allreduced at once, unless its forward ran under ``no_sync()`` (torch's, which
+    it inherits: it sets ``require_backward_grad_sync``)."""
+
+    def __init__(self, module: nn.Module, pg: Any) -> None:
+        nn.Module.__init__(self)
+        self.module, self.pg = module, pg
+        self.require_backward_grad_sync = True
+        self.sync = True
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._reduce)  # type: ignore[no-untyped-call]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.sync = self.require_backward_grad_sync and torch.is_grad_enabled()
+        return self.module(*args, **kwargs)
+
+    def _reduce(self, p: torch.Tensor) -> None:
+        assert p.grad is not None
+        if self.sync:
+            p.grad.mul_(1.0 / self.pg.size())
+            self.pg.allreduce([p.grad]).wait()
 
 
 def _model(s: CheckScenario, rank: int) -> tuple[nn.Module, dict[str, Any]]:
@@ -234,12 +267,12 @@ def _train(s: CheckScenario) -> Any:
     def train(pg: Any) -> None:
         rank = pg.rank()
         model, options = _model(s, rank)
-        wrapper = (
-            nn.parallel.DistributedDataParallel
-            if s.kind == "torch"
-            else reducer.DistributedDataParallel
-        )
-        ddp = wrapper(model, **options)
+        if s.kind == "user":
+            ddp: Any = OwnDDP(model, pg)
+        elif s.kind == "torch":
+            ddp = nn.parallel.DistributedDataParallel(model, **options)
+        else:
+            ddp = reducer.DistributedDataParallel(model, **options)
         if rank in s.loaded:  # pretrained weights of the frozen layer, after wrapping
             weights = torch.randn(3, 3, generator=torch.Generator().manual_seed(7))
             with torch.no_grad():
@@ -383,4 +416,5 @@ def test_the_replica_check_gives_the_exact_verdict(feature: str, data: st.DataOb
         event(f"summed bucket: {_summed(s)}")
     if s.joined is not None:
         event(f"under join(): {s.join}, uneven inputs: {len(set(s.joined)) > 1}")
+        event(f"{s.kind}'s wrapper, uneven inputs: {len(set(s.joined)) > 1}")
     check_replica_check(s)

@@ -13,7 +13,11 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
   ``skip_all_reduce_unused_params`` drawn (buckets of unused parameters not reduced);
 - this project's DDP with ``mixed_precision`` reducing in float16 or bfloat16 (drawn):
   each rank's gradient cast to ``reduce_dtype``, summed there in rank order, divided by W
-  there, cast back (gradients only: SGD on rounded gradients may diverge);
+  there, cast back (gradients only: SGD on rounded gradients may diverge); and its twins
+  (torch's ``_mp_param`` / ``_fp_param``): every parameter not ignored has them, in a direct
+  subclass of its own class (a user's own ``nn.Parameter`` subclass, its repr kept; a module
+  wrapped twice, subclassed once), an ignored parameter (first in the module) and ignored
+  buffers are left alone;
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
@@ -297,6 +301,127 @@ def test_mixed_precision_casts_buffers_and_parameters_to_their_own_dtypes(
 ) -> None:
     event(f"param_dtype={config.param_dtype}, buffer_dtype={config.buffer_dtype}")
     check_mixed_precision_dtypes(config)
+
+
+class OwnParameter(nn.Parameter):
+    """A user's own Parameter subclass, with a repr of its own."""
+
+    def __repr__(self) -> str:
+        return f"OwnParameter{tuple(self.shape)}"
+
+
+class _Gated(nn.Module):
+    """A gate (a parameter of its own, first in order) times a Linear layer without bias:
+    the gate may be ignored, and stay full precision, as the product promotes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 2))
+        self.linear = nn.Linear(3, 2, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.linear(x) * self.gate
+        return out
+
+
+@dataclass(frozen=True)
+class MixedModel:
+    """A mixed-precision wrapper over ``WithBuffers(_Gated())``: ``own``, the Linear's
+    weight is an :class:`OwnParameter`; ``ignored``, names of parameters and buffers the
+    wrapper is told to leave alone (of the parameters, the gate or none); ``frozen``, the
+    gate does not require a gradient; ``again``, a second wrapper over the same module, the
+    one trained."""
+
+    config: _MixedPrecision
+    own: bool
+    ignored: frozenset[str]
+    frozen: bool
+    again: bool
+
+
+_PARAMS = ("inner.gate", "inner.linear.weight")
+
+
+@st.composite
+def mixed_models(draw: st.DrawFn) -> MixedModel:
+    """A config (see :func:`mixed_precision_configs`) and a model: the gate ignored or not
+    (the Linear's weight, ignored, would stay float32 under inputs cast to param_dtype),
+    any set of buffers ignored, the rest drawn."""
+    ignored = draw(st.sampled_from([("inner.gate",), ()]))
+    buffers = draw(st.sets(st.sampled_from(["scale", "count"])))
+    frozen = draw(st.booleans()) and not ignored
+    return MixedModel(
+        draw(mixed_precision_configs()),
+        draw(st.booleans()),
+        frozenset(ignored) | buffers,
+        frozen,
+        draw(st.booleans()),
+    )
+
+
+def check_mixed_precision_parameters(case: MixedModel) -> None:
+    """The property: every parameter not ignored is an instance of a direct subclass of its
+    own class (wrapped twice, still of its own class: not of the first wrapper's, whose
+    table it would keep alive), has torch's ``_mp_param`` (in ``param_dtype``, requiring a
+    gradient where the parameter does, as torch's) and ``_fp_param``, and keeps its repr (a
+    user's own class, its own; else nn.Parameter's); an ignored parameter keeps its class,
+    has neither attribute and stays full precision in forward; an ignored buffer keeps its
+    dtype."""
+    config = case.config
+    seen: dict[str, torch.dtype] = {}
+
+    def fn(pg: reducer.ProcessGroup) -> None:
+        torch.manual_seed(0)
+        inner = _Gated()
+        model = WithBuffers(inner)
+        if case.own:
+            inner.linear.weight = OwnParameter(inner.linear.weight.detach().clone())
+        if case.frozen:
+            inner.gate.requires_grad_(False)
+        classes = {name: type(p) for name, p in model.named_parameters()}
+        reprs = {name: repr(p) for name, p in model.named_parameters()}
+        before = {name: b.dtype for name, b in model.named_buffers()}
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, sorted(case.ignored)
+        )
+        ddp = reducer.DistributedDataParallel(model, pg, mixed_precision=config)
+        if case.again:
+            ddp = reducer.DistributedDataParallel(model, pg, mixed_precision=config)
+        inner.register_forward_pre_hook(
+            lambda m, args: seen.update((f"inner.{n}", p.dtype) for n, p in m.named_parameters())
+        )
+        for name, buffer in model.named_buffers():
+            cast = config.buffer_dtype is not None and name not in case.ignored
+            want = config.buffer_dtype if cast else before[name]
+            assert buffer.dtype == want, f"buffer {name!r}: {buffer.dtype}, expected {want}"
+        for name, p in model.named_parameters():
+            assert isinstance(p, classes[name]), name
+            assert repr(p) == reprs[name], name
+            if name in case.ignored:
+                assert type(p) is classes[name], name
+                for attribute in ("_mp_param", "_fp_param"):
+                    assert not hasattr(p, attribute), (name, attribute)
+                continue
+            assert type(p).__bases__ == (classes[name],), (name, type(p).__mro__)
+            assert p._mp_param.dtype == (config.param_dtype or torch.float32), name
+            assert p._mp_param.requires_grad == p.requires_grad, name
+            assert p._fp_param.data_ptr() == p.data_ptr(), name
+        out = ddp(torch.ones(2, 3))
+        torch.stack([o.float().sum() for o in out]).sum().backward()
+        low = config.param_dtype or torch.float32
+        want = {n: torch.float32 if n in case.ignored else low for n in _PARAMS}
+        assert seen == want, f"forward saw {seen}, expected {want}"
+
+    fakepg.run(fn, 1, timeout=20.0)
+
+
+@given(mixed_models())
+def test_mixed_precision_twins_every_parameter_not_ignored_in_its_own_class(
+    case: MixedModel,
+) -> None:
+    note_size(2, 1)
+    event(f"ignored: {sorted(case.ignored)}; own class: {case.own}; wrapped twice: {case.again}")
+    check_mixed_precision_parameters(case)
 
 
 # static_graph, with or without the search for unused parameters, the same branches left

@@ -138,28 +138,29 @@ def _twin_attributes(twins: Twins, base: type[nn.Parameter]) -> type[nn.Paramete
         return twin
 
     def low(param: Tensor) -> Tensor:
+        """The low-precision twin (torch's name)."""
         return twin_of(param, "_mp_param").low
 
     def full(param: Tensor) -> Tensor:
+        """The full-precision data (torch's name)."""
         return twin_of(param, "_fp_param").full
 
     def parameter_repr(param: Tensor) -> str:  # nn.Parameter's, not the subclass's name
         shown = param.detach().requires_grad_(param.requires_grad)
         return f"Parameter containing:\n{shown!r}"
 
-    extra = {"__repr__": parameter_repr} if base is nn.Parameter else {}
-    return type(
-        "MixedPrecisionParameter",
-        (base,),
-        {
-            **extra,
-            "__module__": __name__,
-            "_twin_base": base,  # a second wrapper over the same module subclasses it again
-            "__doc__": "A parameter of a mixed-precision wrapper, with torch's twin attributes.",
-            "_mp_param": property(low, doc="The low-precision twin (torch's name)."),
-            "_fp_param": property(full, doc="The full-precision data (torch's name)."),
-        },
-    )
+    # A class statement: its name, module and docstrings are the statement's (type() took
+    # them as values of its namespace, which mutation testing changes to no effect).
+    class MixedPrecisionParameter(base):  # type: ignore[valid-type,misc]
+        """A parameter of a mixed-precision wrapper, with torch's twin attributes."""
+
+        _twin_base = base  # a second wrapper over the same module subclasses it again
+        _mp_param = property(low)
+        _fp_param = property(full)
+        if base is nn.Parameter:  # a user's own Parameter subclass keeps its repr
+            __repr__ = parameter_repr
+
+    return MixedPrecisionParameter
 
 
 def setup(config: MixedPrecisionConfig, module: nn.Module) -> Twins:
