@@ -92,9 +92,11 @@ anywhere wakes everyone. What each rank calls lives in :mod:`fakepg.group`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import math
+import queue
 import threading
 import time
 import weakref
@@ -200,9 +202,11 @@ class World:
             on_failure=lambda *args: _call_if_alive(on_failure, *args),
             scheduler=self.scheduler,
         )
-        # If a world is dropped without close(), still stop its daemon threads.
+        # If a world is dropped without close(), still stop its daemon threads: on the reaper's
+        # thread, not in the finalizer (see Note [Closing a dropped world]).
+        _start_reaper()
         weakref.finalize(
-            self, _close_threads, self.executor, self.timer, self.completions, self.timeout
+            self, _REAPED.put, (self.executor, self.timer, self.completions, self.timeout)
         )
         # _lock guards every field below, every Channel's fields and the membership fields of
         # each Collective; it is never held while running a callback or waiting. Lock order:
@@ -785,6 +789,61 @@ def _close_threads(
     timer.close()
     executor.close()
     completions.close(grace=min(timeout, 5.0))
+
+
+# Note [Closing a dropped world]
+# A world dropped without close() still has its threads stopped, by a weakref finalizer. A
+# finalizer runs wherever the garbage collector runs: on any thread, at any allocation,
+# possibly while that thread holds a lock that closing needs (the process-wide timer's, while
+# another world closes its timer; the thread cache's). Closing there could deadlock the
+# thread on itself. So the finalizer only puts the world's parts on a queue (SimpleQueue.put
+# is safe from finalizers: it takes no lock a Python caller can hold), and one daemon thread,
+# started by the first world, closes them, holding no lock of its own while it does.
+_REAPED: queue.SimpleQueue[tuple[Executor, Timer, Completions, float]] = queue.SimpleQueue()
+_reaper_lock = threading.Lock()  # guards _reaper
+_reaper: threading.Thread | None = None
+
+
+def _start_reaper() -> None:
+    """Start the thread that closes dropped worlds, once per process (from a world's
+    constructor, never from a finalizer)."""
+    global _reaper
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(
+                target=_reap, name="fakepg: closes dropped worlds", daemon=True
+            )
+            _reaper.start()
+            # At exit, weakref.finalize calls the finalizers of the worlds still alive (they put
+            # their parts on the queue) in an atexit hook registered at the first finalizer,
+            # after this one: atexit runs the latest first, so this drains the queue after
+            # them, as the finalizers closed those worlds before the reaper existed.
+            atexit.register(_reap_now)
+
+
+def _reap() -> None:
+    while True:
+        _close_reaped(_REAPED.get())
+
+
+def _reap_now() -> None:
+    while True:
+        try:
+            parts = _REAPED.get_nowait()
+        except queue.Empty:
+            return
+        _close_reaped(parts)
+
+
+def _close_reaped(parts: tuple[Executor, Timer, Completions, float]) -> None:
+    try:
+        _close_threads(*parts)
+    except Exception as exc:  # reported as a thread's uncaught exception; the reaper goes on
+        threading.excepthook(
+            threading.ExceptHookArgs(
+                (type(exc), exc, exc.__traceback__, threading.current_thread())
+            )
+        )
 
 
 def _call_if_alive(method: weakref.WeakMethod[Callable[..., None]], *args: Any) -> None:

@@ -265,3 +265,36 @@ def test_run_stops_a_computing_rank_after_stop_grace() -> None:
     for bad in (-1, float("inf"), True):
         with fakepg.World(1) as world, pytest.raises(ValueError, match="stop_grace must be"):
             world.run(lambda pg: None, stop_grace=bad)
+
+
+def test_a_world_dropped_while_its_thread_holds_the_timers_lock_is_closed_without_a_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The garbage collector runs a dropped world's finalizer wherever it runs: here while the
+    # dropping thread holds the process-wide timer's lock, as it does while closing another
+    # world's timer. Closing the dropped world there must not wait for that lock.
+    import gc
+
+    from fakepg import executor
+    from fakepg import world as world_module
+
+    closed = threading.Event()
+    close_threads = world_module._close_threads
+
+    def recording(*parts: object) -> None:
+        close_threads(*parts)  # type: ignore[arg-type]
+        closed.set()
+
+    monkeypatch.setattr(world_module, "_close_threads", recording)
+
+    def drop_under_the_lock() -> None:
+        world = fakepg.World(2)  # nothing run: nothing else keeps it alive
+        with executor._CLOCK.lock:
+            del world
+            gc.collect()
+
+    thread = threading.Thread(target=drop_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the finalizer waited for a lock its own thread holds"
+    assert closed.wait(30)  # the dropped world's threads are stopped, off the dropping thread
