@@ -179,6 +179,19 @@ _STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests
 _STATUS.update({24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", 34: "skipped"})
 
 
+def _fresh_copy(folder: Path) -> None:
+    """``folder`` emptied, then the parts of the project mutmut needs copied into it."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for item in COPIED:
+        source = ROOT / item
+        if source.is_dir():
+            shutil.copytree(source, folder / item, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, folder / item)
+
+
 def run_target(
     name: str, target: Target, mutmut: str, limit_s: float, work: Path, *, resume: bool = False
 ) -> Result:
@@ -186,15 +199,7 @@ def run_target(
     the copy a run stopped by its time limit left (mutmut checks only what it has not)."""
     folder = work / name
     if not (resume and (folder / "mutants").exists()):
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        for item in COPIED:
-            source = ROOT / item
-            if source.is_dir():
-                shutil.copytree(source, folder / item, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(source, folder / item)
+        _fresh_copy(folder)
         config = folder / "pyproject.toml"
         config.write_text(_narrowed_config(config.read_text(), target))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the copy, not ROOT
@@ -357,15 +362,7 @@ def generate_mutants(mutmut: str, folder: Path) -> dict[str, list[str]]:
     mutant of the packages, record which property reaches which function (once), and return
     the mutants' names by module path."""
     if not (folder / "mutants").exists():
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        for item in COPIED:
-            source = ROOT / item
-            if source.is_dir():
-                shutil.copytree(source, folder / item, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(source, folder / item)
+        _fresh_copy(folder)
         config = folder / "pyproject.toml"
         config.write_text(_sample_config(config.read_text()))
         python = Path(mutmut).parent / "python"
