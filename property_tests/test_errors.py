@@ -1,6 +1,6 @@
 """Property 6: generated misuse raises the documented error, never a hang or a wrong gradient.
 
-Three kinds of misuse, each generated over models, bucket assignments and world sizes:
+Four kinds of misuse, each generated over models, bucket assignments and world sizes:
 
 - a parameter used outside forward (its branch was skipped, then its weights enter the loss):
   ``ReductionError`` "marked ready twice", naming the parameter by index and name;
@@ -8,7 +8,9 @@ Three kinds of misuse, each generated over models, bucket assignments and world 
   every hook was expected): ``ReductionError`` from ``prepare_for_backward`` on that rank,
   naming exactly the parameters that never got a gradient;
 - invalid bucket indices: ``BucketAssignmentError`` (a ``ValueError``) at construction,
-  naming the parameter or bucket.
+  naming the parameter or bucket;
+- ``prepare_for_backward`` on a reducer closed, or failed in an earlier iteration:
+  ``ReductionError`` naming the call refused.
 
 Each run has bounded waits (the fake world's collectives time out), so a hang fails the test
 instead of blocking it. After the error the reducers are closed and new ones built on the very
@@ -265,3 +267,71 @@ def check_invalid_buckets(case: BucketCase, make_reducer: ReducerFactory | None 
 def test_invalid_bucket_indices_raise_value_error(case: BucketCase) -> None:
     note_size(len(case[0]), 1)
     check_invalid_buckets(case)
+
+
+# -- a call on a closed or failed reducer -------------------------------------------------------
+
+
+@st.composite
+def refused_reducers(draw: st.DrawFn) -> tuple[Scenario, str]:
+    """A scenario whose ranks all skip the same optional branch with every hook expected, and
+    how its reducers are made unusable: ``"closed"`` (``close()``) or ``"failed"`` (the second
+    ``prepare_for_backward`` finds the first iteration unfinished, on every rank)."""
+    base = draw(
+        scenarios(model=unshared_with_optional, find_unused=False, max_replicas=1, max_world_size=3)
+    )
+    skipped = draw(st.sampled_from(base.model.optional_branches))
+    active = frozenset(base.model.optional_branches) - {skipped}
+    steps = ((active,) * base.world_size,)
+    scenario = Scenario(base.model, base.world_size, 1, base.buckets, steps, find_unused=False)
+    return scenario, draw(st.sampled_from(["closed", "failed"]))
+
+
+def check_refused_call_is_named(
+    case: tuple[Scenario, str], make_reducer: ReducerFactory | None = None
+) -> None:
+    """``prepare_for_backward`` on a closed reducer, or on one whose earlier iteration failed,
+    raises ReductionError naming ``prepare_for_backward`` (the call refused) on every rank."""
+    scenario, how = case
+    s = scenario
+    make = reducer.Reducer if make_reducer is None else make_reducer  # as it is now
+    messages: dict[int, str] = {}
+
+    def rank_fn(pg: fakepg.FakeProcessGroup) -> None:
+        model = build_model(s.model)
+        red = make(
+            [list(model.parameters())],
+            [list(b) for b in s.buckets],
+            pg,
+            [sparse_flags(model)],
+            param_names=[name for name, _ in model.named_parameters()],
+        )
+        try:
+            if how == "closed":
+                red.close()
+            else:
+                red.prepare_for_backward([])
+                inputs = branch_inputs(s.model, s.input_seed(pg.rank(), 0, 0))
+                loss_of(model(inputs, s.active(0, pg.rank()))).backward()
+                with pytest.raises(reducer.ReductionError, match="never got a gradient"):
+                    red.prepare_for_backward([])
+            with pytest.raises(reducer.ReductionError) as info:
+                red.prepare_for_backward([])
+            messages[pg.rank()] = str(info.value)
+        finally:
+            red.close()
+
+    fakepg.run(rank_fn, s.world_size, timeout=WAIT_S)
+    for rank in range(s.world_size):
+        message = messages[rank]
+        if how == "closed":
+            assert message == "prepare_for_backward on a closed Reducer; build a new Reducer"
+        else:
+            expected = "prepare_for_backward: this Reducer failed in an earlier iteration ("
+            assert message.startswith(expected), f"rank {rank}: {message}"
+
+
+@given(refused_reducers())
+def test_a_call_on_a_closed_or_failed_reducer_is_named(case: tuple[Scenario, str]) -> None:
+    note_size(case[0].model.parameter_count, case[0].world_size)
+    check_refused_call_is_named(case)
