@@ -23,7 +23,10 @@ ones no other property draws:
 Every rank's gradients, parameters and buffers after each step, and the bucket sizes, must
 be torch's. And the two arguments this wrapper cannot honour
 (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``) are refused by name, never
-ignored.
+ignored. Two misuses of construction are refused with what to do: no process group and no
+default group (the message exactly), and a mixed-precision configuration with a field
+missing, not a dtype, or a dtype gradients cannot be reduced in (an InvalidArgument naming
+the first such field and its value, never a TypeError).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import inspect
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -311,3 +315,81 @@ def check_refused(options: dict[str, Any]) -> None:
 def test_arguments_this_wrapper_cannot_honour_are_refused_by_name(options: dict[str, Any]) -> None:
     event(f"refused: {sorted(options)}")
     check_refused(options)
+
+
+_NO_GROUP = (
+    "DistributedDataParallel: no process_group was given, and torch.distributed has no default "
+    "group to use instead; call torch.distributed.init_process_group(...) first (torchrun sets "
+    "its environment), or pass process_group=, e.g. a reducer.TorchProcessGroup or "
+    "fakepg.World(n).group(rank)"
+)
+
+
+def check_no_group(how: str, seed: int) -> None:
+    """The property: with no process group given (left out, None in torch's ``device_ids``
+    place, or ``process_group=None``) and no default group, construction raises
+    ``reducer.InvalidArgument`` with exactly the message that says what to do."""
+    assert not dist.is_initialized()  # the property's premise: no default group
+    args: tuple[Any, ...] = (None,) if how == "positional None" else ()
+    kwargs: dict[str, Any] = {"process_group": None} if how == "process_group=None" else {}
+    with pytest.raises(reducer.InvalidArgument) as info:
+        reducer.DistributedDataParallel(_build(seed), *args, **kwargs)
+    assert str(info.value) == _NO_GROUP
+
+
+@given(st.sampled_from(["left out", "positional None", "process_group=None"]), st.integers(0, 3))
+def test_no_group_and_no_default_group_is_refused_with_what_to_do(how: str, seed: int) -> None:
+    event(f"group: {how}")
+    check_no_group(how, seed)
+
+
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "buffer_dtype")
+_VALID_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32)
+_MISSING = object()  # a field the configuration does not have
+
+
+@st.composite
+def mixed_precision_configs(draw: st.DrawFn) -> tuple[SimpleNamespace, str, str]:
+    """A mixed-precision configuration with at least one invalid field, the first invalid
+    field (in torch's order), and a pattern its refusal must match: a field missing, not a
+    dtype (a dtype's name, a number), an integer or complex dtype, or a storage-only float."""
+    invalid: dict[str, tuple[object, str]] = {
+        "missing": (_MISSING, "is missing"),
+        "a name": ("float16", "is 'float16'"),
+        "a number": (16, "is 16"),
+        "integer": (torch.int32, r"is torch\.int32, which is not a real floating-point"),
+        "complex": (torch.complex64, r"is torch\.complex64, which is not a real floating-point"),
+        "float8": (torch.float8_e4m3fn, r"is torch\.float8_e4m3fn, a storage-only"),
+    }
+    first = draw(st.sampled_from(_MP_FIELDS))
+    kind = draw(st.sampled_from(sorted(invalid)))
+    fields: dict[str, object] = {}
+    for field in _MP_FIELDS:
+        if _MP_FIELDS.index(field) < _MP_FIELDS.index(first):
+            fields[field] = draw(st.sampled_from(_VALID_DTYPES))
+        elif field == first:
+            fields[field] = invalid[kind][0]
+        else:  # after the first invalid one: anything, valid or not
+            fields[field] = draw(
+                st.sampled_from(_VALID_DTYPES) | st.sampled_from([v for v, _ in invalid.values()])
+            )
+    config = SimpleNamespace(**{k: v for k, v in fields.items() if v is not _MISSING})
+    return config, first, invalid[kind][1]
+
+
+def check_invalid_mixed_precision(case: tuple[SimpleNamespace, str, str]) -> None:
+    """The property: construction raises ``reducer.InvalidArgument`` (a ValueError, never a
+    TypeError from checking it) naming the first invalid field and what it holds."""
+    config, field, pattern = case
+
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        with pytest.raises(reducer.InvalidArgument, match=rf"\b{field} {pattern}"):
+            reducer.DistributedDataParallel(_build(0), pg, mixed_precision=config)
+
+    fakepg.run(fn, 1, timeout=20.0)
+
+
+@given(mixed_precision_configs())
+def test_an_invalid_mixed_precision_field_is_named(case: tuple[SimpleNamespace, str, str]) -> None:
+    event(f"invalid: {case[1]} {case[2]}")
+    check_invalid_mixed_precision(case)
