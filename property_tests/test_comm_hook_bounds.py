@@ -29,6 +29,11 @@ its consequence, for every rank and element,
 (each step's two roundings). So what was applied never drifts from what was computed by more
 than the current error memory: the lost part is not lost, only delayed, which is why error
 feedback converges. Averaged over ranks the same holds for the true average gradient.
+
+Property 3 (what is not compressed is averaged exactly). A vector (a bias) is never worth
+compressing at a compression rate of 1 or more: next to a matrix in its bucket, without error
+feedback, its gradient at a compressed step is the fake world's float32 sum in rank order
+divided by W, bit for bit.
 """
 
 from __future__ import annotations
@@ -268,3 +273,59 @@ def test_error_feedback_telescopes_so_nothing_is_lost(
         mean_rounding += rounding / world_size
     # Averaged over ranks: the applied sum is the true average's sum less the mean memory.
     assert bool((mean_drift.abs() <= mean_rounding * (1 + 1e-6)).all())
+
+
+# -------------------------------------------------------------------------------------------
+# Property 3.
+
+
+@st.composite
+def bias_cases(
+    draw: st.DrawFn,
+) -> tuple[int, float, list[tuple[int, int] | tuple[int]], list[list[list[Tensor]]]]:
+    """(rank, min_compression_rate, shapes, data[rank][step][param]): a matrix and a vector
+    (a bias) in one bucket, in either order; a compression rate of 1 or more (torch's default
+    2), at which a vector (k x 1 at rank 1: k + 1 numbers for k) is never worth compressing,
+    while the matrix may be; 1 to 4 ranks, 2 warm-up steps then a compressed one."""
+    world_size = draw(st.integers(1, 4))
+    n = draw(st.integers(3, 6))
+    m = draw(st.integers(3, 6))
+    k = draw(st.integers(1, 6))
+    shapes: list[tuple[int, int] | tuple[int]] = [(n, m), (k,)]
+    if draw(st.booleans()):
+        shapes.reverse()
+    rank = draw(st.integers(1, 2))
+    rate = draw(st.sampled_from([1.0, 2.0]))
+    data = [
+        [[draw(entries(shape)) for shape in shapes] for _ in range(3)] for _ in range(world_size)
+    ]
+    return rank, rate, shapes, data
+
+
+@given(bias_cases())
+def test_a_vector_powersgd_leaves_uncompressed_is_the_exact_average(
+    case: tuple[int, float, list[tuple[int, int] | tuple[int]], list[list[list[Tensor]]]],
+) -> None:
+    """Property 3: at a compressed step, the bias's gradient (left uncompressed, next to a
+    matrix in its bucket) is exactly the fake world's float32 sum in rank order divided by W,
+    on every rank; the matrix's approximation is the same bits on every rank."""
+    rank, rate, shapes, data = case
+    world_size = len(data)
+    run = run_hook(
+        reducer.powerSGD_hook,
+        shapes,
+        data,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        min_compression_rate=rate,
+        use_error_feedback=False,
+        orthogonalization_epsilon=1e-8,  # against 0 / 0 for a zero matrix, as in Property 2
+    )
+    vector = next(i for i, shape in enumerate(shapes) if len(shape) == 1)
+    total = data[0][2][vector].clone()
+    for r in range(1, world_size):
+        total = total + data[r][2][vector]  # float32, in rank order, as the fake world sums
+    expected = total / world_size
+    for r in range(world_size):
+        assert torch.equal(run.grads[r][2][vector], expected), (r, run.grads[r][2][vector])
+        assert torch.equal(run.grads[r][2][1 - vector], run.grads[0][2][1 - vector])
