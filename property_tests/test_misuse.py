@@ -11,12 +11,18 @@ the invalid ones, each with an error naming the argument and what was given.
   exactly when some rank's entry is a tensor, naming the first one by step and rank;
 - a model factory: one that reseeds builds the same weights every call and is checked; one
   that does not is refused before any rank starts ("not deterministic"), never reported as
-  a gradient mismatch.
+  a gradient mismatch;
+- a reference's optimizer: torch's ZeroRedundancyOptimizer, bare or inside any nesting of
+  ``functools.partial``, is refused by every reference that takes an optimizer, naming the
+  reference; a plain optimizer nested the same way is taken.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,13 +30,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from reducer.testing import (
     TrainingScenario,
     check_data_parallel,
+    ddp_average,
+    fsdp2_shards,
     hierarchical_averaging,
+    periodic_averaging,
     torch_ddp,
     training_scenarios,
+    zero_redundancy,
 )
 from reducer.testing.strategies import gradient_scales
 
@@ -149,3 +160,58 @@ def model_factories() -> st.SearchStrategy[dict[str, Any]]:
 @given(model_factories())
 def test_a_model_factory_that_is_not_deterministic_is_named(case: dict[str, Any]) -> None:
     check_model_factory(case)
+
+
+# Each reference that takes an optimizer factory, by the name its errors give it.
+_REFERENCES: dict[str, Callable[[Any], object]] = {
+    "ddp_average": lambda opt: ddp_average(optimizer=opt),
+    "fsdp2_shards": lambda opt: fsdp2_shards(optimizer=opt),
+    "zero_redundancy": zero_redundancy,
+    "periodic_averaging": lambda opt: periodic_averaging(2, optimizer=opt),
+    "hierarchical_averaging": lambda opt: hierarchical_averaging({2: 1}, optimizer=opt),
+}
+
+
+@st.composite
+def reference_optimizers(draw: st.DrawFn) -> dict[str, Any]:
+    """A reference, and an optimizer factory for it: ZeroRedundancyOptimizer or SGD, bare or
+    wrapped in up to 3 ``functools.partial`` (each binding some of its keyword arguments)."""
+    zero = draw(st.booleans())
+    factory: Any = ZeroRedundancyOptimizer if zero else torch.optim.SGD
+    options = (
+        [("optimizer_class", torch.optim.SGD), ("lr", 0.1)]
+        if zero
+        else [("lr", 0.1), ("momentum", 0.9)]
+    )
+    for name, value in options[: draw(st.integers(0, 2))]:
+        factory = functools.partial(factory, **{name: value})
+    for _ in range(draw(st.integers(0, 1))):  # a partial binding nothing
+        factory = functools.partial(factory)
+    return {
+        "reference": draw(st.sampled_from(sorted(_REFERENCES))),
+        "factory": factory,
+        "zero": zero,
+    }
+
+
+def check_zero_redundancy_refused(case: dict[str, Any]) -> None:
+    """A reference is refused exactly when its optimizer is ZeroRedundancyOptimizer, however
+    deep inside partials, with an error naming the reference."""
+    name, factory = case["reference"], case["factory"]
+    make = _REFERENCES[name]
+    if not case["zero"]:
+        make(factory)
+        return
+    expected = (
+        f"{name}: optimizer= is torch's ZeroRedundancyOptimizer, which needs a process group, "
+        "while the reference steps plain models outside any."
+    )
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        make(factory)
+
+
+@given(reference_optimizers())
+def test_zero_redundancy_is_refused_as_a_references_optimizer_through_partials(
+    case: dict[str, Any],
+) -> None:
+    check_zero_redundancy_refused(case)
