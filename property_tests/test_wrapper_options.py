@@ -20,8 +20,9 @@ ones no other property draws:
   steps only where it is on);
 - ``gradient_as_bucket_view``.
 
-Every rank's gradients, parameters and buffers after each step, and the bucket sizes, must
-be torch's. And the two arguments this wrapper cannot honour
+Every rank's gradients, parameters and buffers after each step, the bucket sizes, and the
+parameters' count and size in bytes in the logging data, must be torch's; the logging data's
+times of the last iteration must be those of the iteration it sampled (the last). And the two arguments this wrapper cannot honour
 (``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``) are refused by name, never
 ignored. Two misuses of construction are refused with what to do: no process group and no
 default group (the message exactly), and a mixed-precision configuration with a field
@@ -213,8 +214,8 @@ Trace = list[tuple[list[Tensor | None], list[Tensor], list[Tensor]]]  # grads, p
 
 
 def _run(s: OptionScenario) -> list[tuple[tuple[Trace, Any], tuple[Trace, Any]]]:
-    """Per rank, for this project's wrapper then torch's: the trace of every step and the
-    sizes of the buckets it was built with, from its logging data."""
+    """Per rank, for this project's wrapper then torch's: the trace of every step and its
+    logging data after the last."""
 
     def fn(pg: fakepg.FakeProcessGroup) -> tuple[tuple[Trace, Any], tuple[Trace, Any]]:
         torch.get_num_threads()  # this thread's intra-op thread count, before any kernel
@@ -241,7 +242,7 @@ def _run(s: OptionScenario) -> list[tuple[tuple[Trace, Any], tuple[Trace, Any]]]
                 optimizer.step()
                 params = [p.detach().clone() for p in model.parameters()]
                 trace.append((grads, params, [b.clone() for b in model.buffers()]))
-            out.append((trace, ddp._get_ddp_logging_data().get("bucket_sizes")))
+            out.append((trace, ddp._get_ddp_logging_data()))
         return out[0], out[1]
 
     return fakepg.run_torch(fn, s.world_size, timeout=30.0)
@@ -258,11 +259,36 @@ def _same(ours: Tensor | None, theirs: Tensor | None, where: str) -> None:
     )
 
 
+# Logging data that must be torch's: the buckets the wrapper was built with, the parameters'
+# count and size in bytes. (Not torch's sampled "iteration": in this fake world torch's
+# logger reports the last or the one before, from one run of an example to the next.)
+_LOGGED = ("bucket_sizes", "num_parameter_tensors", "total_parameter_size_bytes")
+# The last iteration's times, as fields (ms) and as torch's keys for the sampled one (ns).
+_TIMES = (
+    ("backward_compute_ms", "backward_compute_time"),
+    ("comm_ms", "backward_comm_time"),
+    ("overlap_ms", "backward_compute_comm_overlap_time"),
+)
+
+
+def _check_logging(s: OptionScenario, rank: int, ours: dict[str, Any], theirs: Any) -> None:
+    """Our logging data has torch's values for :data:`_LOGGED`; its sampled iteration is the
+    last (the first 10 are all sampled), so each of its times (ns) is the last iteration's
+    field (ms), exactly."""
+    for key in _LOGGED:
+        assert ours[key] == theirs[key], f"rank {rank}: {key} {ours[key]}, torch's {theirs[key]}"
+    assert ours["iteration"] == s.steps - 1, ours["iteration"]
+    for field, key in _TIMES:
+        assert ours[field] == ours[key] * 1e-6, f"rank {rank}: {field} {ours[field]}, {key}"
+
+
 def check_options(s: OptionScenario) -> None:
     """The property: every rank's gradients, parameters and buffers after every step, and
-    the bucket sizes before and after the rebuild, are torch's."""
+    the bucket sizes before and after the rebuild, are torch's; so are the other logging data
+    of :data:`_LOGGED`, and the last iteration's times agree with the sampled ones."""
     names = [n for n, _ in _build(0).named_parameters()]
-    for rank, ((ours, our_sizes), (theirs, their_sizes)) in enumerate(_run(s)):
+    for rank, ((ours, our_log), (theirs, their_log)) in enumerate(_run(s)):
+        our_sizes, their_sizes = our_log.get("bucket_sizes"), their_log.get("bucket_sizes")
         for step, (mine, torchs) in enumerate(zip(ours, theirs, strict=True)):
             where = f"rank {rank}, step {step}"
             for kind, a, b in zip(("grad", "param"), mine[:2], torchs[:2], strict=True):
@@ -273,6 +299,7 @@ def check_options(s: OptionScenario) -> None:
         # (Both report the buckets they were built with: see property_tests/test_ddp_buckets.py
         # for the buckets of every iteration, as comm hooks see them.)
         assert our_sizes == their_sizes, f"rank {rank}: buckets {our_sizes}, torch's {their_sizes}"
+        _check_logging(s, rank, our_log, their_log)
 
 
 @pytest.mark.parametrize("focus", FOCUSES)
