@@ -22,12 +22,13 @@ ones no other property draws:
 
 Every rank's gradients, parameters and buffers after each step, the bucket sizes, and the
 parameters' count and size in bytes in the logging data, must be torch's; the logging data's
-times of the last iteration must be those of the iteration it sampled (the last). And the two arguments this wrapper cannot honour
-(``delay_all_reduce_named_params``, ``param_to_hook_all_reduce``) are refused by name, never
-ignored. Two misuses of construction are refused with what to do: no process group and no
-default group (the message exactly), and a mixed-precision configuration with a field
-missing, not a dtype, or a dtype gradients cannot be reduced in (an InvalidArgument naming
-the first such field and its value, never a TypeError).
+times of the last iteration must be those of the iteration it sampled (the last). And the
+two arguments this wrapper cannot honour (``delay_all_reduce_named_params``,
+``param_to_hook_all_reduce``) are refused by name, never ignored. Two misuses of
+construction are refused with what to do: no process group and no default group (the
+message exactly), and a mixed-precision configuration with a field missing, not a dtype, or
+a dtype gradients cannot be reduced in (an InvalidArgument naming the first such field and
+its value, never a TypeError).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ per rank and step), trained for a few SGD steps on a fake world of 1 to 4 ranks 
   subclass of its own class (a user's own ``nn.Parameter`` subclass, its repr kept; a module
   wrapped twice, subclassed once), an ignored parameter (first in the module) and ignored
   buffers are left alone;
+- this project's DDP with a user's ``reducer.Reducer`` subclass where the wrapper looks its
+  reducer class up: each rank reduces with torch's DDP calls over that subclass, exactly as
+  with the Reducer;
 - both with buffers (half the models): one forward updates in place, one it reassigns, and
   the gradients depend on them: every rank's forward starts from rank 0's buffers;
 - both told to ignore some parameters and buffers (each rank keeps its own);
@@ -43,9 +46,11 @@ refuses the step with an error.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -57,6 +62,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fakepg
 import reducer
+import reducer.ddp._wrapper
+from reducer.ddp._reducer import DDPReducer
 from reducer.testing import (
     TrainingScenario,
     bucket_caps_mb,
@@ -224,6 +231,46 @@ def test_this_projects_ddp_averages_exactly(s: TrainingScenario) -> None:
     _note(s)
     event(f"reloaded after step {s.reload_after}")
     check_our_ddp(s)
+
+
+_BUILT_LOCK = threading.Lock()
+_BUILT: list[RecordingReducer] = []  # every RecordingReducer built, by any rank's thread
+
+
+class RecordingReducer(reducer.Reducer):
+    """A user's :class:`reducer.Reducer` subclass: records every instance built, then does
+    what the Reducer does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        with _BUILT_LOCK:
+            _BUILT.append(self)
+
+
+def check_our_ddp_with_a_reducer_subclass(s: TrainingScenario) -> None:
+    """The wrapper builds its reducer from the Reducer class its module names when it builds
+    it: with a user's subclass there, every rank's reducer is one class, torch's DDP calls
+    over the subclass (``DDPRecordingReducer``), built once per rank through the subclass's
+    own ``__init__``, and the wrapper still averages exactly, with torch's reciprocal
+    scaling."""
+    _BUILT.clear()
+    with mock.patch.object(reducer.ddp._wrapper, "Reducer", RecordingReducer):
+        check_data_parallel(reducer_ddp(), s, scaling="reciprocal")
+    built = list(_BUILT)
+    assert len(built) == s.world_size, f"{len(built)} reducers for {s.world_size} ranks"
+    classes = {type(r) for r in built}
+    assert len(classes) == 1, classes  # made once, then reused
+    (made,) = classes
+    assert made.__name__ == "DDPRecordingReducer", made.__name__
+    assert issubclass(made, DDPReducer) and issubclass(made, RecordingReducer), made.__mro__
+
+
+@given(_SCENARIOS)
+def test_this_projects_ddp_with_a_users_reducer_subclass_averages_exactly(
+    s: TrainingScenario,
+) -> None:
+    _note(s)
+    check_our_ddp_with_a_reducer_subclass(s)
 
 
 # Mixed precision: the reduction in float16 or bfloat16 (drawn), divided there. Not
