@@ -10,6 +10,9 @@ Three kinds of misuse, each generated over models, bucket assignments and world 
 - invalid bucket indices: ``BucketAssignmentError`` (a ``ValueError``) at construction,
   naming the parameter or bucket.
 
+And the fake world's own failure: a rank that fails while the others wait in a collective
+gives each of them ``WorldAborted`` naming the failed rank, the collective and the waiting rank.
+
 Each run has bounded waits (the fake world's collectives time out), so a hang fails the test
 instead of blocking it. After the error the reducers are closed and new ones built on the very
 same models: the next iteration's gradients must be exactly the reference's. Each check takes
@@ -19,6 +22,7 @@ the reducer class, so ``test_mutants.py`` can run it against broken ones.
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -265,3 +269,71 @@ def check_invalid_buckets(case: BucketCase, make_reducer: ReducerFactory | None 
 def test_invalid_bucket_indices_raise_value_error(case: BucketCase) -> None:
     note_size(len(case[0]), 1)
     check_invalid_buckets(case)
+
+
+# -- the fake world's own errors ----------------------------------------------------------------
+
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
+
+
+@st.composite
+def world_failures(draw: st.DrawFn) -> tuple[int, int, str, int]:
+    """A world size (2 to 4), the rank that fails, the collective the others wait in, and how
+    many completed collectives come before it (its sequence number)."""
+    world_size = draw(st.integers(2, 4))
+    return (
+        world_size,
+        draw(st.integers(0, world_size - 1)),
+        draw(st.sampled_from(COLLECTIVES)),
+        draw(st.integers(0, 2)),
+    )
+
+
+def _issue(pg: fakepg.FakeProcessGroup, kind: str) -> fakepg.Work:
+    t = torch.ones(2)
+    if kind == "allreduce":
+        return pg.allreduce([t])
+    if kind == "broadcast":
+        return pg.broadcast([t], 0)
+    return pg.allgather([[torch.zeros(2) for _ in range(pg.size())]], [t])
+
+
+def check_a_failure_names_the_collective_and_the_waiting_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    """Property: when a rank fails while the others wait in a collective it never joined,
+    each of the others gets WorldAborted naming the failed rank, that collective (kind and
+    sequence number) and the waiting rank itself. The failing rank raises only once every
+    other rank has issued the collective, so it is unfinished when the world aborts."""
+    world_size, failing, kind, before = case
+    issued = threading.Barrier(world_size, timeout=WAIT_S)
+    seen: dict[int, str] = {}
+
+    def rank_fn(pg: fakepg.FakeProcessGroup) -> None:
+        for _ in range(before):
+            pg.allreduce([torch.ones(1)]).wait()
+        if pg.rank() == failing:
+            issued.wait()
+            raise ValueError("this rank fails")
+        work = _issue(pg, kind)
+        issued.wait()
+        try:
+            work.wait()
+        except fakepg.WorldAborted as error:
+            seen[pg.rank()] = str(error)
+
+    with pytest.raises(ValueError, match="this rank fails"):
+        fakepg.run(rank_fn, world_size, timeout=WAIT_S)
+    assert sorted(seen) == [r for r in range(world_size) if r != failing], seen
+    for rank, message in seen.items():
+        assert f"rank {failing} failed" in message, message
+        # The collective's sequence number counts per kind of channel: every earlier
+        # collective was an allreduce on the world's channel, as this one.
+        assert f"; {kind} #{before}" in message and f"on rank {rank}." in message, message
+
+
+@given(world_failures())
+def test_a_failure_names_the_collective_and_the_waiting_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    check_a_failure_names_the_collective_and_the_waiting_rank(case)
