@@ -11,7 +11,9 @@ Three kinds of misuse, each generated over models, bucket assignments and world 
   naming the parameter or bucket.
 
 And the fake world's own failure: a rank that fails while the others wait in a collective
-gives each of them ``WorldAborted`` naming the failed rank, the collective and the waiting rank.
+gives each of them ``WorldAborted`` naming the failed rank, the collective and the waiting rank;
+and closing a world stops a done-callback stalled in Python code and delivers what is queued
+behind it.
 
 Each run has bounded waits (the fake world's collectives time out), so a hang fails the test
 instead of blocking it. After the error the reducers are closed and new ones built on the very
@@ -26,11 +28,12 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fakepg
 import reducer
+from fakepg.completion import CallbackStopped
 from reducer.testing.harness import (
     ReducerFactory,
     Scenario,
@@ -337,3 +340,72 @@ def test_a_failure_names_the_collective_and_the_waiting_rank(
     case: tuple[int, int, str, int],
 ) -> None:
     check_a_failure_names_the_collective_and_the_waiting_rank(case)
+
+
+@st.composite
+def stalled_lanes(draw: st.DrawFn) -> tuple[int, int, int]:
+    """A world size (1 to 3), the rank whose first callback stalls, and how many callbacks
+    each rank queues behind it (1 to 3)."""
+    world_size = draw(st.integers(1, 3))
+    return world_size, draw(st.integers(0, world_size - 1)), draw(st.integers(1, 3))
+
+
+CLOSE_S = 1.0  # the world's timeout: close() waits this long for a lane before stopping it
+
+
+def check_closing_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
+    """Property: closing a world whose rank is stalled in a done-callback (looping in Python
+    code for an event nobody sets) stops that callback (CallbackStopped is raised
+    into it) and delivers every callback queued behind it, on every rank, before close()
+    returns: a closed world leaves no completion lane busy. The world is closed as soon as
+    the callback has started, well within its timeout, so that close() rather than the
+    stall's watchdog has to stop it."""
+    world_size, stalled, behind = case
+    started, release = threading.Event(), threading.Event()
+    stopped: list[int] = []
+    delivered: list[tuple[int, int]] = []
+
+    def stall(_future: object) -> None:
+        started.set()
+        try:
+            # Short waits: an exception raised into a thread lands between bytecodes, never
+            # inside one long blocking wait.
+            for _ in range(int(10 * WAIT_S / 0.01)):
+                if release.wait(0.01):
+                    break
+        except CallbackStopped:
+            stopped.append(stalled)
+            raise
+
+    def issue(world: fakepg.World, rank: int) -> None:
+        pg = world.group(rank)
+        for i in range(1 + behind):
+            future = pg.allreduce([torch.ones(1)]).get_future()
+            if rank == stalled and i == 0:
+                future.then(stall)
+            elif i > 0:
+
+                def deliver(_future: object, i: int = i) -> None:
+                    delivered.append((rank, i))
+
+                future.then(deliver)
+
+    try:
+        with fakepg.World(world_size, timeout=CLOSE_S) as world:
+            ranks = [threading.Thread(target=issue, args=(world, r)) for r in range(world_size)]
+            for thread in ranks:
+                thread.start()
+            for thread in ranks:
+                thread.join()
+            assert started.wait(WAIT_S)
+        assert stopped == [stalled]
+        expected = {(r, i) for r in range(world_size) for i in range(1, 1 + behind)}
+        assert sorted(delivered) == sorted(expected), delivered
+    finally:
+        release.set()  # a lane left stalled (a broken close) ends once the property failed
+
+
+@given(stalled_lanes())
+@settings(max_examples=5, deadline=None)
+def test_closing_a_world_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
+    check_closing_stops_a_stalled_callback(case)
