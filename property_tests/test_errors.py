@@ -12,6 +12,11 @@ Four kinds of misuse, each generated over models, bucket assignments and world s
 - ``prepare_for_backward`` on a reducer closed, or failed in an earlier iteration:
   ``ReductionError`` naming the call refused.
 
+And the fake world's own failure: a rank that fails while the others wait in a collective
+gives each of them ``WorldAborted`` naming the failed rank, the collective and the waiting rank;
+and closing a world stops a done-callback stalled in Python code and delivers what is queued
+behind it.
+
 Each run has bounded waits (the fake world's collectives time out), so a hang fails the test
 instead of blocking it. After the error the reducers are closed and new ones built on the very
 same models: the next iteration's gradients must be exactly the reference's. Each check takes
@@ -21,14 +26,16 @@ the reducer class, so ``test_mutants.py`` can run it against broken ones.
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fakepg
 import reducer
+from fakepg.completion import CallbackStopped
 from reducer.testing.harness import (
     ReducerFactory,
     Scenario,
@@ -335,3 +342,140 @@ def check_refused_call_is_named(
 def test_a_call_on_a_closed_or_failed_reducer_is_named(case: tuple[Scenario, str]) -> None:
     note_size(case[0].model.parameter_count, case[0].world_size)
     check_refused_call_is_named(case)
+
+
+# -- the fake world's own errors ----------------------------------------------------------------
+
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
+
+
+@st.composite
+def world_failures(draw: st.DrawFn) -> tuple[int, int, str, int]:
+    """A world size (2 to 4), the rank that fails, the collective the others wait in, and how
+    many completed collectives come before it (its sequence number)."""
+    world_size = draw(st.integers(2, 4))
+    return (
+        world_size,
+        draw(st.integers(0, world_size - 1)),
+        draw(st.sampled_from(COLLECTIVES)),
+        draw(st.integers(0, 2)),
+    )
+
+
+def _issue(pg: fakepg.FakeProcessGroup, kind: str) -> fakepg.Work:
+    t = torch.ones(2)
+    if kind == "allreduce":
+        return pg.allreduce([t])
+    if kind == "broadcast":
+        return pg.broadcast([t], 0)
+    return pg.allgather([[torch.zeros(2) for _ in range(pg.size())]], [t])
+
+
+def check_a_failure_names_the_collective_and_the_waiting_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    """Property: when a rank fails while the others wait in a collective it never joined,
+    each of the others gets WorldAborted naming the failed rank, that collective (kind and
+    sequence number) and the waiting rank itself. The failing rank raises only once every
+    other rank has issued the collective, so it is unfinished when the world aborts."""
+    world_size, failing, kind, before = case
+    issued = threading.Barrier(world_size, timeout=WAIT_S)
+    seen: dict[int, str] = {}
+
+    def rank_fn(pg: fakepg.FakeProcessGroup) -> None:
+        for _ in range(before):
+            pg.allreduce([torch.ones(1)]).wait()
+        if pg.rank() == failing:
+            issued.wait()
+            raise ValueError("this rank fails")
+        work = _issue(pg, kind)
+        issued.wait()
+        try:
+            work.wait()
+        except fakepg.WorldAborted as error:
+            seen[pg.rank()] = str(error)
+
+    with pytest.raises(ValueError, match="this rank fails"):
+        fakepg.run(rank_fn, world_size, timeout=WAIT_S)
+    assert sorted(seen) == [r for r in range(world_size) if r != failing], seen
+    for rank, message in seen.items():
+        assert f"rank {failing} failed" in message, message
+        # The collective's sequence number counts per kind of channel: every earlier
+        # collective was an allreduce on the world's channel, as this one.
+        assert f"; {kind} #{before}" in message and f"on rank {rank}." in message, message
+
+
+@given(world_failures())
+def test_a_failure_names_the_collective_and_the_waiting_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    check_a_failure_names_the_collective_and_the_waiting_rank(case)
+
+
+@st.composite
+def stalled_lanes(draw: st.DrawFn) -> tuple[int, int, int]:
+    """A world size (1 to 3), the rank whose first callback stalls, and how many callbacks
+    each rank queues behind it (1 to 3)."""
+    world_size = draw(st.integers(1, 3))
+    return world_size, draw(st.integers(0, world_size - 1)), draw(st.integers(1, 3))
+
+
+CLOSE_S = 1.0  # the world's timeout: close() waits this long for a lane before stopping it
+
+
+def check_closing_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
+    """Property: closing a world whose rank is stalled in a done-callback (looping in Python
+    code for an event nobody sets) stops that callback (CallbackStopped is raised
+    into it) and delivers every callback queued behind it, on every rank, before close()
+    returns: a closed world leaves no completion lane busy. The world is closed as soon as
+    the callback has started, well within its timeout, so that close() rather than the
+    stall's watchdog has to stop it."""
+    world_size, stalled, behind = case
+    started, release = threading.Event(), threading.Event()
+    stopped: list[int] = []
+    delivered: list[tuple[int, int]] = []
+
+    def stall(_future: object) -> None:
+        started.set()
+        try:
+            # Short waits: an exception raised into a thread lands between bytecodes, never
+            # inside one long blocking wait.
+            for _ in range(int(10 * WAIT_S / 0.01)):
+                if release.wait(0.01):
+                    break
+        except CallbackStopped:
+            stopped.append(stalled)
+            raise
+
+    def issue(world: fakepg.World, rank: int) -> None:
+        pg = world.group(rank)
+        for i in range(1 + behind):
+            future = pg.allreduce([torch.ones(1)]).get_future()
+            if rank == stalled and i == 0:
+                future.then(stall)
+            elif i > 0:
+
+                def deliver(_future: object, i: int = i) -> None:
+                    delivered.append((rank, i))
+
+                future.then(deliver)
+
+    try:
+        with fakepg.World(world_size, timeout=CLOSE_S) as world:
+            ranks = [threading.Thread(target=issue, args=(world, r)) for r in range(world_size)]
+            for thread in ranks:
+                thread.start()
+            for thread in ranks:
+                thread.join()
+            assert started.wait(WAIT_S)
+        assert stopped == [stalled]
+        expected = {(r, i) for r in range(world_size) for i in range(1, 1 + behind)}
+        assert sorted(delivered) == sorted(expected), delivered
+    finally:
+        release.set()  # a lane left stalled (a broken close) ends once the property failed
+
+
+@given(stalled_lanes())
+@settings(max_examples=5, deadline=None)
+def test_closing_a_world_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
+    check_closing_stops_a_stalled_callback(case)

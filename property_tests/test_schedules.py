@@ -8,7 +8,8 @@ program gives the same bits under every schedule. The racy programs are the two 
 races between ranks and their collectives take: a tensor written while its collective is in
 flight, and a result read without waiting for it. ``property_tests/test_mutants.py`` checks
 that a scheduler which ignores its choices, or completes collectives at once, lets a race
-through: the property then fails.
+through: the property then fails. A deadlock is reported as one under every schedule, with
+its reason and what each rank waits for.
 """
 
 from __future__ import annotations
@@ -151,7 +152,11 @@ def two_in_flight(pg: fakepg.FakeProcessGroup) -> list[float]:
 
 def every_completion_order_is_drawn() -> None:
     """Property: of two collectives in flight together, either may complete first: some
-    schedule completes the later one first, on every replay of it."""
+    schedule completes the later one first, on every replay of it; and that order is one
+    switch away from the natural one (the later collective completed at one point where the
+    earlier one would), which the shrinking reports: the schedule this search finds deviates
+    at several points, and dropping them one at a time leaves more than one, so the single
+    switch is found only by fewest_deviations' last stage."""
 
     def newest_first(schedule: fakepg.Schedule) -> bool:
         return fakepg.run(two_in_flight, 2, schedule=schedule, timeout=20)[0][:1] == [2.0]
@@ -159,6 +164,10 @@ def every_completion_order_is_drawn() -> None:
     found = find(schedules(), newest_first, settings=SEARCH)
     for _ in range(5):
         assert newest_first(found.recorded())
+    shrunk = fewest_deviations(found, newest_first)
+    assert sum(1 for c in shrunk.choices if c) == 1, (found.recorded(), shrunk)
+    for _ in range(5):
+        assert newest_first(shrunk)
 
 
 def test_every_completion_order_is_drawn() -> None:
@@ -212,3 +221,32 @@ def test_torch_ddp_averages_under_every_schedule(
     world_size: int, schedule: fakepg.Schedule
 ) -> None:
     ddp_averages_under_schedule(world_size, schedule)
+
+
+def sends_first(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """Every rank sends to the next one before it receives from the previous one, waiting
+    for each: every send waits for a receive that is never issued."""
+    size, rank = pg.size(), pg.rank()
+    pg.send([torch.ones(1)], (rank + 1) % size).wait()
+    pg.recv([torch.ones(1)], (rank - 1) % size).wait()
+    return []
+
+
+def deadlock_is_reported(world_size: int, schedule: fakepg.Schedule) -> None:
+    """Property: under every schedule, a ring of ranks that each send before receiving is a
+    deadlock, reported as one (not a timeout) with its reason: no actor can move; and what
+    each rank waits for."""
+    with pytest.raises(fakepg.ScheduleDeadlock) as failure:
+        fakepg.run(sends_first, world_size, schedule=schedule, timeout=20)
+    text = str(failure.value)
+    assert text.startswith(
+        "fakepg: deadlock under the controlled schedule (no actor can move); "
+    ), text
+    for rank in range(world_size):
+        assert f"rank {rank} waits for send/recv #0" in text, text
+
+
+@given(world_size=st.integers(2, 3), schedule=schedules())
+@settings(max_examples=10, deadline=None)
+def test_a_deadlock_is_reported_with_its_reason(world_size: int, schedule: fakepg.Schedule) -> None:
+    deadlock_is_reported(world_size, schedule)
