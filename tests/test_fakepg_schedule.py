@@ -9,7 +9,6 @@ import torch
 from hypothesis import find, given, settings
 
 import fakepg
-from fakepg._schedule.actors import Gate
 from reducer.testing import fewest_deviations, race_report, schedules
 
 
@@ -183,24 +182,3 @@ def test_an_explored_schedule_prints_what_replays_its_run(schedule: fakepg.Sched
     assert fakepg.run(_divide_in_flight, 2, schedule=pasted) == first
     assert pasted.timeline == schedule.timeline
     assert fakepg.run(_divide_in_flight, 2, schedule=schedule) == first  # and itself again
-
-
-def test_a_gate_lets_one_wait_through_per_open_and_keeps_an_open_for_a_later_wait() -> None:
-    # How each actor waits for the turn (Note [The hand-over] in fakepg._schedule.scheduler):
-    # an open before the wait (a rank handed the turn before its thread started) is kept;
-    # a second open of an open gate is a no-op, not a second pass, nor an error.
-    gate = Gate()
-    assert gate.wait(0.0) is False
-    gate.open()
-    gate.open()
-    assert gate.wait(0.0) is True
-    assert gate.wait(0.0) is False
-
-
-def test_a_gate_wakes_the_thread_that_waits_at_it() -> None:
-    gate, passed = Gate(), []
-    waiter = threading.Thread(target=lambda: passed.append(gate.wait(30.0)), daemon=True)
-    waiter.start()
-    gate.open()
-    waiter.join(30.0)
-    assert passed == [True]

@@ -1,6 +1,5 @@
 """The things a schedule orders: each rank's own thread and each rank's completion lanes
-(*actors*), their states, the gate each waits at for its turn, and the collectives waiting
-for a decision to complete."""
+(*actors*), their states, and the collectives waiting for a decision to complete."""
 
 from __future__ import annotations
 
@@ -22,43 +21,13 @@ DONE = "done"  # a rank thread that returned
 Key = tuple[int, int]  # (rank, level): level -1 is the rank's own thread, k >= 0 a lane
 
 
-class Gate:
-    """Where one thread waits to be let through: :meth:`open` lets the next :meth:`wait` (or
-    the one in progress) return at once, and one ``open`` lets one ``wait`` through.
-
-    A lock held while closed, so that a wait is one C-level acquire and an open wakes the one
-    thread that waits, without taking the scheduler's lock (a condition's wait and notify are
-    a dozen Python calls each, and the woken thread then competes for the condition's lock).
-    A wait that returns says only that something changed: the waiter looks at the state it
-    waits for again (an open it did not consume lets a later wait through once, needlessly).
-
-    # Guarantees: ``wait`` is called by one thread at a time; ``open`` calls are serialized
-    # (the scheduler calls it under its lock), so that it never releases an open gate: only
-    # ``open`` opens it, and a wait can only close it.
-    """
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()  # closed
-
-    def open(self) -> None:
-        if self._lock.locked():
-            self._lock.release()
-
-    def wait(self, timeout: float) -> bool:
-        """Until opened (True), or ``timeout`` seconds (False); closes it again."""
-        return self._lock.acquire(timeout=max(timeout, 0.0))
-
-
 @dataclass(eq=False)
 class Actor:
     """One actor's state; every field is guarded by the scheduler's lock."""
 
     key: Key
     state: str
-    gate: Gate = field(default_factory=Gate)  # where its thread waits for the turn
+    cond: threading.Condition
     pred: Callable[[], bool] | None = None
     waits_for: str = ""
     probe: ThreadProbe | None = None  # its thread, once it ran

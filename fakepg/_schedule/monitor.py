@@ -34,7 +34,7 @@ from typing import Protocol
 
 from fakepg import _threads
 
-from .actors import OUTSIDE, RUNNING, Actor, Gate
+from .actors import OUTSIDE, RUNNING, Actor
 from .probe import Sample, asleep, stalled
 
 
@@ -93,18 +93,10 @@ class Monitor:
 
     def __init__(self, sched: Scheduler, lock: threading.Lock, *, timeout: float) -> None:
         self._sched = sched
-        self._lock = lock
         self._timeout = timeout
         self._cond = threading.Condition(lock)  # the waits of deciders for outside actors
-        # The monitor thread's own waits: a gate, not a condition of the scheduler's lock, so
-        # that a wake that finds the holder moved on costs no wait for that lock (the ranks
-        # take it at every point). Opened under the scheduler's lock only.
-        self._gate = Gate()
-        # When the monitor thread looks next (monotonic); inf while it is awake. Written by
-        # the monitor thread alone, read under the scheduler's lock: a hand-over that reads
-        # a stale value wakes the monitor once more than needed, never once less (see
-        # handed_locked).
-        self._look_due = math.inf
+        self._watch_cond = threading.Condition(lock)  # the monitor thread's own waits
+        self._look_due = math.inf  # when the monitor thread looks next (monotonic)
         self._job: _threads.Job | None = None
 
     def start(self, run: int) -> None:
@@ -122,44 +114,38 @@ class Monitor:
         """Something the monitor may wait for happened: an outside actor came back, or the run
         stopped."""
         self._cond.notify_all()
-        self._gate.open()
+        self._watch_cond.notify_all()
 
     def handed_locked(self) -> None:
         """The turn was handed over: the new holder is looked at soon (see Note [How often the
-        monitor looks]); a wake only where the next look is due later than that. The monitor
-        marks itself awake (inf) before it reads the holder and due only once it has: a
-        hand-over in between finds it awake and opens the gate, so the wait that follows
-        returns at once."""
+        monitor looks]); a wake only where the next look is due later than that."""
         if self._look_due > time.monotonic() + _FIRST_LOOK_S:
-            self._gate.open()
+            self._watch_cond.notify_all()
 
     def _watch(self, run: int) -> None:
         """The monitor of run ``run``: look at a holder that does not come back; decide in its
-        place once it is blocked outside. Ends with the run (end, abort, close).
-
-        Between looks it reads the scheduler's run, generation and holder without its lock
-        (single reads, each a whole value): a wake that finds the holder moved on, which most
-        are while the ranks pass point after point, only waits again."""
+        place once it is blocked outside. Ends with the run (end, abort, close)."""
         sched = self._sched
         interval, seen = _FIRST_LOOK_S, -1
         handed_at = time.monotonic()
         while True:
-            self._look_due = math.inf  # awake: see handed_locked
-            if not sched.serves(run):
-                return
-            gen, holder = sched.generation, sched.holder
-            if gen != seen:
-                interval, handed_at, seen = _FIRST_LOOK_S, time.monotonic(), gen
-            # Woken by a hand-over only where this wait is long (handed_locked): the
-            # generation says whether the holder moved since.
-            wait = interval if holder is not None else _IDLE_LOOK_S
-            self._look_due = time.monotonic() + wait
-            self._gate.wait(wait)
-            if holder is None or gen != sched.generation:
-                continue
             stuck: tuple[Actor, float] | None = None
-            with self._lock:
-                if not sched.serves(run) or gen != sched.generation:
+            with self._cond:
+                if not sched.serves(run):
+                    return
+                gen, holder = sched.generation, sched.holder
+                if gen != seen:
+                    interval, handed_at = _FIRST_LOOK_S, time.monotonic()
+                elif holder is not None and holder.samples:
+                    interval = _next_look(interval, holder.samples)
+                seen = gen
+                # Woken by a hand-over only where this wait is long (handed_locked): the
+                # generation says whether the holder moved since.
+                wait = interval if holder is not None else _IDLE_LOOK_S
+                self._look_due = time.monotonic() + wait
+                self._watch_cond.wait(wait)
+                self._look_due = math.inf
+                if not sched.active or holder is None or gen != sched.generation:
                     continue
                 if holder is not sched.holder or holder.state != RUNNING:
                     continue
@@ -170,7 +156,6 @@ class Monitor:
                 else:
                     holder.samples.append(_look(holder))
                     if not stalled(holder.samples, _LOOKS_TO_STALL):
-                        interval = _next_look(interval, holder.samples)
                         continue
                     holder.stalled_at = holder.samples[-1]
                     sched.taken_outside_locked(holder)

@@ -16,18 +16,6 @@ from .deadlock import deadlock
 from .monitor import Monitor
 from .timeline import Schedule, ScheduleDeadlock, ScheduleEvent
 
-# Note [The hand-over]
-# Each actor's thread waits for the turn at a gate of its own (fakepg._schedule.actors.Gate),
-# and a decision that hands the turn to another actor opens that actor's gate alone: one
-# thread woken per switch, which checks that it holds the turn without taking the lock (only
-# a hand-over makes an actor the holder, and only the holder's own next point, the monitor
-# once it is seen blocked outside, or an abort take the turn from it again). A decision that
-# lets the holder go on from its point wakes nobody. An abort opens every gate. A gate
-# opened for an actor that did not wait (a rank handed the turn before its thread started)
-# lets its next wait through once; the wait then looks again, and waits again. Measured on
-# the fake world alone: about 7 switches and 14 choice points per two-rank run of four
-# allreduces (BENCHMARKS.md, "Race exploration ...").
-
 # Which scheduler and actor the calling thread is (absent on every other thread).
 _local = threading.local()
 
@@ -135,7 +123,7 @@ class Scheduler:
 
     def _wake_all_locked(self) -> None:
         for actor in self._actors.values():
-            actor.gate.open()
+            actor.cond.notify_all()
         self._monitor.wake_locked()
         self._quiet.notify_all()
 
@@ -273,7 +261,7 @@ class Scheduler:
         actor = self._actors.get(key)
         if actor is None:
             state = IDLE if key[1] >= 0 else READY
-            actor = self._actors[key] = Actor(key, state)
+            actor = self._actors[key] = Actor(key, state, threading.Condition(self._lock))
         return actor
 
     def _arrive_locked(self, actor: Actor, state: str) -> None:
@@ -360,11 +348,12 @@ class Scheduler:
         ``settle``: first wait for outside actors that the segment just ended may have woken."""
         while True:
             with self._lock:
-                if settle:  # (it waits only while the schedule runs)
-                    settle = False
-                    self._monitor.settle_locked(self._timeout)
                 if not self._active:
                     return
+                if settle:
+                    settle = False
+                    self._monitor.settle_locked(self._timeout)
+                    continue  # look again: the schedule may have stopped meanwhile
                 options = self._options_locked(me)
                 if not options:
                     if self._monitor.wait_for_outside_locked(self._timeout):
@@ -410,38 +399,26 @@ class Scheduler:
         target.samples.clear()
         self._holder = target
         self._gen += 1
-        if target is not me:
-            target.gate.open()  # wakes its thread alone, which goes on without the lock
+        target.cond.notify_all()
         self._monitor.handed_locked()
 
     def _await_baton(self, actor: Actor) -> None:
-        """Until ``actor`` holds the turn (or nothing is controlled any more).
-
-        Its gate opens when it is handed the turn (or on an abort): the check needs no lock,
-        as only a hand-over makes it the holder, and nothing but its own next point (or the
-        monitor, once it is seen blocked outside a point, or an abort) takes the turn from
-        it again. See Note [The hand-over]."""
-        if self._holder is actor or not self._active:
-            return
         deadline = time.monotonic() + self._timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left > 0:
-                actor.gate.wait(left)
-                if self._holder is actor or not self._active:
-                    return
-                continue
-            with self._lock:
-                if self._holder is actor or not self._active:
-                    return
-                holder = self._holder
-                why = (
-                    f"{actor.label} waited {self._timeout:g} s for its turn while "
-                    f"{'nobody' if holder is None else holder.label} held it"
-                )
-                rank, error = self._deadlock_locked(why)
-            self._on_deadlock(rank, error)
-            return
+        with self._lock:
+            while self._active and self._holder is not actor:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    holder = self._holder
+                    why = (
+                        f"{actor.label} waited {self._timeout:g} s for its turn while "
+                        f"{'nobody' if holder is None else holder.label} held it"
+                    )
+                    rank, error = self._deadlock_locked(why)
+                    break
+                actor.cond.wait(left)
+            else:
+                return
+        self._on_deadlock(rank, error)
 
     def _deadlock_locked(self, why: str) -> tuple[int, ScheduleDeadlock]:
         return deadlock(self.schedule, self._actors.values(), why)
