@@ -450,12 +450,20 @@ def check_closing_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
             stopped.append(stalled)
             raise
 
+    # The stalled rank attaches its callback before any other rank issues the collective: it
+    # cannot be complete then, so the callback runs on the rank's lane (then() on a complete
+    # future runs it at once, on the caller's thread, where close() has nothing to stop).
+    attached = threading.Event()
+
     def issue(world: fakepg.World, rank: int) -> None:
         pg = world.group(rank)
+        if rank != stalled:
+            assert attached.wait(WAIT_S)
         for i in range(1 + behind):
             future = pg.allreduce([torch.ones(1)]).get_future()
             if rank == stalled and i == 0:
                 future.then(stall)
+                attached.set()
             elif i > 0:
 
                 def deliver(_future: object, i: int = i) -> None:
