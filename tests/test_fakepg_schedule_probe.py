@@ -7,10 +7,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
+import torch
 
-from fakepg._schedule.probe import HAS_PROC, Sample, ThreadProbe, stalled
+import fakepg
+from fakepg import _threads
+from fakepg._schedule.probe import HAS_PROC, Sample, ThreadProbe, blocking_site, stalled
 
 pytestmark = pytest.mark.skipif(not HAS_PROC, reason="the looks need Linux's /proc")
 
@@ -92,3 +96,45 @@ def test_a_thread_that_runs_during_a_look_is_not_taken_for_still_waiting(
     monkeypatch.setattr(ThreadProbe, "_state", staticmethod(the_thread_runs_meanwhile))
     second = probe.look(first)
     assert not stalled([first, second], 2), (first, second)
+
+
+def _frame_of(thread_name: str) -> FrameType:
+    """The innermost frame of the (one) live thread named ``thread_name``, once it sleeps."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        idents = [t.ident for t in threading.enumerate() if t.name == thread_name]
+        frame = sys._current_frames().get(idents[0]) if idents else None
+        if frame is not None and frame.f_code.co_name in ("wait", "acquire"):
+            return frame
+        time.sleep(0.001)
+    raise AssertionError(f"no thread {thread_name!r} asleep in a wait")
+
+
+def test_the_fake_worlds_own_idle_waits_are_not_blocking_sites() -> None:
+    # A completion lane between callbacks and a kept thread between jobs wait for work, not for
+    # the world. A lane handed its next callback may still sleep in its idle wait (waiting for
+    # the GIL) when the monitor looks; taken for blocked outside there, it could never be
+    # seen blocked again, and every decision would wait for it to settle.
+    with fakepg.World(1) as world:
+        done = threading.Event()
+
+        def fn(pg: fakepg.FakeProcessGroup) -> None:
+            pg.allreduce([torch.ones(1)]).get_future().then(lambda _: done.set()).wait()
+
+        world.run(fn)
+        assert done.wait(10)
+        lane = _frame_of(f"fakepg-{id(world):x}-rank0-completion0")
+        assert not blocking_site(lane), "a lane's idle wait"
+    kept = _threads.Job(target=lambda: None, name="a job")
+    kept.start()
+    kept.join(10)
+    assert not blocking_site(_frame_of(_threads.IDLE_NAME)), "a kept thread's wait for a job"
+    # Against: a user's own wait is one.
+    go = threading.Event()
+    user = threading.Thread(target=go.wait, args=(30,), name="a user's wait", daemon=True)
+    user.start()
+    try:
+        assert blocking_site(_frame_of("a user's wait"))
+    finally:
+        go.set()
+        user.join(10)
