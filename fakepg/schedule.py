@@ -57,12 +57,14 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
 # C++, this project's DDP on a threading.Event. Holding the baton, it would stall the world.
 # A monitor thread therefore samples a holder that has not reached a point: when its innermost
 # Python frame is such a wait (a wait of the threading module, not a thread's start nor the
-# scheduler's own; autograd's engine running backward) and stays the same, and the OS shows the
+# fake world's own: the scheduler's, a lane's between callbacks, a kept thread's between jobs;
+# autograd's engine running backward) and stays the same, and the OS shows the
 # thread sleeping without having run between two looks (Linux: its CPU clock and /proc;
 # elsewhere the frame alone, sampled longer), it is *outside*: the monitor decides in its place
 # and the world goes on (see Note [How often the monitor looks] in fakepg._schedule.monitor).
 # An outside thread that a later event wakes (a callback completes its future) parks at its
-# next point; before each decision that follows a segment of code, the scheduler
+# next point (a wait for the turn is one: a thread taken outside wrongly, on its way to the
+# turn, is back there and may be chosen again); before each decision that follows a segment of code, the scheduler
 # waits until every outside thread has either parked or is seen blocked again, so that the
 # options do not depend on how fast it woke. This is a sampling heuristic: decisions stay
 # exact as long as an outside thread can move only when the world does. A thread sleeping

@@ -134,6 +134,12 @@ class Scheduler:
                 return
             actor = self._actor_locked(key)
             actor.attach(threading.current_thread())
+            if actor.state == OUTSIDE:
+                # Taken for blocked outside on its way here (a lane between its idle wait and
+                # its next callback on a busy machine): it is back, at a point. Left outside,
+                # it would wait for a turn nobody can give it (an outside actor is no option),
+                # and the monitor's settle for it to block again, which it never does here.
+                self._arrive_locked(actor, READY)
         _local.scheduler, _local.actor = self, actor
         self._await_baton(actor)
 
