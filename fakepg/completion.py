@@ -202,12 +202,14 @@ class Completions:
                     pass  # declared stuck: the world was told (see _check)
                 except BaseException as exc:  # a done-callback must not raise
                     error = exc
-                if scheduler is not None:
-                    scheduler.lane_release()
                 with self.lock:
                     lane.in_callback.discard(me)
                     if lane.thread is me:
                         lane.current = None
+                if scheduler is not None:
+                    # After the item is over: deciding what runs next (it may wait for actors
+                    # outside to settle) is not the callback's time, for the stall check.
+                    scheduler.lane_release()
                 if error is not None:
                     self._on_failure(lane.rank, item.what, error)
         except CallbackStopped:
