@@ -64,12 +64,13 @@ its schedule is replayed, and Hypothesis can draw the choices and shrink them (s
 # and the world goes on (see Note [How often the monitor looks] in fakepg._schedule.monitor).
 # An outside thread that a later event wakes (a callback completes its future) parks at its
 # next point (a wait for the turn is one: a thread taken outside wrongly, on its way to the
-# turn, is back there and may be chosen again); before each decision that follows a segment of code, the scheduler
-# waits until every outside thread has either parked or is seen blocked again, so that the
-# options do not depend on how fast it woke. This is a sampling heuristic: decisions stay
-# exact as long as an outside thread can move only when the world does. A thread sleeping
-# elsewhere (``time.sleep``, a lock of its own) is only slow: the others wait for it, up to the
-# world's timeout, which then reports it with every rank's stack.
+# turn, is back there and may be chosen again); before each decision that follows a segment
+# of code, the scheduler waits until every outside thread has either parked or is seen
+# blocked again, so that the options do not depend on how fast it woke. This is a sampling
+# heuristic: decisions stay exact as long as an outside thread can move only when the world
+# does. A thread sleeping elsewhere (``time.sleep``, a lock of its own) is only slow: the
+# others wait for it, up to the world's timeout, which then reports it with every rank's
+# stack.
 """
 
 from __future__ import annotations
