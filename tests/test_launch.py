@@ -419,7 +419,7 @@ def test_accelerates_per_process_state_is_per_rank_on_rank_threads() -> None:
 def test_per_rank_state_and_refusals_end_with_the_launch(
     imported: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On rank threads a class-level state dict is the thread's own and a refused class
+    """On rank threads a class-level state dict is the rank's own and a refused class
     raises saying why; off rank threads, and after the launch, the classes are as they
     were. The stand-in modules leave sys.modules as they found it: a real ``accelerate.state``
     imported before (test_launch_accelerate.py imports accelerate when collected) is put back,
@@ -463,6 +463,15 @@ def test_per_rank_state_and_refusals_end_with_the_launch(
             other.join(5.0)
             assert seen == [{}]  # another thread's state is its own
             assert PartialState().index == 0  # type: ignore[attr-defined]
+            # A rank's state is the rank's, not its thread's: rank threads are kept between
+            # jobs, and a rank that ended hands its thread to the next one to start.
+            rank[0] = 0
+            PartialState().index = 10  # type: ignore[attr-defined]
+            rank[0] = 1
+            assert PartialState().__dict__ == {}  # on the thread rank 0 ran on
+            PartialState().index = 11  # type: ignore[attr-defined]
+            rank[0] = 0
+            assert PartialState().index == 10  # type: ignore[attr-defined]
             rank[0] = 1
             with pytest.raises(singletons.SharedStateError, match="on rank 1: Accelerate's Deep"):
                 DeepSpeedPlugin()
@@ -496,7 +505,7 @@ def test_a_class_missing_from_its_module_is_found_when_the_module_is_replaced(
         monkeypatch.setitem(sys.modules, kind.module, real)
         __import__("json")  # another module object holds the name now
 
-        assert isinstance(PartialState.__dict__["_shared_state"], singletons.PerThreadState)
+        assert isinstance(PartialState.__dict__["_shared_state"], singletons.PerRankState)
     finally:
         restore()
     assert isinstance(PartialState.__dict__["_shared_state"], dict)

@@ -4,15 +4,16 @@ Some libraries keep one state per process by design. Accelerate's ``PartialState
 ``AcceleratorState`` and ``GradientState`` (behind ``Accelerator``) share their fields across
 every instance (a class-level dict, ``_shared_state``): on rank threads, every rank would see
 the first rank's process index, device and group. While a launch runs, the classes listed in
-``PER_RANK`` get a dict per thread in that attribute instead (a descriptor, as Accelerate's
-own ``ThreadLocalSharedDict`` for XLA's threads), so each rank has its own state. What cannot
+``PER_RANK`` get a dict per rank in that attribute instead (a descriptor, as Accelerate's
+own ``ThreadLocalSharedDict`` for XLA's threads, keyed by rank), so each rank has its own
+state. What cannot
 work on threads (``KNOWN``: engines that own a process each) is refused by name: their
 constructors raise :class:`SharedStateError` on rank threads, saying why and what to do.
 Classes are changed as soon as their module is imported (by the script, or by a library on
 its behalf), and put back when the launch ends.
 
 # Guarantees: install() and the restore it returns run on the launching thread. The import
-# hook, the wrapped constructors and the per-thread dicts are safe from any thread; _lock
+# hook, the wrapped constructors and the per-rank dicts are safe from any thread; _lock
 # guards the changes.
 """
 
@@ -70,18 +71,40 @@ class PerRank:
 PER_RANK = (PerRank("accelerate.state", ("PartialState", "AcceleratorState", "GradientState")),)
 
 
-class PerThreadState(threading.local):
-    """A class attribute that is a dict of each thread's own (a data descriptor: the class's
-    and its instances' reads give this thread's dict; an instance's assignment replaces it)."""
+class PerRankState:
+    """A class attribute that is a dict of each rank's own (a data descriptor: the class's and
+    its instances' reads give the calling rank's dict; an instance's assignment replaces it).
 
-    def __init__(self) -> None:
-        self.storage: dict[str, Any] = {}
+    Keyed by the rank of the calling thread, not by the thread: a rank's thread is one kept
+    between jobs (fakepg._threads), so a rank that ends before the next one starts hands its
+    thread on, and a thread-local dict would hand on its state with it (the next rank found
+    itself set up, with the first rank's index). A thread that is no rank's (the launching
+    thread, a thread the fake world runs) has a dict of its own."""
+
+    def __init__(self, rank_of_thread: Callable[[], int | None]) -> None:
+        self._rank_of_thread = rank_of_thread
+        self._by_rank: dict[int, dict[str, Any]] = {}  # a dict's item operations are atomic
+        self._elsewhere = threading.local()
+
+    def _storage(self) -> dict[str, Any]:
+        rank = self._rank_of_thread()
+        if rank is None:
+            storage: dict[str, Any] | None = getattr(self._elsewhere, "storage", None)
+            if storage is None:
+                storage = self._elsewhere.storage = {}
+            return storage
+        # setdefault: one dict per rank even if two threads of a rank read at once.
+        return self._by_rank.setdefault(rank, {})
 
     def __get__(self, obj: object, objtype: type | None = None) -> dict[str, Any]:
-        return self.storage
+        return self._storage()
 
     def __set__(self, obj: object, value: dict[str, Any]) -> None:
-        self.storage = value
+        rank = self._rank_of_thread()
+        if rank is None:
+            self._elsewhere.storage = value
+        else:
+            self._by_rank[rank] = value
 
 
 def _initializing(module: object) -> bool:
@@ -105,7 +128,7 @@ def install(
     per_rank: tuple[PerRank, ...] = PER_RANK,
 ) -> Callable[[], None]:
     """Refuse ``known`` on rank threads (``rank_of_thread()`` is not None), and give the
-    classes of ``per_rank`` a state per thread, until the returned function is called."""
+    classes of ``per_rank`` a state per rank, until the returned function is called."""
     lock = threading.Lock()  # guards wrapped and pending: each class is changed once
     wrapped: list[tuple[type, Any]] = []  # (class, its own __init__ or None) to put back
     states: list[tuple[type, str, Any]] = []  # (class, attribute, its dict) to put back
@@ -140,7 +163,7 @@ def install(
         if not isinstance(original, dict):
             return  # not the pattern (or already per thread, as on XLA): left as it is
         states.append((cls, kind.attribute, original))
-        setattr(cls, kind.attribute, PerThreadState())
+        setattr(cls, kind.attribute, PerRankState(rank_of_thread))
 
     def check() -> None:
         with lock:
