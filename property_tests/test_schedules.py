@@ -9,12 +9,16 @@ races between ranks and their collectives take: a tensor written while its colle
 flight, and a result read without waiting for it. ``property_tests/test_mutants.py`` checks
 that a scheduler which ignores its choices, or completes collectives at once, lets a race
 through: the property then fails. A deadlock is reported as one under every schedule, with
-its reason and what each rank waits for.
+its reason and what each rank waits for. And a schedule decides alike on a slow machine:
+however late the fake world's own threads reach their turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +26,8 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 import fakepg
+from fakepg._schedule.scheduler import Scheduler
+from fakepg.completion import Lane
 from reducer.testing import fewest_deviations, schedules
 
 SEARCH = settings(max_examples=200, database=None, deadline=None, derandomize=True)
@@ -250,3 +256,91 @@ def deadlock_is_reported(world_size: int, schedule: fakepg.Schedule) -> None:
 @settings(max_examples=10, deadline=None)
 def test_a_deadlock_is_reported_with_its_reason(world_size: int, schedule: fakepg.Schedule) -> None:
     deadlock_is_reported(world_size, schedule)
+
+
+def callbacks_on_every_lane(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """Three collectives, each with a callback on the rank's lane, waited for through it:
+    every lane runs a callback, goes idle, and is woken for the next."""
+    out = []
+    for i in range(3):
+        future = pg.allreduce([torch.ones(1) * (pg.rank() + i)]).get_future()
+        out.append(float(future.then(lambda f: f.value()[0] * 2).wait()))
+    return out
+
+
+@contextlib.contextmanager
+def slow_machine(how: str, delay_s: float) -> Iterator[None]:
+    """The fake world's own threads as a busy machine runs them, ``delay_s`` late:
+
+    - ``"wakes"``: a lane woken for its next callback sleeps on in its idle wait (its wake
+      reaches it late, as a thread that waits for a core or for the GIL);
+    - ``"pauses"``: a lane on its way to its next callback stops in a wait of its own, which
+      the monitor takes for blocked outside (it is not: it comes back by itself)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if how == "wakes":
+            init = Lane.__init__
+
+            def late_wakes(self: Lane, owner: Any, rank: int, level: int) -> None:
+                init(self, owner, rank, level)
+                self.wake = _LateWake(self.wake, owner.lock, delay_s)  # type: ignore[assignment]
+
+            patch.setattr(Lane, "__init__", late_wakes)
+        else:
+            acquire = Scheduler.lane_acquire
+
+            def paused(self: Scheduler, rank: int, level: int) -> None:
+                threading.Event().wait(delay_s)
+                acquire(self, rank, level)
+
+            patch.setattr(Scheduler, "lane_acquire", paused)
+        yield
+
+
+class _LateWake:
+    """A lane's condition whose ``notify`` reaches the waiting lane ``delay_s`` late; its
+    ``wait`` is the condition's own, so the lane sleeps in the very frame it always does."""
+
+    def __init__(self, cond: threading.Condition, lock: Any, delay_s: float) -> None:
+        self._cond, self._lock, self._delay_s = cond, lock, delay_s
+        self.wait = cond.wait
+        self.notify_all = cond.notify_all
+
+    def notify(self) -> None:
+        def late() -> None:
+            with self._lock:
+                self._cond.notify()
+
+        timer = threading.Timer(self._delay_s, late)
+        timer.daemon = True
+        timer.start()
+
+
+def a_slow_machine_decides_alike(
+    world_size: int, schedule: fakepg.Schedule, how: str, delay_s: float
+) -> None:
+    """Property: a schedule decides alike however late the fake world's own threads reach
+    their turn. Lanes woken late take every step the undelayed run took (a lane's idle wait is
+    no wait for the world: nothing here is ever blocked outside), and lanes taken for blocked
+    outside on their way come back at their wait for the turn: the run ends, with the same
+    results, never a deadlock."""
+    first = fakepg.run(callbacks_on_every_lane, world_size, schedule=schedule, timeout=10)
+    timeline = list(schedule.timeline)
+    assert not [e for e in timeline if e.event == "blocked outside"], schedule.format()
+    with slow_machine(how, delay_s):
+        again = fakepg.run(callbacks_on_every_lane, world_size, schedule=schedule, timeout=10)
+    assert again == first
+    if how == "wakes":
+        assert schedule.timeline == timeline, schedule.format()
+
+
+@given(
+    world_size=st.integers(1, 3),
+    schedule=schedules(),
+    how=st.sampled_from(["wakes", "pauses"]),
+    delay_s=st.sampled_from([0.002, 0.01]),
+)
+@settings(max_examples=10, deadline=None)
+def test_a_slow_machine_decides_alike(
+    world_size: int, schedule: fakepg.Schedule, how: str, delay_s: float
+) -> None:
+    a_slow_machine_decides_alike(world_size, schedule, how, delay_s)
