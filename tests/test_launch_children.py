@@ -13,6 +13,7 @@ collective is refused by name.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import subprocess
 import sys
@@ -273,3 +274,45 @@ def test_every_rank_sets_its_own_start_method(
         assert f"[rank{rank}]: again: context has already been set" in out
         assert f"[rank{rank}]: spawn [{rank}, {2 * rank}]" in out
     assert multiprocessing.get_start_method(allow_none=True) == before
+
+
+def test_a_child_forked_while_another_rank_writes_a_line_can_still_write() -> None:
+    # Other ranks write to the real stream all the time; a fork while one of them is inside a
+    # write copies that stream's buffer lock taken, for ever (its owner is not in the child).
+    # Here a thread is held inside a write (the pipe is full) while this one forks: the
+    # child's flush (multiprocessing flushes both streams as a child ends) must not wait.
+    import threading
+    import time
+
+    from reducer.tools.launch.threads import RankOutput
+
+    read, write_end = os.pipe()
+    target = open(write_end, "w")  # noqa: SIM115 (closed below)
+    out = RankOutput(target, threading.Lock(), None)
+    writing = threading.Thread(target=lambda: target.write("x" * (1 << 22)), daemon=True)
+    writing.start()
+    time.sleep(0.2)  # blocked in the write, the buffer's lock held: nothing reads the pipe
+    assert writing.is_alive()
+    pid = os.fork()
+    if pid == 0:
+        out.after_fork(threading.Lock())
+        out.flush()
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 20
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the child hangs in its flush"
+            time.sleep(0.01)
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        os.set_blocking(read, False)
+        deadline = time.monotonic() + 20
+        while writing.is_alive() and time.monotonic() < deadline:  # let the writing thread end
+            with contextlib.suppress(BlockingIOError):
+                os.read(read, 1 << 16)
+        writing.join(10)
+        with contextlib.suppress(OSError):
+            target.close()
+        os.close(read)

@@ -103,9 +103,11 @@ class RankOutput(io.TextIOBase):
 
     def after_fork(self, lock: threading.Lock) -> None:
         """In a child forked on a rank thread: a lock of the child's own (the old one may have
-        been held by a thread the child lacks), no partial line of the parent's, and flush()
+        been held by a thread the child lacks), the real stream through a buffer of the
+        child's own (see :func:`_own_buffer`), no partial line of the parent's, and flush()
         writes a partial line, as a process's stream does (a child ends with os._exit)."""
         self._lock = lock
+        self.target = _own_buffer(self.target)
         self._in_child = True
         if getattr(self._local, "rank", None) is not None:
             self._local.pending = ""
@@ -211,3 +213,26 @@ def rank_environment(rank: int, world_size: int) -> dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
+
+
+def _own_buffer(stream: Any) -> Any:
+    """In a forked child: ``stream``'s file through a new buffer, or ``stream`` itself where
+    it has no file (a test's capture).
+
+    A buffered stream holds a lock of its own while it writes, and other ranks write their
+    lines to the real stream all the time: forked while one of them was in a write, the child
+    would find that lock taken for ever (its owner is a thread the child does not have), and
+    its first flush (multiprocessing flushes both streams as a child ends) would hang. What
+    the parent had buffered stays the parent's to write, not written twice."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return stream
+    return open(
+        fd,
+        "w",
+        encoding=getattr(stream, "encoding", None) or "utf-8",
+        errors=getattr(stream, "errors", None) or "strict",
+        closefd=False,
+        line_buffering=bool(getattr(stream, "line_buffering", False)),
+    )
