@@ -295,14 +295,19 @@ def test_a_child_forked_while_another_rank_writes_a_line_can_still_write() -> No
     assert writing.is_alive()
     pid = os.fork()
     if pid == 0:
-        out.after_fork(threading.Lock())
-        out.flush()
-        os._exit(0)
+        code = 1
+        try:
+            out.after_fork(threading.Lock())
+            out.flush()
+            code = 0
+        finally:
+            os._exit(code)
     try:
         deadline = time.monotonic() + 20
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
             assert time.monotonic() < deadline, "the child hangs in its flush"
             time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status[1]) == 0, "the child failed"
     finally:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(pid, 9)

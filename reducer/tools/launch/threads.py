@@ -228,11 +228,9 @@ def _own_buffer(stream: Any) -> Any:
         fd = stream.fileno()
     except (AttributeError, OSError, ValueError):
         return stream
-    return open(
-        fd,
-        "w",
+    return io.TextIOWrapper(
+        open(fd, "wb", closefd=False),
         encoding=getattr(stream, "encoding", None) or "utf-8",
         errors=getattr(stream, "errors", None) or "strict",
-        closefd=False,
         line_buffering=bool(getattr(stream, "line_buffering", False)),
     )
