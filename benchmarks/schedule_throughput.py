@@ -17,6 +17,7 @@ free), then the seconds ``hypothesis.find`` takes to find a failing schedule and
 the shrunk schedule, and whether it fails on all of 20 replays.
 
     PYTHONPATH=$PWD python benchmarks/schedule_throughput.py [--examples 40] [--races]
+        [--without-monitor]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import test_races as races  # noqa: E402
 from _common import machine, table  # noqa: E402
 
 import fakepg  # noqa: E402
+from fakepg._schedule.monitor import Monitor  # noqa: E402
 from reducer.testing import (  # noqa: E402
     check_comm_hook,
     check_data_parallel,
@@ -84,10 +86,29 @@ WORKLOADS: dict[str, Check] = {
 }
 
 
-def throughput(examples: int) -> list[list[object]]:
+def _without_monitor(check: Check) -> Check:
+    """``check`` with the scheduler's monitor never started: what the monitor costs a workload
+    that never blocks outside the scheduler (every wait a point). A diagnostic only: a rank
+    blocked in C++ (torch's DDP) would hold the turn until the world's timeout without it."""
+
+    def run(schedule: fakepg.Schedule | None) -> None:
+        start = Monitor.start
+        Monitor.start = lambda self, run: None  # type: ignore[method-assign]
+        try:
+            check(schedule)
+        finally:
+            Monitor.start = start  # type: ignore[method-assign]
+
+    return run
+
+
+def throughput(examples: int, *, without_monitor: bool = False) -> list[list[object]]:
     rng = random.Random(0)
     rows: list[list[object]] = []
-    for name, check in WORKLOADS.items():
+    workloads = dict(WORKLOADS)
+    if without_monitor:
+        workloads["fake world alone, no monitor (diagnostic)"] = _without_monitor(_world)
+    for name, check in workloads.items():
         check(None)  # warm up (imports, first torch calls)
         off: list[float] = []
         on: list[float] = []
@@ -160,6 +181,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=40)
     parser.add_argument("--races", action="store_true", help="also time finding each race")
+    parser.add_argument(
+        "--without-monitor",
+        action="store_true",
+        help="also the fake world alone with the scheduler's monitor never started (what the "
+        "monitor costs a workload that never blocks outside the scheduler)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(machine())
@@ -170,7 +197,7 @@ def main() -> None:
                 *("workload", "examples", "off (ex/s)", "on (ex/s)", "on / off"),
                 *("median example", "median CPU"),
             ],
-            throughput(args.examples),
+            throughput(args.examples, without_monitor=args.without_monitor),
         )
     )
     if args.races:
