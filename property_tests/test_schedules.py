@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 import fakepg
+from fakepg import _threads
 from fakepg._schedule.scheduler import Scheduler
 from fakepg.completion import Lane
 from reducer.testing import fewest_deviations, schedules
@@ -260,7 +262,10 @@ def test_a_deadlock_is_reported_with_its_reason(world_size: int, schedule: fakep
 
 def callbacks_on_every_lane(pg: fakepg.FakeProcessGroup) -> list[float]:
     """Three collectives, each with a callback on the rank's lane, waited for through it:
-    every lane runs a callback, goes idle, and is woken for the next."""
+    every lane runs a callback, goes idle, and is woken for the next. First the rank starts a
+    helper thread, as training code does (a prefetcher, a logger): it waits in Thread.start
+    for that thread to run, holding the turn."""
+    threading.Thread(target=lambda: None, name="a rank's helper", daemon=True).start()
     out = []
     for i in range(3):
         future = pg.allreduce([torch.ones(1) * (pg.rank() + i)]).get_future()
@@ -275,9 +280,22 @@ def slow_machine(how: str, delay_s: float) -> Iterator[None]:
     - ``"wakes"``: a lane woken for its next callback sleeps on in its idle wait (its wake
       reaches it late, as a thread that waits for a core or for the GIL);
     - ``"pauses"``: a lane on its way to its next callback stops in a wait of its own, which
-      the monitor takes for blocked outside (it is not: it comes back by itself)."""
+      the monitor takes for blocked outside (it is not: it comes back by itself);
+    - ``"starts"``: a new thread runs late, so whoever starts one waits in ``Thread.start``."""
     with pytest.MonkeyPatch.context() as patch:
-        if how == "wakes":
+        if how == "starts":
+            # Every job on a new thread (none idle), each late to run: whoever starts one (a
+            # deciding holder posting a callback to a lane with no thread) waits in
+            # Thread.start, a wait for a thread, never for the world.
+            patch.setattr(_threads, "_idle", _NoneIdle())
+            bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+            def late_start(self: threading.Thread) -> None:
+                time.sleep(delay_s)
+                bootstrap(self)
+
+            patch.setattr(threading.Thread, "_bootstrap_inner", late_start)
+        elif how == "wakes":
             init = Lane.__init__
 
             def late_wakes(self: Lane, owner: Any, rank: int, level: int) -> None:
@@ -294,6 +312,14 @@ def slow_machine(how: str, delay_s: float) -> Iterator[None]:
 
             patch.setattr(Scheduler, "lane_acquire", paused)
         yield
+
+
+class _NoneIdle(list):  # type: ignore[type-arg]
+    """The kept threads' idle list, seen as empty by a job's start (a new thread for every
+    job); the threads still put themselves in it, and leave it once idle for long."""
+
+    def __bool__(self) -> bool:
+        return False
 
 
 class _LateWake:
@@ -319,24 +345,24 @@ def a_slow_machine_decides_alike(
     world_size: int, schedule: fakepg.Schedule, how: str, delay_s: float
 ) -> None:
     """Property: a schedule decides alike however late the fake world's own threads reach
-    their turn. Lanes woken late take every step the undelayed run took (a lane's idle wait is
-    no wait for the world: nothing here is ever blocked outside), and lanes taken for blocked
-    outside on their way come back at their wait for the turn: the run ends, with the same
-    results, never a deadlock."""
+    their turn. Lanes woken late, and threads started late, take every step the undelayed run
+    took (a lane's idle wait and a thread's start are no waits for the world: nothing here is
+    ever blocked outside), and lanes taken for blocked outside on their way come back at their
+    wait for the turn: the run ends, with the same results, never a deadlock."""
     first = fakepg.run(callbacks_on_every_lane, world_size, schedule=schedule, timeout=10)
     timeline = list(schedule.timeline)
     assert not [e for e in timeline if e.event == "blocked outside"], schedule.format()
     with slow_machine(how, delay_s):
         again = fakepg.run(callbacks_on_every_lane, world_size, schedule=schedule, timeout=10)
     assert again == first
-    if how == "wakes":
+    if how != "pauses":
         assert schedule.timeline == timeline, schedule.format()
 
 
 @given(
     world_size=st.integers(1, 3),
     schedule=schedules(),
-    how=st.sampled_from(["wakes", "pauses"]),
+    how=st.sampled_from(["wakes", "pauses", "starts"]),
     delay_s=st.sampled_from([0.002, 0.01]),
 )
 @settings(max_examples=10, deadline=None)
@@ -344,3 +370,28 @@ def test_a_slow_machine_decides_alike(
     world_size: int, schedule: fakepg.Schedule, how: str, delay_s: float
 ) -> None:
     a_slow_machine_decides_alike(world_size, schedule, how, delay_s)
+
+
+def waits_on_its_callbacks_event(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """A rank that waits for its collective's callback on a threading.Event, as this
+    project's DDP waits for a comm hook's future: a wait no scheduling point sees."""
+    done = threading.Event()
+    t = torch.ones(1) * (pg.rank() + 1)
+    pg.allreduce([t]).get_future().then(lambda _: done.set())
+    assert done.wait(30)
+    return t.tolist()
+
+
+def a_wait_outside_is_seen(world_size: int, schedule: fakepg.Schedule) -> None:
+    """Property: a rank asleep in a wait of the threading module that no point sees (an Event
+    its callback sets) is seen blocked outside, under every schedule: the others go on, the
+    callback runs, the rank wakes, and the sum is exact, well within a short timeout."""
+    results = fakepg.run(waits_on_its_callbacks_event, world_size, schedule=schedule, timeout=5)
+    total = float(sum(range(1, world_size + 1)))
+    assert results == [[total]] * world_size, results
+
+
+@given(world_size=st.integers(1, 3), schedule=schedules())
+@settings(max_examples=10, deadline=None)
+def test_a_wait_outside_any_point_is_seen(world_size: int, schedule: fakepg.Schedule) -> None:
+    a_wait_outside_is_seen(world_size, schedule)
