@@ -137,6 +137,18 @@ TARGETS: dict[str, Target] = {
         ("finite_scale",),
         ("property_tests/test_misuse.py", "-k", "loss_scales"),
     ),
+    # The scheduler on a slow machine (docs/design/mutation-testing.md, "The scheduler on a
+    # slow machine"): which waits are blocking sites, and an actor back from outside.
+    "blocking-sites": Target(
+        "fakepg/_schedule/probe.py",
+        ("blocking_site",),
+        ("property_tests/test_schedules.py",),
+    ),
+    "back-from-outside": Target(
+        "fakepg/_schedule/scheduler.py",
+        ("Scheduler._attach",),
+        ("property_tests/test_schedules.py",),
+    ),
 }
 
 
