@@ -144,6 +144,20 @@ TARGETS: dict[str, Target] = {
         ("blocking_site",),
         ("property_tests/test_schedules.py",),
     ),
+    # Small collectives moved on the last rank's thread, its own work held (Note [Small
+    # collectives move on the last rank's thread] in fakepg.work).
+    "held-works": Target(
+        "fakepg/work.py",
+        (
+            "Collective.move_here",
+            "Collective.completed_for",
+            "Collective.is_complete_for",
+            "Collective.release",
+            "Collective.add_done_callback",
+            "Collective._deliver",
+        ),
+        ("property_tests/test_held_works.py",),
+    ),
     "back-from-outside": Target(
         "fakepg/_schedule/scheduler.py",
         ("Scheduler._attach",),
