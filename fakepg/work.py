@@ -184,9 +184,8 @@ class Collective:
     def move_here(self, tasks: list[Task], rank: int) -> None:
         """Move the data now, on the calling thread (rank ``rank``'s, which joined last), then
         finish with ``rank``'s completion held back until its call has returned. See Note
-        [Small collectives move on the last rank's thread]."""
-        if self.started_ns is None:
-            self.started_ns = time.perf_counter_ns()
+        [Small collectives move on the last rank's thread]. ``started_ns`` was set as the
+        last rank joined."""
         for task in tasks:
             try:
                 task()
