@@ -12,7 +12,9 @@ the world's workers.
 Drawn: one to four ranks, one to three collectives in a row, each an allreduce of a size on
 either side of the inline limit (at four ranks, 16384 float32 elements per rank are the
 limit itself), and how each rank completes each collective: ``wait()``, a poll of
-``is_completed()`` until true, its torch future's ``wait()``, or a ``then()`` callback. The
+``is_completed()`` until true, its torch future's ``wait()``, or a ``then()`` callback; or,
+for every rank at once, a callback that issues one more allreduce from the rank's lane and
+waits for it there (its last rank moves that one on its lane, one level down). The
 ranks issue in rank order (each after the one before has returned and looked), so the last
 rank is the one that moves a small collective. Every rank's first look after its call, at a
 small collective, says pending; every way completes with the exact sum; a ``then()``
@@ -48,6 +50,13 @@ def held_cases(draw: st.DrawFn) -> tuple[int, list[int], list[list[str]]]:
     ways = [draw(st.lists(st.sampled_from(WAYS), min_size=len(sizes), max_size=len(sizes)))]
     for _ in range(world_size - 1):
         ways.append(draw(st.lists(st.sampled_from(WAYS), min_size=len(sizes), max_size=len(sizes))))
+    # A collective whose callbacks, on every rank, issue one more and wait for it there.
+    for i, nest in enumerate(
+        draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    ):
+        if nest:
+            for rank_ways in ways:
+                rank_ways[i] = "nest"
     return world_size, sizes, ways
 
 
@@ -59,6 +68,8 @@ def _completion(
     level) of the completion lane, or None on any other thread."""
     if way == "wait":
         return work.wait
+    if way == "nest":
+        return _nested(work, pg, seen)
     if way == "poll":
 
         def poll() -> None:
@@ -88,6 +99,30 @@ def _completion(
         assert done.wait(30), "a then() callback never ran"
 
     return wait_callback
+
+
+def _nested(
+    work: fakepg.Work, pg: fakepg.FakeProcessGroup, seen: list[object]
+) -> Callable[[], None]:
+    """A ``then()`` callback that issues a small allreduce from the rank's lane and waits for
+    it through its future, there: one level down (a callback's collectives complete on the
+    next lane), the last rank to join it moves its data on its lane and is held. ``seen`` gets
+    the nested allreduce's result."""
+    done = threading.Event()
+    rank = pg.rank()
+
+    def callback(_future: object) -> None:
+        u = torch.full((3,), float(rank + 10))
+        pg.allreduce([u]).get_future().wait()
+        seen.append(u[0].item())
+        done.set()
+
+    work.get_future().then(callback)
+
+    def wait_nested() -> None:
+        assert done.wait(30), "a callback's own collective never completed"
+
+    return wait_nested
 
 
 def check_no_work_is_complete_when_returned(case: tuple[int, list[int], list[list[str]]]) -> None:
@@ -127,6 +162,9 @@ def check_no_work_is_complete_when_returned(case: tuple[int, list[int], list[lis
             assert values == [total, total], (rank, i, values)
             if small:
                 assert pending, f"rank {rank}'s work of collective {i} was complete at return"
+            if ways[rank][i] == "nest":
+                assert seen == [float(sum(r + 10 for r in range(world_size)))], (rank, i, seen)
+                continue
             # On the rank's own lane for what its own thread issued (level 0), or, for the
             # last rank alone, on its thread (see the module's docstring).
             allowed = [(rank, 0)] + ([None] if rank == world_size - 1 else [])
