@@ -47,16 +47,12 @@ def held_cases(draw: st.DrawFn) -> tuple[int, list[int], list[list[str]]]:
     """World size, each collective's elements per rank, and each rank's way per collective."""
     world_size = draw(st.integers(1, 4))
     sizes = draw(st.lists(st.sampled_from([1, 17, 16384, 16385, 70000]), min_size=1, max_size=3))
-    ways = [draw(st.lists(st.sampled_from(WAYS), min_size=len(sizes), max_size=len(sizes)))]
-    for _ in range(world_size - 1):
-        ways.append(draw(st.lists(st.sampled_from(WAYS), min_size=len(sizes), max_size=len(sizes))))
+    n = len(sizes)
+    each = st.lists(st.sampled_from(WAYS), min_size=n, max_size=n)
+    ways = [draw(each) for _ in range(world_size)]
     # A collective whose callbacks, on every rank, issue one more and wait for it there.
-    for i, nest in enumerate(
-        draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
-    ):
-        if nest:
-            for rank_ways in ways:
-                rank_ways[i] = "nest"
+    nested = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    ways = [["nest" if nest else way for way, nest in zip(w, nested, strict=True)] for w in ways]
     return world_size, sizes, ways
 
 
