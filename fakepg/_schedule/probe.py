@@ -10,12 +10,12 @@ asleep, and how much CPU time it has had. See Note [Blocked outside the schedule
 # open (each read makes the kernel write the file anew; opening it each time, a path lookup
 # in /proc, cost twice the read: 12 against 4 microseconds on an idle machine, 34 under
 # load, 14 looks per scheduled example of torch's DDP), and the frame only when the CPU time
-# says the thread may have
-# moved since the last look (a thread that has not run is where it was). The CPU time is read
-# first and last: only a look during which the thread did not run at all is taken as what it
-# says, so that the state, the frame and the CPU time describe one moment (the file read
-# releases the GIL: a thread just woken may run then and block elsewhere, on the scheduler's
-# lock say; read in another order, its old CPU time and new state looked like its old wait).
+# says the thread may have moved since the last look (a thread that has not run is where it
+# was). The CPU time is read first and last: only a look during which the thread did not run
+# at all is taken as what it says, so that the state, the frame and the CPU time describe
+# one moment (the file read releases the GIL: a thread just woken may run then and block
+# elsewhere, on the scheduler's lock say; read in another order, its old CPU time and new
+# state looked like its old wait).
 # It was two opens of /proc files and every thread's frames per look, about 70 microseconds.
 """
 

@@ -4,13 +4,12 @@ Some libraries keep one state per process by design. Accelerate's ``PartialState
 ``AcceleratorState`` and ``GradientState`` (behind ``Accelerator``) share their fields across
 every instance (a class-level dict, ``_shared_state``): on rank threads, every rank would see
 the first rank's process index, device and group. While a launch runs, the classes listed in
-``PER_RANK`` get a dict per rank in that attribute instead (a descriptor, as Accelerate's
-own ``ThreadLocalSharedDict`` for XLA's threads, keyed by rank), so each rank has its own
-state. What cannot
-work on threads (``KNOWN``: engines that own a process each) is refused by name: their
-constructors raise :class:`SharedStateError` on rank threads, saying why and what to do.
-Classes are changed as soon as their module is imported (by the script, or by a library on
-its behalf), and put back when the launch ends.
+``PER_RANK`` get a dict per rank in that attribute instead (a descriptor, as Accelerate's own
+``ThreadLocalSharedDict`` for XLA's threads, keyed by rank), so each rank has its own state.
+What cannot work on threads (``KNOWN``: engines that own a process each) is refused by name:
+their constructors raise :class:`SharedStateError` on rank threads, saying why and what to do.
+Classes are changed as soon as their module is imported (by the script, or by a library on its
+behalf), and put back when the launch ends.
 
 # Guarantees: install() and the restore it returns run on the launching thread. The import
 # hook, the wrapped constructors and the per-rank dicts are safe from any thread; _lock
