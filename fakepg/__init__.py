@@ -22,6 +22,7 @@ from .faults import (
     CollectiveTimeout,
     FakePGError,
     RankExited,
+    TensorChanged,
     WorldAborted,
 )
 from .group import FakeProcessGroup
@@ -48,6 +49,7 @@ __all__ = [
     "Schedule",
     "ScheduleDeadlock",
     "ScheduleEvent",
+    "TensorChanged",
     "Topology",
     "Work",
     "World",

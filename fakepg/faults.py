@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveTimeout",
     "FakePGError",
     "RankExited",
+    "TensorChanged",
     "WorldAborted",
 ]
 
@@ -30,6 +31,11 @@ class CollectiveTimeout(FakePGError, TimeoutError):
 
 class CollectiveMismatch(FakePGError):
     """Ranks issued different collectives under one sequence number (a desync)."""
+
+
+class TensorChanged(FakePGError):
+    """A rank resized, freed or replaced a tensor of a collective before its work completed
+    (see Note [A tensor changed in flight] in fakepg._intact); raised on every rank."""
 
 
 class WorldAborted(FakePGError):

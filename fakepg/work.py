@@ -20,8 +20,10 @@ belongs to (:class:`Channel`), and each rank's handle (:class:`Work`).
 # complete when its call returns, as no work ever is. It completes once that rank waits for
 # it (the wait returns at once: the data has landed), or once its lane runs the callbacks of
 # the future it asked for, or, for a rank that only polls ``is_completed``, on the world's
-# timer _RELEASE_AFTER_NS after its first poll (which sees it pending). The bits are those a
-# worker gives (the same tasks), and every lane receives the collectives in the same order.
+# timer _RELEASE_AFTER_NS after its first poll (which sees it pending). A collective that
+# fails as its data moves (a tensor changed in flight, a kernel that raises) is held alike:
+# the error, too, comes when the rank looks. The bits are those a worker gives (the same
+# tasks), and every lane receives the collectives in the same order.
 # Under a controlled schedule, decisions move the data instead (see Note [Controlled
 # scheduling] in fakepg.schedule).
 """
@@ -39,8 +41,9 @@ from torch import Tensor
 
 from reducer import collectives as _args
 
+from . import _intact
 from .collectives import RULES, Fingerprint, Task
-from .faults import FakePGError
+from .faults import FakePGError, TensorChanged
 
 if TYPE_CHECKING:
     from .completion import Completions, Lane
@@ -116,6 +119,9 @@ class Collective:
         # Membership fields below are guarded by the world's lock (World._lock).
         self.fingerprints: dict[int, Fingerprint] = {}
         self.payloads: dict[int, Any] = {}
+        # Per rank, its tensors as issued: compared again as the data moves (see Note [A
+        # tensor changed in flight] in fakepg._intact).
+        self.issued: dict[int, tuple[_intact.Issued, ...]] = {}
         self.launched_ns: dict[int, int] = {}
         # Per rank, the nesting level of the thread that issued it (see Note [Completion
         # lanes]); and the lanes whose callbacks issued it, told when it finishes.
@@ -183,21 +189,29 @@ class Collective:
 
     def move_here(self, tasks: list[Task], rank: int) -> None:
         """Move the data now, on the calling thread (rank ``rank``'s, which joined last), then
-        finish with ``rank``'s completion held back until its call has returned. See Note
-        [Small collectives move on the last rank's thread]. ``started_ns`` was set as the
-        last rank joined."""
-        for task in tasks:
-            try:
+        finish, with an error if a tensor changed in flight or a kernel raised, and with
+        ``rank``'s completion held back until its call has returned. See Note [Small
+        collectives move on the last rank's thread]. ``started_ns`` was set as the last rank
+        joined."""
+        try:
+            self.check_intact()
+            for task in tasks:
                 task()
-            except BaseException as exc:
-                self.finish(_internal_error(self, exc))
-                return
+        except BaseException as exc:
+            # Failed or not, the rank's work is not complete when its call returns.
+            self.finish(_internal_error(self, exc), held=rank)
+            return
         self.finish(None, held=rank)
 
     def run_inline(self, tasks: list[Task]) -> None:
         """Move the data now, on this thread, then finish: how a controlled schedule completes
         a collective (see Note [Controlled scheduling] in fakepg.schedule)."""
         self.started_ns = time.perf_counter_ns()
+        try:
+            self.check_intact()
+        except TensorChanged as exc:
+            self.finish(_internal_error(self, exc))
+            return
         for task in tasks:
             if self.failed:  # aborted meanwhile: stop moving data
                 break
@@ -210,6 +224,11 @@ class Collective:
     def _submit(self, tasks: list[Task]) -> None:
         if not tasks:
             self._finish_ok()
+            return
+        try:
+            self.check_intact()
+        except TensorChanged as exc:
+            self.finish(_internal_error(self, exc))
             return
         with self._lock:
             self._parts_left = len(tasks)
@@ -228,6 +247,22 @@ class Collective:
             self._part_finished()
 
         return run
+
+    def check_intact(self) -> None:
+        """Raise :class:`TensorChanged` if a rank changed one of its tensors since it issued
+        the collective (see Note [A tensor changed in flight] in fakepg._intact)."""
+        change = _intact.first_change(self.issued)
+        if change is not None:
+            raise TensorChanged(change)
+
+    def changed_error(self) -> ErrorFactory | None:
+        """The error for every rank if a rank changed one of its tensors since it issued the
+        collective, else None."""
+        try:
+            self.check_intact()
+        except TensorChanged as exc:
+            return _internal_error(self, exc)
+        return None
 
     def _part_finished(self) -> None:
         with self._lock:
@@ -308,7 +343,7 @@ class Collective:
                 self._callbacks[rank] = [callback]
                 with self.world.completions.lock:
                     deliver = functools.partial(self._deliver, rank)
-                    level = self.levels.get(rank, 0)
+                    level = self.levels[rank]  # the held rank joined: it has a level
                     self.world.completions.post_locked(rank, level, deliver, self.describe())
                 return
         callback()
@@ -319,7 +354,9 @@ class Collective:
         if rank == self._held:
             self.release()
         with self._lock:
-            callbacks = self._callbacks.pop(rank, [])
+            # Filed before this delivery was posted, and taken by it alone: one delivery is
+            # posted per rank whose callbacks are filed (finish, or a held rank's first ask).
+            callbacks = self._callbacks.pop(rank)
         for callback in callbacks:
             callback()
 
@@ -328,6 +365,10 @@ def _internal_error(collective: Collective, exc: BaseException) -> ErrorFactory:
     what = collective.describe()
 
     def make(rank: int) -> BaseException:
+        if isinstance(exc, TensorChanged):  # the user's race, not the kernel's failure
+            changed = TensorChanged(f"fakepg: {what}: {exc}")
+            changed.__cause__ = exc
+            return changed
         error = FakePGError(
             f"fakepg: {what} failed while moving data on rank {rank}'s behalf: "
             f"{type(exc).__name__}: {exc}"

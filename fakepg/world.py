@@ -106,7 +106,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from . import _homes, _threads
+from . import _homes, _intact, _threads
 from . import collectives as _c
 from . import rng as _rng
 from . import streams as _streams
@@ -351,6 +351,7 @@ class World:
         now = time.perf_counter_ns()
         # Issued from a callback on a completion lane? See Note [Completion lanes].
         lane = self.completions.current_lane()
+        issued = _intact.snapshot(payload)  # see Note [A tensor changed in flight]
         with self._lock:
             if self._abort is not None or self._closed:
                 what = _describe(fingerprint, channel.next_seq[rank], channel)
@@ -364,6 +365,7 @@ class World:
                 collective.finish(_mismatch(collective, rank, fingerprint))
             collective.fingerprints[rank] = fingerprint
             collective.payloads[rank] = payload
+            collective.issued[rank] = issued
             collective.launched_ns[rank] = now
             collective.levels[rank] = 0 if lane is None else lane.level + 1
             if ready:
@@ -387,7 +389,9 @@ class World:
             try:
                 tasks = plan(payloads)
             except _c.Disagreement as exc:
-                collective.finish(_disagree(collective, str(exc)))
+                # A tensor changed in flight is the cause, if one did.
+                changed = collective.changed_error()
+                collective.finish(changed or _disagree(collective, str(exc)))
             else:
                 if collective.ready:  # CUDA tensors: the parts run on the side streams
                     order = _streams.StreamOrder(self.side_streams, collective.ready)

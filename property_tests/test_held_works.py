@@ -31,20 +31,38 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
+import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fakepg
 from fakepg.work import INLINE_BYTES
 
 WAYS = ("wait", "poll", "future", "then")
+# How a rank changes a tensor it handed to a collective (see Note [A tensor changed in
+# flight] in fakepg._intact).
+CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
+    "resized": lambda t: t.resize_(t.numel() // 2),
+    "freed": lambda t: t.untyped_storage().resize_(0),
+    "replaced": lambda t: setattr(t, "data", torch.zeros_like(t)),
+}
+
+
+class Case(NamedTuple):
+    world_size: int
+    sizes: list[int]  # each collective's elements per rank
+    ways: list[list[str]]  # each rank's way to complete each collective
+    change: str | None  # how the last collective's tensor is changed in flight, if it is
+    changer: int | None  # by which rank
 
 
 @st.composite
-def held_cases(draw: st.DrawFn) -> tuple[int, list[int], list[list[str]]]:
-    """World size, each collective's elements per rank, and each rank's way per collective."""
+def held_cases(draw: st.DrawFn) -> Case:
+    """World size, each collective's elements per rank, each rank's way per collective, and
+    whether a rank changes its tensor of the last collective before the last rank joins."""
     world_size = draw(st.integers(1, 4))
     sizes = draw(st.lists(st.sampled_from([1, 17, 16384, 16385, 70000]), min_size=1, max_size=3))
     n = len(sizes)
@@ -53,19 +71,36 @@ def held_cases(draw: st.DrawFn) -> tuple[int, list[int], list[list[str]]]:
     # A collective whose callbacks, on every rank, issue one more and wait for it there.
     nested = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     ways = [["nest" if nest else way for way, nest in zip(w, nested, strict=True)] for w in ways]
-    return world_size, sizes, ways
+    # The last collective changed in flight by a rank that is not the last to join it.
+    change = draw(st.none() | st.sampled_from(sorted(CHANGES))) if world_size > 1 else None
+    changer = draw(st.integers(0, world_size - 2)) if change is not None else None
+    return Case(world_size, sizes, ways, change, changer)
+
+
+Seen = list[object]  # where each then() callback ran, or what a nested allreduce gave
+Errors = list[BaseException | None]  # what each way saw: the error, or None
 
 
 def _completion(
-    work: fakepg.Work, way: str, pg: fakepg.FakeProcessGroup, seen: list[object]
+    work: fakepg.Work, way: str, pg: fakepg.FakeProcessGroup, seen: Seen, errors: Errors
 ) -> Callable[[], None]:
     """What completes ``work`` the way drawn; a ``then()`` callback is attached now (before
     the next rank issues: the future is pending), and ``seen`` gets where it ran: the (rank,
-    level) of the completion lane, or None on any other thread."""
+    level) of the completion lane, or None on any other thread. ``errors`` gets the error the
+    way saw (None if it saw none)."""
     if way == "wait":
-        return work.wait
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except fakepg.FakePGError as exc:
+                errors.append(exc)
+            else:
+                errors.append(None)
+
+        return wait
     if way == "nest":
-        return _nested(work, pg, seen)
+        return _nested(work, pg, seen, errors)
     if way == "poll":
 
         def poll() -> None:
@@ -73,20 +108,22 @@ def _completion(
             while not work.is_completed():
                 assert time.monotonic() < deadline, "a polled work never completed"
                 time.sleep(0.0001)
+            errors.append(work.exception())
 
         return poll
     future = work.get_future()
     if way == "future":
 
         def wait_future() -> None:
-            future.wait()
+            errors.append(_error_of(future))
 
         return wait_future
     done = threading.Event()
 
-    def callback(_future: object) -> None:
+    def callback(completed: torch.futures.Future[list[torch.Tensor]]) -> None:
         lane = pg.world.completions.current_lane()  # type: ignore[attr-defined]
         seen.append(None if lane is None else (lane.rank, lane.level))
+        errors.append(_error_of(completed))
         done.set()
 
     future.then(callback)
@@ -97,8 +134,16 @@ def _completion(
     return wait_callback
 
 
+def _error_of(future: torch.futures.Future[list[torch.Tensor]]) -> BaseException | None:
+    try:
+        future.wait()
+    except fakepg.FakePGError as exc:
+        return exc
+    return None
+
+
 def _nested(
-    work: fakepg.Work, pg: fakepg.FakeProcessGroup, seen: list[object]
+    work: fakepg.Work, pg: fakepg.FakeProcessGroup, seen: Seen, errors: Errors
 ) -> Callable[[], None]:
     """A ``then()`` callback that issues a small allreduce from the rank's lane and waits for
     it through its future, there: one level down (a callback's collectives complete on the
@@ -107,7 +152,8 @@ def _nested(
     done = threading.Event()
     rank = pg.rank()
 
-    def callback(_future: object) -> None:
+    def callback(completed: torch.futures.Future[list[torch.Tensor]]) -> None:
+        errors.append(_error_of(completed))
         u = torch.full((3,), float(rank + 10))
         pg.allreduce([u]).get_future().wait()
         seen.append(u[0].item())
@@ -121,21 +167,29 @@ def _nested(
     return wait_nested
 
 
-def check_no_work_is_complete_when_returned(case: tuple[int, list[int], list[list[str]]]) -> None:
-    world_size, sizes, ways = case
+Looked = tuple[list[float] | None, bool, Seen, Errors, int]
+
+
+def check_no_work_is_complete_when_returned(case: Case) -> None:
+    world_size, sizes, ways, change, changer = case
     turns = [threading.Event() for _ in range(world_size + 1)]
     turns[0].set()
+    last = len(sizes) - 1
 
-    def fn(pg: fakepg.FakeProcessGroup) -> list[tuple[list[float], bool, bool]]:
+    def fn(pg: fakepg.FakeProcessGroup) -> list[Looked]:
         rank = pg.rank()
-        out = []
+        out: list[Looked] = []
         for i, size in enumerate(sizes):
             t = torch.full((size,), float(rank + 1 + i))
             assert turns[rank].wait(30)
             work = pg.allreduce([t])
             pending = not work.is_completed()  # the first look, right after the call
-            seen: list[object] = []
-            complete = _completion(work, ways[rank][i], pg, seen)
+            changed = change is not None and i == last and rank == changer
+            if changed:
+                CHANGES[change](t)  # before the next rank issues: the data has not moved
+            seen: Seen = []
+            errors: Errors = []
+            complete = _completion(work, ways[rank][i], pg, seen, errors)
             turns[rank].clear()
             turns[rank + 1].set()
             if rank == world_size - 1:
@@ -146,18 +200,32 @@ def check_no_work_is_complete_when_returned(case: tuple[int, list[int], list[lis
             assert work.is_completed(), f"rank {rank}: {ways[rank][i]} returned, work pending"
             times = (work.launched_ns, work.started_ns, work.completed_ns)
             assert None not in times and sorted(times) == list(times), (rank, i, times)  # type: ignore[type-var]
-            out.append(([t[0].item(), t[-1].item()], pending, seen))
+            # A changed tensor is not read again: a freed one has no memory.
+            values = None if changed else [t[0].item(), t[-1].item()]
+            out.append((values, pending, seen, errors, work.seq))
         return out
 
     results = fakepg.run(fn, world_size, timeout=30)
     for i, size in enumerate(sizes):
         total = float(sum(r + 1 + i for r in range(world_size)))
         small = size * 4 * world_size <= INLINE_BYTES
+        failed = change is not None and i == last
         for rank in range(world_size):
-            values, pending, seen = results[rank][i]
-            assert values == [total, total], (rank, i, values)
+            values, pending, seen, errors, seq = results[rank][i]
             if small:
                 assert pending, f"rank {rank}'s work of collective {i} was complete at return"
+            # Each way saw the collective's outcome once: on every rank, the change in flight
+            # as a TensorChanged naming the rank and its tensor, or no error at all.
+            assert len(errors) == 1, (rank, i, errors)
+            if failed:
+                error = errors[0]
+                assert isinstance(error, fakepg.TensorChanged), (rank, i, error)
+                assert f"allreduce #{seq} " in str(error), str(error)
+                assert f"rank {changer}'s tensor 0 " in str(error), str(error)
+                assert change in str(error), str(error)
+            else:
+                assert errors == [None], (rank, i, errors)
+                assert values == [total, total], (rank, i, values)
             if ways[rank][i] == "nest":
                 assert seen == [float(sum(r + 10 for r in range(world_size)))], (rank, i, seen)
                 continue
@@ -168,7 +236,61 @@ def check_no_work_is_complete_when_returned(case: tuple[int, list[int], list[lis
 
 
 @given(held_cases())
-def test_no_work_is_complete_when_its_call_returns(
-    case: tuple[int, list[int], list[list[str]]],
-) -> None:
+def test_no_work_is_complete_when_its_call_returns(case: Case) -> None:
     check_no_work_is_complete_when_returned(case)
+
+
+STALL_TIMEOUT_S = 0.5
+
+
+@st.composite
+def stalled_cases(draw: st.DrawFn) -> tuple[int, int, int]:
+    """World size, the rank whose ``then()`` callback stalls, and the elements per rank."""
+    world_size = draw(st.integers(1, 3))
+    stalled = draw(st.integers(0, world_size - 1))
+    # The last rank chains after its call returned: a large collective may be complete by
+    # then (its workers raced the call), and torch runs a then() callback of a complete
+    # future at once, on the caller's thread, where no lane can see it stall.
+    sizes = [1] if stalled == world_size - 1 else [1, 70000]
+    return world_size, stalled, draw(st.sampled_from(sizes))
+
+
+@given(stalled_cases())
+@settings(max_examples=8)
+def test_a_stalled_callback_is_named_by_its_collective(case: tuple[int, int, int]) -> None:
+    """A ``then()`` callback that never returns is reported by its rank and its collective,
+    whichever way the callback reached the lane: the last rank's future of a small collective
+    (held, its callback posted when asked for), an earlier rank's (posted as the collective
+    finished), of a small collective or a large one (finished on a worker). The ranks issue
+    in rank order, each after the one before has chained its callback."""
+    world_size, stalled, size = case
+    turns = [threading.Event() for _ in range(world_size + 1)]
+    turns[0].set()
+    release = threading.Event()
+
+    def stall(_future: object) -> None:
+        deadline = time.monotonic() + 30  # a broken lane check fails, not hangs, the property
+        while not release.is_set() and time.monotonic() < deadline:  # the lane can stop it
+            time.sleep(0.01)
+
+    def fn(pg: fakepg.FakeProcessGroup) -> None:
+        rank = pg.rank()
+        assert turns[rank].wait(30)
+        work = pg.allreduce([torch.ones(size)])
+        chained = work.get_future().then(stall) if rank == stalled else None
+        turns[rank + 1].set()
+        if chained is None:
+            work.wait()
+        else:
+            chained.wait()  # fails once the lane stops the callback
+
+    try:
+        with pytest.raises(fakepg.CollectiveTimeout) as info:
+            fakepg.run(fn, world_size, timeout=STALL_TIMEOUT_S)
+    finally:
+        release.set()
+    expected = (
+        f"rank {stalled}'s done-callback of allreduce #0 (op=SUM) did not return within "
+        f"{STALL_TIMEOUT_S:g} s"
+    )
+    assert expected in str(info.value), str(info.value)

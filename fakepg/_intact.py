@@ -1,0 +1,85 @@
+"""Whether a rank's tensors are still as it issued them when the collective moves its data.
+
+# Note [A tensor changed in flight]
+# A collective's kernels read and write the tensors each rank handed in, later, on another
+# thread: the last rank's, a worker's, a decision's. A rank that resizes one of them, frees
+# its storage (``t.untyped_storage().resize_(0)``, as FSDP-style code does), or swaps its
+# memory (``t.data = ...``, a reallocation) before its work completes has a race that a real
+# backend turns into wrong numbers or a crash. Here the kernels' NumPy views would read freed
+# memory (garbage, or a segfault), and a shrunk tensor would be reduced in part, silently. So
+# each rank's tensors are recorded as issued (shape, data pointer, the bytes the view spans)
+# and compared once more just before the data moves; a change fails the collective on every
+# rank with :class:`fakepg.TensorChanged`, naming the rank, the tensor and what changed.
+# The window between that look and the kernels is the user's own race, as on a real backend;
+# the look closes the common case: a change made before the last rank joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """One tensor as its rank issued it."""
+
+    tensor: Tensor
+    shape: torch.Size
+    data_ptr: int
+    nbytes: int  # the bytes of its storage the tensor spans, from offset 0
+
+
+def _tensors(payload: Any) -> Iterator[Tensor]:
+    """The tensors of a payload (tensors in nested tuples and lists), in order."""
+    if isinstance(payload, Tensor):
+        yield payload
+    elif isinstance(payload, (list, tuple)):
+        for item in payload:
+            yield from _tensors(item)
+
+
+def _span_bytes(t: Tensor) -> int:
+    """How many bytes of its storage ``t`` reaches into (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return int((last + 1) * t.element_size())
+
+
+def snapshot(payload: Any) -> tuple[Issued, ...]:
+    """The strided tensors of ``payload`` as they are now (sparse ones have no one storage)."""
+    return tuple(
+        Issued(t, t.shape, t.data_ptr(), _span_bytes(t))
+        for t in _tensors(payload)
+        if t.layout == torch.strided
+    )
+
+
+def first_change(issued: dict[int, tuple[Issued, ...]]) -> str | None:
+    """What changed first (ranks in order) since the tensors were issued, or None."""
+    for rank in sorted(issued):
+        for index, was in enumerate(issued[rank]):
+            t = was.tensor
+            whose = f"rank {rank}'s tensor {index} ({t.dtype}, issued with shape {list(was.shape)})"
+            if t.shape != was.shape:
+                how = f"was resized to {list(t.shape)}"
+            elif (held := t.untyped_storage().nbytes()) < was.nbytes:
+                how = f"had its storage freed or shrunk ({held} bytes left of the {was.nbytes}"
+                how += " it spans)"
+            elif t.data_ptr() != was.data_ptr:
+                how = "had its memory replaced (its storage reallocated, or .data swapped)"
+            else:
+                continue
+            return (
+                f"{whose} {how} while the collective was in flight. A collective's tensors "
+                "must stay as issued until its work completes: wait() on the work (or its "
+                "future) before resizing, freeing or replacing them."
+            )
+    return None
