@@ -7,9 +7,10 @@
 # memory (``t.data = ...``, a reallocation) before its work completes has a race that a real
 # backend turns into wrong numbers or a crash. Here the kernels' NumPy views would read freed
 # memory (garbage, or a segfault), and a shrunk tensor would be reduced in part, silently. So
-# each rank's tensors are recorded as issued (shape, data pointer, the bytes the view spans)
-# and compared once more just before the data moves; a change fails the collective on every
-# rank with :class:`fakepg.TensorChanged`, naming the rank, the tensor and what changed.
+# each rank's tensors are recorded as issued (shape, data pointer) and looked at once more
+# just before the data moves (the same shape, a storage that still holds every byte the view
+# reaches, the same memory); a change fails the collective on every rank with
+# :class:`fakepg.TensorChanged`, naming the rank, the tensor and what changed.
 # The window between that look and the kernels is the user's own race, as on a real backend;
 # the look closes the common case: a change made before the last rank joined.
 """
@@ -33,7 +34,6 @@ class Issued:
     tensor: Tensor
     shape: torch.Size
     data_ptr: int
-    nbytes: int  # the bytes of its storage the tensor spans, from offset 0
 
 
 def _tensors(payload: Any) -> Iterator[Tensor]:
@@ -56,9 +56,7 @@ def _span_bytes(t: Tensor) -> int:
 def snapshot(payload: Any) -> tuple[Issued, ...]:
     """The strided tensors of ``payload`` as they are now (sparse ones have no one storage)."""
     return tuple(
-        Issued(t, t.shape, t.data_ptr(), _span_bytes(t))
-        for t in _tensors(payload)
-        if t.layout == torch.strided
+        Issued(t, t.shape, t.data_ptr()) for t in _tensors(payload) if t.layout == torch.strided
     )
 
 
@@ -70,9 +68,8 @@ def first_change(issued: dict[int, tuple[Issued, ...]]) -> str | None:
             whose = f"rank {rank}'s tensor {index} ({t.dtype}, issued with shape {list(was.shape)})"
             if t.shape != was.shape:
                 how = f"was resized to {list(t.shape)}"
-            elif (held := t.untyped_storage().nbytes()) < was.nbytes:
-                how = f"had its storage freed or shrunk ({held} bytes left of the {was.nbytes}"
-                how += " it spans)"
+            elif (held := t.untyped_storage().nbytes()) < (span := _span_bytes(t)):
+                how = f"had its storage freed or shrunk ({held} bytes left of the {span} it spans)"
             elif t.data_ptr() != was.data_ptr:
                 how = "had its memory replaced (its storage reallocated, or .data swapped)"
             else:

@@ -47,13 +47,40 @@ WAYS = ("wait", "poll", "future", "then")
 CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
     "resized": lambda t: t.resize_(t.numel() // 2),
     "freed": lambda t: t.untyped_storage().resize_(0),
+    # One element short of what the tensor spans of its storage.
+    "shrunk": lambda t: t.untyped_storage().resize_(_span(t) - t.element_size()),
     "replaced": lambda t: setattr(t, "data", torch.zeros_like(t)),
 }
+# Each rank's tensor: its own, or a view into a larger flat buffer (as a bucket's gradients
+# are) at an offset (fakepg's kernels take contiguous tensors only).
+VIEWS = ("own", "offset")
+
+
+def _tensor(size: int, value: float, view: str) -> torch.Tensor:
+    if view == "own":
+        return torch.full((size,), value)
+    return torch.full((size + 5,), value)[3 : 3 + size]
+
+
+def _span(t: torch.Tensor) -> int:
+    """The bytes of its storage a 1-D view reaches into, from the storage's start."""
+    return (t.storage_offset() + (t.numel() - 1) * t.stride(0) + 1) * t.element_size()
+
+
+def _how(change: str, size: int, span: int) -> str:
+    """What the error says happened to the tensor."""
+    if change == "resized":
+        return f"was resized to [{size // 2}]"
+    if change == "replaced":
+        return "had its memory replaced (its storage reallocated, or .data swapped)"
+    left = 0 if change == "freed" else span - 4
+    return f"had its storage freed or shrunk ({left} bytes left of the {span} it spans)"
 
 
 class Case(NamedTuple):
     world_size: int
     sizes: list[int]  # each collective's elements per rank
+    view: str  # how each rank's tensors lie in memory (VIEWS)
     ways: list[list[str]]  # each rank's way to complete each collective
     change: str | None  # how the last collective's tensor is changed in flight, if it is
     changer: int | None  # by which rank
@@ -62,7 +89,8 @@ class Case(NamedTuple):
 @st.composite
 def held_cases(draw: st.DrawFn) -> Case:
     """World size, each collective's elements per rank, each rank's way per collective, and
-    whether a rank changes its tensor of the last collective before the last rank joins."""
+    whether a rank changes its tensor of the last collective before the last rank joins, and
+    how the tensors lie in memory."""
     world_size = draw(st.integers(1, 4))
     sizes = draw(st.lists(st.sampled_from([1, 17, 16384, 16385, 70000]), min_size=1, max_size=3))
     n = len(sizes)
@@ -74,7 +102,7 @@ def held_cases(draw: st.DrawFn) -> Case:
     # The last collective changed in flight by a rank that is not the last to join it.
     change = draw(st.none() | st.sampled_from(sorted(CHANGES))) if world_size > 1 else None
     changer = draw(st.integers(0, world_size - 2)) if change is not None else None
-    return Case(world_size, sizes, ways, change, changer)
+    return Case(world_size, sizes, draw(st.sampled_from(VIEWS)), ways, change, changer)
 
 
 Seen = list[object]  # where each then() callback ran, or what a nested allreduce gave
@@ -171,7 +199,7 @@ Looked = tuple[list[float] | None, bool, Seen, Errors, int]
 
 
 def check_no_work_is_complete_when_returned(case: Case) -> None:
-    world_size, sizes, ways, change, changer = case
+    world_size, sizes, view, ways, change, changer = case
     turns = [threading.Event() for _ in range(world_size + 1)]
     turns[0].set()
     last = len(sizes) - 1
@@ -180,7 +208,7 @@ def check_no_work_is_complete_when_returned(case: Case) -> None:
         rank = pg.rank()
         out: list[Looked] = []
         for i, size in enumerate(sizes):
-            t = torch.full((size,), float(rank + 1 + i))
+            t = _tensor(size, float(rank + 1 + i), view)
             assert turns[rank].wait(30)
             work = pg.allreduce([t])
             pending = not work.is_completed()  # the first look, right after the call
@@ -221,8 +249,9 @@ def check_no_work_is_complete_when_returned(case: Case) -> None:
                 error = errors[0]
                 assert isinstance(error, fakepg.TensorChanged), (rank, i, error)
                 assert f"allreduce #{seq} " in str(error), str(error)
-                assert f"rank {changer}'s tensor 0 " in str(error), str(error)
-                assert change in str(error), str(error)
+                how = _how(change, size, _span(_tensor(size, 0.0, view)))
+                whose = f"rank {changer}'s tensor 0 (torch.float32, issued with shape [{size}])"
+                assert f"{whose} {how} while" in str(error), str(error)
             else:
                 assert errors == [None], (rank, i, errors)
                 assert values == [total, total], (rank, i, values)
@@ -246,7 +275,7 @@ STALL_TIMEOUT_S = 0.5
 @st.composite
 def stalled_cases(draw: st.DrawFn) -> tuple[int, int, int]:
     """World size, the rank whose ``then()`` callback stalls, and the elements per rank."""
-    world_size = draw(st.integers(1, 3))
+    world_size = draw(st.integers(2, 3))
     stalled = draw(st.integers(0, world_size - 1))
     # The last rank chains after its call returned: a large collective may be complete by
     # then (its workers raced the call), and torch runs a then() callback of a complete
@@ -260,13 +289,21 @@ def stalled_cases(draw: st.DrawFn) -> tuple[int, int, int]:
 def test_a_stalled_callback_is_named_by_its_collective(case: tuple[int, int, int]) -> None:
     """A ``then()`` callback that never returns is reported by its rank and its collective,
     whichever way the callback reached the lane: the last rank's future of a small collective
-    (held, its callback posted when asked for), an earlier rank's (posted as the collective
-    finished), of a small collective or a large one (finished on a worker). The ranks issue
-    in rank order, each after the one before has chained its callback."""
+    (held: its delivery posted when the future is asked for), an earlier rank's (posted as
+    the collective finished), of a small collective or a large one (finished on a worker).
+
+    The ranks issue the collective in rank order, each after the one before has chained its
+    callback. Before it, the stalling rank keeps its lane busy with a callback of an earlier
+    collective until its own ``then()`` is chained: a held future's delivery, posted at once,
+    would otherwise race the ``then()`` (torch runs a callback chained to a completed future
+    on the caller's thread, where no lane sees it stall)."""
     world_size, stalled, size = case
     turns = [threading.Event() for _ in range(world_size + 1)]
-    turns[0].set()
+    opened, chained = threading.Event(), threading.Event()
     release = threading.Event()
+
+    def busy(_future: object) -> None:
+        assert chained.wait(30)
 
     def stall(_future: object) -> None:
         deadline = time.monotonic() + 30  # a broken lane check fails, not hangs, the property
@@ -275,22 +312,35 @@ def test_a_stalled_callback_is_named_by_its_collective(case: tuple[int, int, int
 
     def fn(pg: fakepg.FakeProcessGroup) -> None:
         rank = pg.rank()
+        # The earlier collective: the stalling rank issues it first, its callback pending.
+        if rank == stalled:
+            opener = pg.allreduce([torch.ones(1)])
+            opener.get_future().then(busy)
+            opened.set()
+            turns[0].set()
+        else:
+            assert opened.wait(30)
+            opener = pg.allreduce([torch.ones(1)])
         assert turns[rank].wait(30)
         work = pg.allreduce([torch.ones(size)])
-        chained = work.get_future().then(stall) if rank == stalled else None
+        if rank == stalled:
+            future = work.get_future().then(stall)
+            chained.set()
         turns[rank + 1].set()
-        if chained is None:
-            work.wait()
+        opener.wait()
+        if rank == stalled:
+            future.wait()  # fails once the lane stops the callback
         else:
-            chained.wait()  # fails once the lane stops the callback
+            work.wait()
 
     try:
         with pytest.raises(fakepg.CollectiveTimeout) as info:
             fakepg.run(fn, world_size, timeout=STALL_TIMEOUT_S)
     finally:
         release.set()
+        chained.set()
     expected = (
-        f"rank {stalled}'s done-callback of allreduce #0 (op=SUM) did not return within "
+        f"rank {stalled}'s done-callback of allreduce #1 (op=SUM) did not return within "
         f"{STALL_TIMEOUT_S:g} s"
     )
     assert expected in str(info.value), str(info.value)
