@@ -155,8 +155,14 @@ TARGETS: dict[str, Target] = {
             "Collective.release",
             "Collective.add_done_callback",
             "Collective._deliver",
+            "Collective.check_intact",
         ),
         ("property_tests/test_held_works.py",),
+    ),
+    "changed-in-flight": Target(
+        "fakepg/_intact.py",
+        (),
+        ("property_tests/test_changed_in_flight.py", "property_tests/test_held_works.py"),
     ),
     "back-from-outside": Target(
         "fakepg/_schedule/scheduler.py",

@@ -46,10 +46,8 @@ def _tensors(payload: Any) -> Iterator[Tensor]:
 
 
 def _span_bytes(t: Tensor) -> int:
-    """How many bytes of its storage ``t`` reaches into (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    """How many bytes of its storage a non-empty ``t`` reaches into, from the storage's start."""
+    last = t.storage_offset() + sum((t.size(d) - 1) * t.stride(d) for d in range(t.dim()))
     return int((last + 1) * t.element_size())
 
 
@@ -68,6 +66,8 @@ def first_change(issued: dict[int, tuple[Issued, ...]]) -> str | None:
             whose = f"rank {rank}'s tensor {index} ({t.dtype}, issued with shape {list(was.shape)})"
             if t.shape != was.shape:
                 how = f"was resized to {list(t.shape)}"
+            elif t.numel() == 0:
+                continue  # no bytes to move: its storage may come and go
             elif (held := t.untyped_storage().nbytes()) < (span := _span_bytes(t)):
                 how = f"had its storage freed or shrunk ({held} bytes left of the {span} it spans)"
             elif t.data_ptr() != was.data_ptr:

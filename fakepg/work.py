@@ -222,13 +222,13 @@ class Collective:
         self._finish_ok()
 
     def _submit(self, tasks: list[Task]) -> None:
-        if not tasks:
-            self._finish_ok()
-            return
         try:
             self.check_intact()
         except TensorChanged as exc:
             self.finish(_internal_error(self, exc))
+            return
+        if not tasks:
+            self._finish_ok()
             return
         with self._lock:
             self._parts_left = len(tasks)
