@@ -17,9 +17,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,34 +25,46 @@ from torch import Tensor
 __all__: list[str] = []
 
 
-@dataclass(frozen=True, slots=True)
-class Issued:
-    """One tensor as its rank issued it."""
+class Issued(NamedTuple):
+    """One tensor as its rank issued it (a tuple: one is made per tensor per collective)."""
 
     tensor: Tensor
     shape: torch.Size
     data_ptr: int
 
 
-def _tensors(payload: Any) -> Iterator[Tensor]:
+def _tensors(payload: Any, into: list[Tensor]) -> list[Tensor]:
     """The tensors of a payload (tensors in nested tuples and lists), in order."""
     if isinstance(payload, Tensor):
-        yield payload
+        into.append(payload)
     elif isinstance(payload, (list, tuple)):
         for item in payload:
-            yield from _tensors(item)
+            _tensors(item, into)
+    return into
 
 
 def _span_bytes(t: Tensor) -> int:
     """How many bytes of its storage a non-empty ``t`` reaches into, from the storage's start."""
-    last = t.storage_offset() + sum((t.size(d) - 1) * t.stride(d) for d in range(t.dim()))
+    if t.is_contiguous():
+        last = t.storage_offset() + t.numel() - 1
+    else:
+        last = t.storage_offset() + sum((t.size(d) - 1) * t.stride(d) for d in range(t.dim()))
     return int((last + 1) * t.element_size())
 
 
 def snapshot(payload: Any) -> tuple[Issued, ...]:
     """The strided tensors of ``payload`` as they are now (sparse ones have no one storage)."""
     return tuple(
-        Issued(t, t.shape, t.data_ptr()) for t in _tensors(payload) if t.layout == torch.strided
+        Issued(t, t.shape, t.data_ptr()) for t in _tensors(payload, []) if t.layout == torch.strided
+    )
+
+
+def _intact(t: Tensor, was: Issued) -> bool:
+    """The common case, checked first and fast: nothing changed."""
+    return (
+        t.shape == was.shape
+        and t.data_ptr() == was.data_ptr
+        and (t.numel() == 0 or t.untyped_storage().nbytes() >= _span_bytes(t))
     )
 
 
@@ -63,6 +73,8 @@ def first_change(issued: dict[int, tuple[Issued, ...]]) -> str | None:
     for rank in sorted(issued):
         for index, was in enumerate(issued[rank]):
             t = was.tensor
+            if _intact(t, was):
+                continue
             whose = f"rank {rank}'s tensor {index} ({t.dtype}, issued with shape {list(was.shape)})"
             if t.shape != was.shape:
                 how = f"was resized to {list(t.shape)}"
@@ -70,10 +82,8 @@ def first_change(issued: dict[int, tuple[Issued, ...]]) -> str | None:
                 continue  # no bytes to move: its storage may come and go
             elif (held := t.untyped_storage().nbytes()) < (span := _span_bytes(t)):
                 how = f"had its storage freed or shrunk ({held} bytes left of the {span} it spans)"
-            elif t.data_ptr() != was.data_ptr:
+            else:  # the same shape, every byte held: not where it was
                 how = "had its memory replaced (its storage reallocated, or .data swapped)"
-            else:
-                continue
             return (
                 f"{whose} {how} while the collective was in flight. A collective's tensors "
                 "must stay as issued until its work completes: wait() on the work (or its "
