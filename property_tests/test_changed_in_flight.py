@@ -6,11 +6,12 @@ See Note [A tensor changed in flight] in fakepg._intact. Drawn: two to four rank
 allreduce (one tensor per rank) or an allgather (the ranks' outputs, then the input), each
 tensor of shape [rows, cols] with rows 1 or 2 and cols 0 (empty), 1, 17 or 70000 (small
 collectives move on the last rank's thread, large ones on the world's workers), either a
-tensor of its own or a view into a larger flat buffer at an offset (as a bucket's gradients
-are), which rank changes which of its tensors and how (resized, its storage freed, its
-storage one element short of what the view spans, its memory replaced), and who moves the
-data (the last rank or the workers, the world's timer behind a simulated network, or a
-controlled schedule's decision). The changing rank issues first and changes its tensor
+tensor of its own, a view into a larger flat buffer at an offset (as a bucket's gradients
+are) or, for an allgather, every other column of a larger one, which rank changes which
+of its tensors and how (resized, its storage freed, its storage one element short of what
+the view spans, its memory replaced), and who moves the data (the last rank or the
+workers, the world's timer behind a simulated network, or a controlled schedule's
+decision). The changing rank issues first and changes its tensor
 before any other rank issues: the data has not moved yet.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fakepg
@@ -34,8 +35,10 @@ ADVICE = (
 
 
 def _span(t: torch.Tensor) -> int:
-    """The bytes of its storage a contiguous non-empty tensor reaches into, from its start."""
-    return (t.storage_offset() + t.numel()) * t.element_size()
+    """The bytes of its storage a non-empty tensor reaches into, from the storage's start."""
+    (rows, cols), (row_step, col_step) = t.shape, t.stride()
+    last = t.storage_offset() + (rows - 1) * row_step + (cols - 1) * col_step
+    return (last + 1) * t.element_size()
 
 
 CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
@@ -50,7 +53,7 @@ class Case(NamedTuple):
     world_size: int
     kind: str  # "allreduce" or "allgather"
     shape: tuple[int, int]
-    view: str  # "own" or "offset"
+    view: str  # "own", "offset", or "strided" (every other column; allgather only)
     change: str
     changer: int  # the rank that changes a tensor; it issues first
     index: int  # which of its tensors, in the order it handed them in
@@ -67,7 +70,8 @@ def cases(draw: st.DrawFn) -> Case:
         world_size,
         kind,
         shape,
-        draw(st.sampled_from(["own", "offset"])),
+        # A reduction takes contiguous tensors only; an allgather any.
+        draw(st.sampled_from(["own", "offset"] + (["strided"] if kind == "allgather" else []))),
         draw(st.sampled_from(sorted(CHANGES))),
         draw(st.integers(0, world_size - 1)),
         draw(st.integers(0, tensors - 1)),
@@ -79,6 +83,8 @@ def _tensor(shape: tuple[int, int], value: float, view: str) -> torch.Tensor:
     rows, cols = shape
     if view == "own":
         return torch.full(shape, value)
+    if view == "strided":
+        return torch.full((rows, 2 * cols), value)[:, ::2]
     return torch.full((rows * cols + 5,), value)[3 : 3 + rows * cols].view(rows, cols)
 
 
@@ -140,5 +146,6 @@ def check_a_change_in_flight_fails_everywhere(case: Case) -> None:
 
 
 @given(cases())
+@settings(max_examples=300)  # an example takes about 10 ms: the corners cost little to reach
 def test_a_tensor_changed_in_flight_fails_its_collective_on_every_rank(case: Case) -> None:
     check_a_change_in_flight_fails_everywhere(case)
