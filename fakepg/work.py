@@ -207,10 +207,9 @@ class Collective:
         """Move the data now, on this thread, then finish: how a controlled schedule completes
         a collective (see Note [Controlled scheduling] in fakepg.schedule)."""
         self.started_ns = time.perf_counter_ns()
-        try:
-            self.check_intact()
-        except TensorChanged as exc:
-            self.finish(_internal_error(self, exc))
+        changed = self.changed_error()
+        if changed is not None:
+            self.finish(changed)
             return
         for task in tasks:
             if self.failed:  # aborted meanwhile: stop moving data
@@ -222,10 +221,9 @@ class Collective:
         self._finish_ok()
 
     def _submit(self, tasks: list[Task]) -> None:
-        try:
-            self.check_intact()
-        except TensorChanged as exc:
-            self.finish(_internal_error(self, exc))
+        changed = self.changed_error()
+        if changed is not None:
+            self.finish(changed)
             return
         if not tasks:
             self._finish_ok()

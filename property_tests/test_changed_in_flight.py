@@ -36,8 +36,8 @@ ADVICE = (
 
 def _span(t: torch.Tensor) -> int:
     """The bytes of its storage a non-empty tensor reaches into, from the storage's start."""
-    (rows, cols), (row_step, col_step) = t.shape, t.stride()
-    last = t.storage_offset() + (rows - 1) * row_step + (cols - 1) * col_step
+    steps = zip(t.shape, t.stride(), strict=True)
+    last = t.storage_offset() + sum((n - 1) * step for n, step in steps)
     return (last + 1) * t.element_size()
 
 
@@ -88,20 +88,26 @@ def _tensor(shape: tuple[int, int], value: float, view: str) -> torch.Tensor:
     return torch.full((rows * cols + 5,), value)[3 : 3 + rows * cols].view(rows, cols)
 
 
+def how_changed(change: str, issued: torch.Tensor) -> str | None:
+    """What the error says happened to a tensor, as issued, that ``change`` (a key of
+    CHANGES) changed; None where nothing fails: an empty tensor not resized."""
+    if change == "resized":
+        return f"was resized to [{issued.numel() // 2}]"
+    if issued.numel() == 0:
+        return None
+    if change == "replaced":
+        return "had its memory replaced (its storage reallocated, or .data swapped)"
+    span = _span(issued)
+    left = 0 if change == "freed" else span - issued.element_size()
+    return f"had its storage freed or shrunk ({left} bytes left of the {span} it spans)"
+
+
 def _expected(case: Case) -> str | None:
     """The message every rank's error carries, or None where nothing moves and nothing fails."""
     rows, cols = case.shape
-    probe = _tensor(case.shape, 0.0, case.view)
-    if case.change == "resized":
-        how = f"was resized to [{rows * cols // 2}]"
-    elif rows * cols == 0:
+    how = how_changed(case.change, _tensor(case.shape, 0.0, case.view))
+    if how is None:
         return None
-    elif case.change == "replaced":
-        how = "had its memory replaced (its storage reallocated, or .data swapped)"
-    else:
-        span = _span(probe)
-        left = 0 if case.change == "freed" else span - 4
-        how = f"had its storage freed or shrunk ({left} bytes left of the {span} it spans)"
     what = "allreduce #0 (op=SUM)" if case.kind == "allreduce" else "allgather #0"
     whose = f"rank {case.changer}'s tensor {case.index} (torch.float32, issued with shape "
     return f"fakepg: {what}: {whose}[{rows}, {cols}]) {how} {ADVICE}"

@@ -41,18 +41,12 @@ from hypothesis import strategies as st
 import fakepg
 from fakepg.work import INLINE_BYTES
 
+from .test_changed_in_flight import CHANGES, how_changed
+
 WAYS = ("wait", "poll", "future", "then")
-# How a rank changes a tensor it handed to a collective (see Note [A tensor changed in
-# flight] in fakepg._intact).
-CHANGES: dict[str, Callable[[torch.Tensor], object]] = {
-    "resized": lambda t: t.resize_(t.numel() // 2),
-    "freed": lambda t: t.untyped_storage().resize_(0),
-    # One element short of what the tensor spans of its storage.
-    "shrunk": lambda t: t.untyped_storage().resize_(_span(t) - t.element_size()),
-    "replaced": lambda t: setattr(t, "data", torch.zeros_like(t)),
-}
 # Each rank's tensor: its own, or a view into a larger flat buffer (as a bucket's gradients
-# are) at an offset (fakepg's kernels take contiguous tensors only).
+# are) at an offset (fakepg's kernels take contiguous tensors only). How a rank changes one
+# in flight: CHANGES, shared with the property of tensors changed in flight.
 VIEWS = ("own", "offset")
 
 
@@ -60,21 +54,6 @@ def _tensor(size: int, value: float, view: str) -> torch.Tensor:
     if view == "own":
         return torch.full((size,), value)
     return torch.full((size + 5,), value)[3 : 3 + size]
-
-
-def _span(t: torch.Tensor) -> int:
-    """The bytes of its storage a 1-D view reaches into, from the storage's start."""
-    return (t.storage_offset() + (t.numel() - 1) * t.stride(0) + 1) * t.element_size()
-
-
-def _how(change: str, size: int, span: int) -> str:
-    """What the error says happened to the tensor."""
-    if change == "resized":
-        return f"was resized to [{size // 2}]"
-    if change == "replaced":
-        return "had its memory replaced (its storage reallocated, or .data swapped)"
-    left = 0 if change == "freed" else span - 4
-    return f"had its storage freed or shrunk ({left} bytes left of the {span} it spans)"
 
 
 class Case(NamedTuple):
@@ -249,7 +228,7 @@ def check_no_work_is_complete_when_returned(case: Case) -> None:
                 error = errors[0]
                 assert isinstance(error, fakepg.TensorChanged), (rank, i, error)
                 assert f"allreduce #{seq} " in str(error), str(error)
-                how = _how(change, size, _span(_tensor(size, 0.0, view)))
+                how = how_changed(change, _tensor(size, 0.0, view))
                 whose = f"rank {changer}'s tensor 0 (torch.float32, issued with shape [{size}])"
                 assert f"{whose} {how} while" in str(error), str(error)
             else:
