@@ -122,6 +122,7 @@ class Completions:
         self.lock = threading.Lock()
         self._lanes: dict[tuple[int, int], Lane] = {}
         self._closed = False
+        self._late: list[_threads.Runner] = []  # lane threads started after closing
         # Each rank's thread-local state, lent to its lanes' callbacks: set by the rank's
         # thread as its run starts, read by its lanes (see Note [Callbacks run in their rank]
         # in fakepg._homes). A dict item's assignment and read are atomic.
@@ -164,6 +165,8 @@ class Completions:
         )
         lane.thread = thread
         lane.current = None
+        if self._closed:
+            self._late.append(thread)
         thread.start()
 
     def _work(self, lane: Lane) -> None:
@@ -276,14 +279,18 @@ class Completions:
                 return []
             self._closed = True
             lanes = list(self._lanes.values())
+            # Taken in the same hold of the lock that closes: a lane thread sees ``_closed``
+            # only under the lock, after this, and then clears ``lane.thread`` before its job
+            # ends (the per-thread resets run after). Read later, a lane could already say
+            # None while its thread still runs, and close would return with it alive.
+            running = [thread for lane in lanes for thread in self._threads_locked(lane)]
             for lane in lanes:
                 lane.wake.notify_all()
         me = _threads.current()
         deadline = time.monotonic() + grace
-        for lane in lanes:
-            for thread in self._threads(lane):
-                if thread is not me:
-                    thread.join(max(0.0, deadline - time.monotonic()))
+        for thread in running:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
         for lane in lanes:
             with self.lock:
                 busy = lane.thread
@@ -292,15 +299,22 @@ class Completions:
                 stuck = self._replace_locked(lane)
             self._stop(lane, stuck)
         deadline = time.monotonic() + grace
+        with self.lock:
+            # Every thread started since closing (replacements, a post after close) is in
+            # _late: one that drained its queue has cleared ``lane.thread`` already.
+            last = [
+                *running,
+                *self._late,
+                *(t for lane in lanes for t in self._threads_locked(lane)),
+            ]
         left = []
-        for lane in lanes:
-            for thread in self._threads(lane):
-                if thread is not me:
-                    thread.join(max(0.0, deadline - time.monotonic()))
-                    if thread.is_alive():
-                        left.append(thread)
+        for thread in dict.fromkeys(last):  # each once, in order
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    left.append(thread)
         return left
 
-    def _threads(self, lane: Lane) -> list[_threads.Runner]:
-        with self.lock:
-            return [*lane.retired, *([lane.thread] if lane.thread is not None else [])]
+    @staticmethod
+    def _threads_locked(lane: Lane) -> list[_threads.Runner]:
+        return [*lane.retired, *([lane.thread] if lane.thread is not None else [])]
