@@ -92,12 +92,13 @@ def _without_monitor(check: Check) -> Check:
     blocked in C++ (torch's DDP) would hold the turn until the world's timeout without it."""
 
     def run(schedule: fakepg.Schedule | None) -> None:
-        start = Monitor.start
-        Monitor.start = lambda self, run: None  # type: ignore[method-assign]
+        start, handed = Monitor.start_locked, Monitor.handed_locked
+        Monitor.start_locked = lambda self, run: None  # type: ignore[method-assign]
+        Monitor.handed_locked = lambda self: None  # type: ignore[method-assign]
         try:
             check(schedule)
         finally:
-            Monitor.start = start  # type: ignore[method-assign]
+            Monitor.start_locked, Monitor.handed_locked = start, handed  # type: ignore[method-assign]
 
     return run
 

@@ -176,6 +176,8 @@ class World:
         self.world_size = world_size
         self.timeout = float(timeout)
         self.network = network
+        name = f"fakepg-{id(self):x}"
+        self.timer = Timer(name=name)
         # See Note [Controlled scheduling] in fakepg.schedule.
         self.scheduler: _Scheduler | None = None
         if schedule is not None:
@@ -186,12 +188,11 @@ class World:
                 world_size,
                 timeout=self.timeout,
                 on_deadlock=lambda *args: _call_if_alive(on_deadlock, *args),
+                call_at=self.timer.call_at,
             )
-        name = f"fakepg-{id(self):x}"
         self.executor = Executor(threads or default_thread_count(), name=name)
         # CUDA only, at first use: see Note [Stream order of a collective] in fakepg.streams.
         self.side_streams = _streams.SideStreams()
-        self.timer = Timer(name=name)
         # Each rank's done-callbacks run on threads of its own; the handler holds the world
         # weakly (a finalizer's arguments must not keep the world alive).
         on_failure = weakref.WeakMethod(self._callback_failed)
@@ -343,7 +344,7 @@ class World:
         """``rank`` (a world rank) issues its next collective on ``channel``."""
         scheduler = self.scheduler
         if scheduler is not None:
-            scheduler.check_thread(_describe(fingerprint, channel.next_seq[rank], channel))
+            scheduler.check_thread(lambda: _describe(fingerprint, channel.next_seq[rank], channel))
         for observer in self._observers:
             observer(rank, fingerprint.kind, channel.members, outputs, nbytes)
         # CUDA tensors only: see Note [Stream order of a collective] in fakepg.streams.
@@ -416,8 +417,7 @@ class World:
             extra = f" (op={fp.op.name})" if fp.op is not None else ""
             extra = f" (root={fp.root})" if fp.root is not None else extra
             what = f"{_describe(fp, collective.seq, channel)}{extra}"
-            tensors = ", ".join(str(spec) for spec in fp.specs)
-            scheduler.issued(what, tensors, complete)
+            scheduler.issued(what, fp.specs, complete)  # written out when read
         return Work(collective, rank, outputs)
 
     def _reserve_link(self, collective: Collective, nbytes: int, kind: str) -> int | None:

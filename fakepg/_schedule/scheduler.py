@@ -4,6 +4,7 @@ scheduling] in :mod:`fakepg.schedule`."""
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from fakepg.faults import FakePGError
 from .actors import BLOCKED, DONE, IDLE, OUTSIDE, READY, RUNNING, Actor, Key, Ready
 from .deadlock import deadlock
 from .monitor import Monitor
-from .timeline import Schedule, ScheduleDeadlock, ScheduleEvent
+from .timeline import Schedule, ScheduleDeadlock, Tensors
 
 # Which scheduler and actor the calling thread is (absent on every other thread).
 _local = threading.local()
@@ -36,6 +37,7 @@ class Scheduler:
         *,
         timeout: float,
         on_deadlock: Callable[[int, BaseException], None],
+        call_at: Callable[[int, Callable[[], None]], None],
     ) -> None:
         self.schedule = schedule
         self._world_size = world_size
@@ -44,13 +46,14 @@ class Scheduler:
         # _lock guards every field below and every actor's fields.
         self._lock = threading.Lock()
         self._actors: dict[Key, Actor] = {}
+        self._by_key: list[Actor] = []  # the same actors, in key order (rank, then level)
         self._holder: Actor | None = None
         self._ready: list[Ready] = []
         self._posts = 0  # numbers the callbacks posted, for the lanes' order
         self._gen = 0  # bumped at each hand-over: the monitor's "has the holder moved?"
         self._active = False
         self._run = 0  # numbers the runs: a monitor serves one
-        self._monitor = Monitor(self, self._lock, timeout=timeout)
+        self._monitor = Monitor(self, self._lock, timeout=timeout, call_at=call_at)
         self._quiet = threading.Condition(self._lock)  # notified when nobody holds the baton
 
     @property
@@ -87,7 +90,7 @@ class Scheduler:
                 actor.probe = None
             self._holder = None
             self._run += 1
-            self._monitor.start(self._run)
+            self._monitor.start_locked(self._run)
         self._switch(None, settle=False)
 
     def enter(self, rank: int) -> None:
@@ -108,6 +111,7 @@ class Scheduler:
                     break
                 self._quiet.wait(left)
             self._active = False
+            self._monitor.run_ended_locked()
             self._wake_all_locked()
         self.schedule.finish()
 
@@ -123,7 +127,7 @@ class Scheduler:
 
     def _wake_all_locked(self) -> None:
         for actor in self._actors.values():
-            actor.cond.notify_all()
+            actor.wake.signal_locked()
         self._monitor.wake_locked()
         self._quiet.notify_all()
 
@@ -167,17 +171,17 @@ class Scheduler:
     def controls_current_thread(self) -> bool:
         return self._active and getattr(_local, "scheduler", None) is self
 
-    def check_thread(self, what: str) -> None:
+    def check_thread(self, what: Callable[[], str]) -> None:
         """Refuse a collective issued, while this schedule runs, from a thread it does not
-        control (its timing would decide the order again)."""
+        control (its timing would decide the order again). ``what()`` names it."""
         if self._active and getattr(_local, "scheduler", None) is not self:
             raise FakePGError(
-                f"fakepg: {what} was issued from thread {threading.current_thread().name!r}, "
+                f"fakepg: {what()} was issued from thread {threading.current_thread().name!r}, "
                 "which the world's schedule does not control; under a Schedule, issue "
                 "collectives only from World.run's rank threads and their done-callbacks"
             )
 
-    def issued(self, what: str, tensors: str, complete: Callable[[], None] | None) -> None:
+    def issued(self, what: str, tensors: Tensors, complete: Callable[[], None] | None) -> None:
         """The calling actor issued ``what``; ``complete``, if it was the last rank to, moves
         its data and finishes it when a decision says so."""
         actor = self._me()
@@ -267,7 +271,8 @@ class Scheduler:
         actor = self._actors.get(key)
         if actor is None:
             state = IDLE if key[1] >= 0 else READY
-            actor = self._actors[key] = Actor(key, state, threading.Condition(self._lock))
+            actor = self._actors[key] = Actor(key, state)
+            bisect.insort(self._by_key, actor, key=lambda a: a.key)
         return actor
 
     def _arrive_locked(self, actor: Actor, state: str) -> None:
@@ -297,35 +302,33 @@ class Scheduler:
         actor: Actor | None,
         event: str,
         what: str = "",
-        tensors: str = "",
+        tensors: Tensors = "",
         choice: tuple[int, int] | None = None,
     ) -> None:
-        label = "world" if actor is None else actor.label
-        rank = None if actor is None else actor.rank
-        self.schedule.timeline.append(ScheduleEvent(label, rank, event, what, tensors, choice))
+        if actor is None:
+            self.schedule.record("world", None, event, what, tensors, choice)
+        else:
+            self.schedule.record(actor.label, actor.rank, event, what, tensors, choice)
 
     def _options_locked(self, me: Actor | None) -> list[tuple[str, Any]]:
         # The holder goes on first only from a point it passes (an issue); once it waited, it
-        # resumes among the others, after what completes meanwhile.
+        # resumes among the others, after what completes meanwhile. One pass over the actors
+        # in key order (the decision runs at every point: its cost is the scheduler's).
         goes_on = me is not None and me.state == READY
-        others = sorted(
-            (
-                a
-                for a in self._actors.values()
-                if (a.runnable() or self._orphaned_locked(a, me)) and not (a is me and goes_on)
-            ),
-            key=lambda a: a.key,
-        )
-        callbacks = sorted(
-            (a for a in self._actors.values() if a.state == IDLE and a.posted),
-            key=lambda a: a.posted[0][0],
-        )
+        runs: list[tuple[str, Any]] = []
+        callbacks: list[Actor] = []
+        for a in self._by_key:
+            if a.state == IDLE:
+                if a.posted:
+                    callbacks.append(a)
+            elif not (a is me and goes_on) and (a.runnable() or self._orphaned_locked(a, me)):
+                runs.append(("run", a))
         mine: list[tuple[str, Any]] = [("run", me)] if goes_on else []
         completes: list[tuple[str, Any]] = [("complete", r) for r in self._ready]
-        runs: list[tuple[str, Any]] = [("run", a) for a in others]
         if self.schedule.adversarial:
-            newest = sorted(callbacks, key=lambda a: -a.posted[-1][0])
-            return mine + runs + [("callback", a) for a in newest] + completes
+            callbacks.sort(key=lambda a: -a.posted[-1][0])  # newest first
+            return mine + runs + [("callback", a) for a in callbacks] + completes
+        callbacks.sort(key=lambda a: a.posted[0][0])  # oldest first
         return mine + completes + [("callback", a) for a in callbacks] + runs
 
     def _orphaned_locked(self, actor: Actor, me: Actor | None) -> bool:
@@ -358,8 +361,8 @@ class Scheduler:
                     return
                 if settle:
                     settle = False
-                    self._monitor.settle_locked(self._timeout)
-                    continue  # look again: the schedule may have stopped meanwhile
+                    if self._monitor.settle_locked(self._timeout):
+                        continue  # it let the lock go: the schedule may have stopped meanwhile
                 options = self._options_locked(me)
                 if not options:
                     if self._monitor.wait_for_outside_locked(self._timeout):
@@ -380,6 +383,8 @@ class Scheduler:
                         self._record_locked(None, "complete", target.what, target.tensors, choice)
                     else:
                         self._hand_locked(me, target, kind, choice)
+                        if target is me:
+                            return  # it goes on: nothing to wait for
             if stuck:
                 self._on_deadlock(rank, error)
                 return
@@ -405,7 +410,7 @@ class Scheduler:
         target.samples.clear()
         self._holder = target
         self._gen += 1
-        target.cond.notify_all()
+        target.wake.signal_locked()  # if it waits; else it finds the turn when it looks
         self._monitor.handed_locked()
 
     def _await_baton(self, actor: Actor) -> None:
@@ -421,7 +426,7 @@ class Scheduler:
                     )
                     rank, error = self._deadlock_locked(why)
                     break
-                actor.cond.wait(left)
+                actor.wake.wait_locked(self._lock, left)
             else:
                 return
         self._on_deadlock(rank, error)

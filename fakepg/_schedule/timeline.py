@@ -31,6 +31,11 @@ class ScheduleDeadlock(FakePGError):
     deadlocks on this schedule. The message shows what each waits for, and its stack."""
 
 
+# What a step's collective moves: its text, or the tensors' specs whose str() are its parts
+# (joined only when the timeline is read: a run records one per issue, and few are read).
+Tensors = str | tuple[object, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduleEvent:
     """One line of a schedule's timeline.
@@ -79,9 +84,12 @@ class Schedule:
             choices = dense(raw)
         elif isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
             raise ValueError(f"Schedule: choices must be a sequence of ints, got {choices!r}")
-        for i, c in enumerate(choices):
-            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                raise ValueError(f"Schedule: choices[{i}] must be an int >= 0, got {c!r}")
+        choices = tuple(choices)
+        # Every example of a property builds one: the common case (plain ints) in one pass.
+        if not all(type(c) is int and c >= 0 for c in choices):
+            for i, c in enumerate(choices):
+                if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                    raise ValueError(f"Schedule: choices[{i}] must be an int >= 0, got {c!r}")
         if not isinstance(adversarial, bool):
             raise ValueError(f"Schedule: adversarial must be a bool, got {adversarial!r}")
         if explore is not None and not isinstance(explore, Exploration):
@@ -92,7 +100,10 @@ class Schedule:
         self._choices = tuple(choices)
         self.adversarial = adversarial
         self.explore = explore
-        self.timeline: list[ScheduleEvent] = []
+        # The run's steps as the scheduler records them (plain tuples: a step costs the
+        # decision less than an event object would), made events when read.
+        self._steps: list[tuple[str, int | None, str, str, Tensors, tuple[int, int] | None]] = []
+        self._events: list[ScheduleEvent] = []
         self.used = 0
         self._taken: list[int] = []
         self._ran = False
@@ -105,11 +116,34 @@ class Schedule:
             return self._choices
         return tuple(self._taken)
 
-    # The scheduler's part: a run starts, decides at each choice point, ends.
+    @property
+    def timeline(self) -> list[ScheduleEvent]:
+        """What the last run did, one event per step, in order."""
+        events, steps = self._events, self._steps
+        for actor, rank, event, collective, tensors, choice in steps[len(events) :]:
+            if not isinstance(tensors, str):
+                tensors = ", ".join(map(str, tensors))
+            events.append(ScheduleEvent(actor, rank, event, collective, tensors, choice))
+        return events
+
+    # The scheduler's part: a run starts, records its steps, decides at each choice point, ends.
+
+    def record(
+        self,
+        actor: str,
+        rank: int | None,
+        event: str,
+        collective: str = "",
+        tensors: Tensors = "",
+        choice: tuple[int, int] | None = None,
+    ) -> None:
+        """One step of the run (the fields of a :class:`ScheduleEvent`; ``tensors`` may be
+        the tensors' specs, written out when the timeline is read)."""
+        self._steps.append((actor, rank, event, collective, tensors, choice))
 
     def start(self) -> None:
         """A run begins: from the start of the schedule, every time. See Note [Exploration]."""
-        self.timeline = []
+        self._steps, self._events = [], []
         self.used = 0
         self._taken = []
         self._ran = True
