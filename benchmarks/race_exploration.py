@@ -227,7 +227,7 @@ def main() -> None:
     print()
     print(
         table(
-            ["workload", "examples", "off (ex/s)", "on (ex/s)", "on / off", "median example"],
+            schedule_throughput.HEADERS,
             schedule_throughput.throughput(args.examples),
         )
     )

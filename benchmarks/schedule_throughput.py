@@ -103,6 +103,13 @@ def _without_monitor(check: Check) -> Check:
     return run
 
 
+# The columns of throughput()'s rows.
+HEADERS = [
+    *("workload", "examples", "off (ex/s)", "on (ex/s)", "on / off"),
+    *("median example", "median CPU"),
+]
+
+
 def throughput(examples: int, *, without_monitor: bool = False) -> list[list[object]]:
     rng = random.Random(0)
     rows: list[list[object]] = []
@@ -194,10 +201,7 @@ def main() -> None:
     print()
     print(
         table(
-            [
-                *("workload", "examples", "off (ex/s)", "on (ex/s)", "on / off"),
-                *("median example", "median CPU"),
-            ],
+            HEADERS,
             throughput(args.examples, without_monitor=args.without_monitor),
         )
     )

@@ -10,7 +10,8 @@ flight, and a result read without waiting for it. ``property_tests/test_mutants.
 that a scheduler which ignores its choices, or completes collectives at once, lets a race
 through: the property then fails. A deadlock is reported as one under every schedule, with
 its reason and what each rank waits for. And a schedule decides alike on a slow machine:
-however late the fake world's own threads reach their turn.
+however late the fake world's own threads reach their turn, and whenever the monitor that
+sees waits outside any point starts (with the run, or only once a holder holds the turn).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 import fakepg
+import fakepg._schedule.monitor
 from fakepg import _threads
 from fakepg._schedule.scheduler import Scheduler
 from fakepg.completion import Lane
@@ -215,20 +217,32 @@ def ddp_step(pg: fakepg.FakeProcessGroup) -> list[float]:
     return [float(g) for p in model.parameters() for g in p.grad.reshape(-1)]  # type: ignore[union-attr]
 
 
-def ddp_averages_under_schedule(world_size: int, schedule: fakepg.Schedule) -> None:
+def monitor_starts(*, lazily: bool) -> None:
+    """The next run's monitor thread starts with the run, or only once a holder has held the
+    turn for a while, as after a run that took someone outside or one that took nobody (Note
+    [How often the monitor looks] in fakepg._schedule.monitor): both must see every wait
+    outside a point."""
+    fakepg._schedule.monitor._last_run_outside = not lazily
+
+
+def ddp_averages_under_schedule(
+    world_size: int, schedule: fakepg.Schedule, *, lazily: bool = False
+) -> None:
     """Property: torch's DDP averages under every schedule (a rank blocked in C++ backward is
-    seen as blocked, and the others go on), within a short timeout."""
+    seen as blocked, and the others go on), within a short timeout, whenever the monitor
+    starts."""
+    monitor_starts(lazily=lazily)
     grads = fakepg.run_torch(ddp_step, world_size, schedule=schedule, timeout=5)
     mean = sum(r + 1 for r in range(world_size)) / world_size
     assert grads == [[mean, mean, 1.0]] * world_size, grads
 
 
-@given(world_size=st.integers(1, 3), schedule=schedules())
+@given(world_size=st.integers(1, 3), schedule=schedules(), lazily=st.booleans())
 @settings(max_examples=10, deadline=None)
 def test_torch_ddp_averages_under_every_schedule(
-    world_size: int, schedule: fakepg.Schedule
+    world_size: int, schedule: fakepg.Schedule, lazily: bool
 ) -> None:
-    ddp_averages_under_schedule(world_size, schedule)
+    ddp_averages_under_schedule(world_size, schedule, lazily=lazily)
 
 
 def sends_first(pg: fakepg.FakeProcessGroup) -> list[float]:
@@ -382,16 +396,62 @@ def waits_on_its_callbacks_event(pg: fakepg.FakeProcessGroup) -> list[float]:
     return t.tolist()
 
 
-def a_wait_outside_is_seen(world_size: int, schedule: fakepg.Schedule) -> None:
+def a_wait_outside_is_seen(
+    world_size: int, schedule: fakepg.Schedule, *, lazily: bool = False
+) -> None:
     """Property: a rank asleep in a wait of the threading module that no point sees (an Event
-    its callback sets) is seen blocked outside, under every schedule: the others go on, the
-    callback runs, the rank wakes, and the sum is exact, well within a short timeout."""
+    its callback sets) is seen blocked outside, under every schedule, whenever the monitor
+    starts: the others go on, the callback runs, the rank wakes, and the sum is exact, well
+    within a short timeout."""
+    monitor_starts(lazily=lazily)
     results = fakepg.run(waits_on_its_callbacks_event, world_size, schedule=schedule, timeout=5)
     total = float(sum(range(1, world_size + 1)))
     assert results == [[total]] * world_size, results
 
 
-@given(world_size=st.integers(1, 3), schedule=schedules())
+@given(world_size=st.integers(1, 3), schedule=schedules(), lazily=st.booleans())
 @settings(max_examples=10, deadline=None)
-def test_a_wait_outside_any_point_is_seen(world_size: int, schedule: fakepg.Schedule) -> None:
-    a_wait_outside_is_seen(world_size, schedule)
+def test_a_wait_outside_any_point_is_seen(
+    world_size: int, schedule: fakepg.Schedule, lazily: bool
+) -> None:
+    a_wait_outside_is_seen(world_size, schedule, lazily=lazily)
+
+
+def the_monitors_start_decides_nothing(
+    world_size: int, schedule: fakepg.Schedule, workload: str
+) -> None:
+    """Property: when the monitor thread starts (with the run, or once a holder has held the
+    turn for a while) changes when a wait outside a point is seen, never what the schedule
+    decides: both runs take the same steps, "blocked outside" included, to the same results.
+    And a run that took nobody outside lets the next start lazily; one that took someone,
+    not."""
+    run: Callable[[], object] = {
+        "event": lambda: fakepg.run(
+            waits_on_its_callbacks_event, world_size, schedule=schedule, timeout=5
+        ),
+        "callbacks": lambda: fakepg.run(
+            callbacks_on_every_lane, world_size, schedule=schedule, timeout=5
+        ),
+    }[workload]
+    monitor_starts(lazily=False)
+    first = run()
+    timeline = list(schedule.timeline)
+    outside = any(e.event == "blocked outside" for e in timeline)
+    assert fakepg._schedule.monitor._last_run_outside == outside
+    monitor_starts(lazily=True)
+    again = run()
+    assert again == first
+    assert schedule.timeline == timeline, schedule.format()
+    assert fakepg._schedule.monitor._last_run_outside == outside
+
+
+@given(
+    world_size=st.integers(1, 3),
+    schedule=schedules(),
+    workload=st.sampled_from(["event", "callbacks"]),
+)
+@settings(max_examples=10, deadline=None)
+def test_the_monitors_start_decides_nothing(
+    world_size: int, schedule: fakepg.Schedule, workload: str
+) -> None:
+    the_monitors_start_decides_nothing(world_size, schedule, workload)

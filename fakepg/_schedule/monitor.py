@@ -76,9 +76,10 @@ _LOOKS_TO_STALL = 2
 _LOOKS_TO_SETTLE = 3
 _IDLE_LOOK_S = 0.05  # nobody holds the turn: only the end of the run to notice
 
-# Whether the last run that ended in this process took a holder outside (see Note [How often
-# the monitor looks]); written as a run ends (by its monitor thread, if it had one), read as
-# the next starts. A lone bool: its reads and writes are atomic.
+# Whether the last run that ended with a monitor thread in this process took a holder
+# outside (see Note [How often the monitor looks]); written by that thread as its run ends,
+# read as the next run starts. A run without a thread leaves it False, as it found it. A
+# lone bool: its reads and writes are atomic.
 _last_run_outside = True
 
 
@@ -137,13 +138,6 @@ class Monitor:
         job = _threads.Job(target=self._watch, args=(self._run,), name="fakepg-schedule-monitor")
         self._job = job
         job.start()
-
-    def run_ended_locked(self) -> None:
-        """The run ended: a run without a thread took nobody outside (a thread says so
-        itself as it ends)."""
-        global _last_run_outside
-        if self._job is None:
-            _last_run_outside = False
 
     def _arm_locked(self, at_ns: int) -> None:
         try:

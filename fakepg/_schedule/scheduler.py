@@ -111,7 +111,6 @@ class Scheduler:
                     break
                 self._quiet.wait(left)
             self._active = False
-            self._monitor.run_ended_locked()
             self._wake_all_locked()
         self.schedule.finish()
 
