@@ -169,6 +169,42 @@ TARGETS: dict[str, Target] = {
         ("Scheduler._attach",),
         ("property_tests/test_schedules.py",),
     ),
+    # The scheduler's cheaper decisions and hand-overs, and the monitor thread started only
+    # once a holder holds the turn (Note [How often the monitor looks] in
+    # fakepg._schedule.monitor).
+    "lazy-monitor": Target(
+        "fakepg/_schedule/monitor.py",
+        (
+            "Monitor.start_locked",
+            "Monitor._start_thread_locked",
+            "Monitor._arm_locked",
+            "Monitor._due",
+            "Monitor.handed_locked",
+            "Monitor.settle_locked",
+        ),
+        ("property_tests/test_schedules.py",),
+    ),
+    "baton": Target(
+        "fakepg/_schedule/actors.py",
+        ("Wake.__init__", "Wake.signal_locked", "Wake.wait_locked", "Actor.__post_init__"),
+        ("property_tests/test_schedules.py",),
+    ),
+    "decisions": Target(
+        "fakepg/_schedule/scheduler.py",
+        (
+            "Scheduler._options_locked",
+            "Scheduler._hand_locked",
+            "Scheduler._switch",
+            "Scheduler._record_locked",
+            "Scheduler._actor_locked",
+        ),
+        ("property_tests/test_schedules.py",),
+    ),
+    "timeline": Target(
+        "fakepg/_schedule/timeline.py",
+        ("Schedule.__init__", "Schedule.timeline", "Schedule.record", "Schedule.start"),
+        ("property_tests/test_schedules.py",),
+    ),
 }
 
 

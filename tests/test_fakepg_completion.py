@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import fakepg
-from fakepg import FakeProcessGroup
+import fakepg.completion
+from fakepg import FakeProcessGroup, _threads
 
 # Each would hang without the lanes and the watchdog: bound them well below the suite's.
 pytestmark = pytest.mark.timeout(90)
@@ -62,6 +63,43 @@ def test_a_callback_may_wait_for_a_collective_its_peers_issue_from_their_callbac
             # The outer callback on the rank's level-0 lane, the inner one a level deeper.
             assert where[0].endswith(f"-rank{rank}-completion0"), where
             assert where[1].endswith(f"-rank{rank}-completion1"), where
+
+
+def test_closing_joins_a_lane_thread_still_ending(
+    no_leaked_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane thread that has seen the close and drained its queue clears its lane before
+    its job ends (the kept thread's per-job resets run after that): close() must join it all
+    the same. Here the closing thread is held up between closing and joining (a slow clock
+    read) and the resets are slow, so the lanes have cleared themselves, their threads still
+    running, by the time close() would look at them again."""
+    closing = threading.Event()
+
+    def slow_reset() -> None:
+        if closing.is_set() and "-completion" in _thread_name():
+            time.sleep(0.2)
+
+    class SlowClock:
+        """The completion module's ``time``, whose monotonic() is slow while closing."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        def monotonic(self) -> float:
+            if closing.is_set():
+                time.sleep(0.05)
+            return time.monotonic()
+
+    monkeypatch.setattr(_threads, "_resets", [*_threads._resets, slow_reset])
+    monkeypatch.setattr(fakepg.completion, "time", SlowClock())
+
+    def fn(pg: FakeProcessGroup) -> float:
+        doubled = pg.allreduce([torch.ones(1)]).get_future().then(lambda f: f.value()[0] * 2)
+        return float(doubled.wait())
+
+    with fakepg.World(2, timeout=10) as world:
+        assert world.run(fn) == [4.0, 4.0]
+        closing.set()  # the world closes as the with block ends
 
 
 def test_a_ranks_callbacks_fire_in_the_order_its_collectives_complete() -> None:
