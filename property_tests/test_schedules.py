@@ -17,6 +17,7 @@ sees waits outside any point starts (with the run, or only once a holder holds t
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -415,6 +416,59 @@ def test_a_wait_outside_any_point_is_seen(
     world_size: int, schedule: fakepg.Schedule, lazily: bool
 ) -> None:
     a_wait_outside_is_seen(world_size, schedule, lazily=lazily)
+
+
+def wakes_then_issues(pg: fakepg.FakeProcessGroup, *, slow: str) -> list[float]:
+    """A rank that waits outside any point for its collective's callback (a threading.Event),
+    then issues a second collective. ``slow``: "rank", the rank takes 3 ms to reach that issue
+    once woken; "lane", the callback takes 3 ms to return after waking it (so the rank is
+    back at a point first)."""
+    done = threading.Event()
+    first = torch.ones(1) * (pg.rank() + 1)
+
+    def then(_: object) -> None:
+        done.set()
+        if slow == "lane":
+            time.sleep(0.003)
+
+    pg.allreduce([first]).get_future().then(then)
+    assert done.wait(30)
+    if slow == "rank":
+        time.sleep(0.003)
+    second = first * 2
+    pg.allreduce([second]).wait()
+    return [*first.tolist(), *second.tolist()]
+
+
+def an_outside_threads_speed_decides_nothing(
+    world_size: int, schedule: fakepg.Schedule, lazily: bool
+) -> None:
+    """Property: a thread that was blocked outside any point and is woken by the segment that
+    runs (a callback sets its Event) is waited for before the next decision, until it is back
+    at a point or blocked again (Note [Blocked outside the scheduler]): so the decisions do not
+    depend on whether it gets there before the segment ends or after. A run where the woken
+    rank is slow and one where the callback is slow take the same steps, to the same sums."""
+    runs = []
+    for slow in ("rank", "lane"):
+        monitor_starts(lazily=lazily)
+        results = fakepg.run(
+            functools.partial(wakes_then_issues, slow=slow),
+            world_size,
+            schedule=schedule,
+            timeout=10,
+        )
+        total = float(sum(range(1, world_size + 1)))
+        assert results == [[total, 2 * total * world_size]] * world_size, results
+        runs.append([(e.actor, e.event, e.collective, e.choice) for e in schedule.timeline])
+    assert runs[0] == runs[1], schedule.format()
+
+
+@given(world_size=st.integers(1, 3), schedule=schedules(), lazily=st.booleans())
+@settings(max_examples=10, deadline=None)
+def test_an_outside_threads_speed_decides_nothing(
+    world_size: int, schedule: fakepg.Schedule, lazily: bool
+) -> None:
+    an_outside_threads_speed_decides_nothing(world_size, schedule, lazily)
 
 
 def the_monitors_start_decides_nothing(
