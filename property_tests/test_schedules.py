@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 import fakepg
 import fakepg._schedule.monitor
 from fakepg import _threads
+from fakepg._schedule.actors import Wake
 from fakepg._schedule.scheduler import Scheduler
 from fakepg.completion import Lane
 from reducer.testing import fewest_deviations, schedules
@@ -416,6 +418,88 @@ def test_a_wait_outside_any_point_is_seen(
     world_size: int, schedule: fakepg.Schedule, lazily: bool
 ) -> None:
     a_wait_outside_is_seen(world_size, schedule, lazily=lazily)
+
+
+def callbacks_issue_collectives(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """Each rank's callback of its first collective issues a second one and chains a callback
+    to it, which runs on the rank's lane of level 1 (Note [Completion lanes])."""
+
+    def then(f: torch.futures.Future[list[torch.Tensor]]) -> torch.futures.Future[torch.Tensor]:
+        inner = pg.allreduce([f.value()[0] * 2]).get_future()
+        return inner.then(lambda g: g.value()[0] + 1)
+
+    outer = pg.allreduce([torch.ones(1) * (pg.rank() + 1)]).get_future().then(then)
+    return [float(outer.wait().wait())]
+
+
+_ACTOR = re.compile(r"rank (\d+)( callbacks( \(level ([1-9]\d*)\))?)?")
+
+
+def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -> None:
+    """Property: every step of a timeline names who took it as errors and printed schedules
+    do: "world" for a completion; "rank r" for a rank's own thread (the only actors that
+    return); "rank r callbacks" for its lane of level 0, "rank r callbacks (level k)" for a
+    deeper one (the only actors that run callbacks: here #0's at level 0, #1's, which #0's
+    callback issues, a level deeper than that callback ran), r being the step's rank."""
+    results = fakepg.run(callbacks_issue_collectives, world_size, schedule=schedule, timeout=10)
+    total = float(sum(range(1, world_size + 1)))
+    assert results == [[2 * total * world_size + 1]] * world_size, results
+    on_lanes: set[int | None] = set()  # the ranks whose #0 callback ran on a lane
+    for e in schedule.timeline:
+        if e.actor == "world":
+            assert e.event == "complete" and e.rank is None, e
+            continue
+        named = _ACTOR.fullmatch(e.actor)
+        assert named is not None and int(named[1]) == e.rank, e
+        if e.event == "callback":  # (none where a collective completed before its then())
+            # #1 is issued from #0's callback: its callback runs a level deeper than #0's ran
+            # (on the rank's thread, and no step, where #0 had completed before its then()).
+            first = e.collective.startswith("allreduce #0")
+            level = 0 if first else int(e.rank in on_lanes)
+            assert named[2] and int(named[4] or 0) == level, e
+            if first:
+                on_lanes.add(e.rank)
+        if e.event == "return":
+            assert not named[2], e
+
+
+@given(world_size=st.integers(1, 3), schedule=schedules())
+@settings(max_examples=10, deadline=None)
+def test_the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -> None:
+    the_timeline_names_every_actor(world_size, schedule)
+
+
+def the_baton_wakes_its_waiter_however_often_signalled(signals: list[int]) -> None:
+    """Property: an actor's wait for the turn (fakepg._schedule.actors.Wake) ends once it is
+    signalled, however many signals come while it waits (a hand-over, then an abort), and a
+    wait that no signal ends times out; no signal ever fails."""
+    lock, wake = threading.Lock(), Wake()
+    for count in signals:
+        ended = threading.Event()
+
+        def waiter(timeout: float, ended: threading.Event) -> None:
+            with lock:
+                wake.wait_locked(lock, timeout)
+            ended.set()
+
+        thread = threading.Thread(target=waiter, args=(0.02 if count == 0 else 30.0, ended))
+        thread.start()
+        while True:  # until it waits (its flag is set under the lock, as it releases it)
+            with lock:
+                if wake.waiting:
+                    break
+            time.sleep(0.0005)
+        with lock:
+            for _ in range(count):
+                wake.signal_locked()
+        assert ended.wait(10), f"a wait signalled {count} time(s) did not end"
+        thread.join(10)
+
+
+@given(signals=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+@settings(max_examples=20, deadline=None)
+def test_the_baton_wakes_its_waiter_however_often_signalled(signals: list[int]) -> None:
+    the_baton_wakes_its_waiter_however_often_signalled(signals)
 
 
 def wakes_then_issues(pg: fakepg.FakeProcessGroup, *, slow: str) -> list[float]:
