@@ -12,9 +12,13 @@ and every spelling of a rate or a time reads as its value.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -129,3 +133,57 @@ def test_every_spelling_of_a_time_reads_as_its_value(number: int, unit: str, spa
     model = fakepg.cluster_from_dict(data)
     assert model.topology.intra_latency_s == number * multiplier / divisor
     assert {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}[unit] == divisor
+
+
+_OUT_OF_RANGE = st.sampled_from([-1.0, -1e-9, float("inf"), float("-inf"), float("nan")])
+# Each numeric setting of a model, and the text its refusal starts with.
+_MODEL_FIELDS = {
+    ("nccl", "launch_s"): "NcclModel: launch_s must be >= 0",
+    ("nccl", "compute_slowdown"): "NcclModel: compute_slowdown must be in [0, 1)",
+    ("gloo", "latency_s"): "GlooModel: latency_s must be >= 0",
+    ("gloo", "call_s"): "GlooModel: call_s must be >= 0",
+    ("gloo", "copy_Bps"): "GlooModel: copy_Bps must be >= 0",
+}
+
+
+@given(field=st.sampled_from(sorted(_MODEL_FIELDS)), value=_OUT_OF_RANGE)
+def test_a_model_refuses_a_setting_out_of_range_by_name(
+    field: tuple[str, str], value: float
+) -> None:
+    """Property: a negative, infinite or NaN setting of a network model is refused when the
+    model is made, with a ValueError that names the model and the setting."""
+    library, name = field
+    topology = fakepg.Topology(gpus_per_node=8, nics_per_node=1, intra_Bps=1e11, nic_Bps=1e10)
+    make: Callable[[], object]
+    if library == "nccl":
+        make = functools.partial(fakepg.NcclModel, topology, **{name: value})
+    else:
+        settings = {"latency_s": 1e-5, "tcp_Bps": 1e9, "call_s": 1e-5, name: value}
+        make = functools.partial(fakepg.GlooModel, topology, **settings)
+    with pytest.raises(ValueError, match="^" + re.escape(_MODEL_FIELDS[field])):
+        make()
+
+
+@given(
+    kind=st.sampled_from(["rate", "time"]),
+    text=st.sampled_from(["fast", "-3", "-2 us", "inf", "1e400", "nan"]),
+)
+def test_a_cluster_file_refuses_a_quantity_it_cannot_read(kind: str, text: str) -> None:
+    """Property: a bandwidth or a latency that is not a quantity >= 0 (a word, a negative or
+    infinite number) is refused with the place in the file, what it could not read, and the
+    plain unit a number is read in."""
+    data: dict[str, Any] = {
+        "gpus_per_node": 8,
+        "nics_per_node": 1,
+        "intra_node": {"bandwidth": 1e11},
+        "inter_node": {"bandwidth": text if kind == "rate" else 1e10},
+    }
+    if kind == "time":
+        data["inter_node"]["latency"] = text
+    key = "inter_node.bandwidth" if kind == "rate" else "inter_node.latency"
+    unit = "bytes per second" if kind == "rate" else "seconds"
+    with pytest.raises(ValueError, match="cannot read") as refused:
+        fakepg.cluster_from_dict(data, source="cluster.toml")
+    message = str(refused.value)
+    assert message.startswith(f"cluster.toml: {key}: cannot read {text!r} as a {kind}"), message
+    assert message.endswith(f"or a plain number in {unit}"), message
