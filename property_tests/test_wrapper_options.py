@@ -273,11 +273,14 @@ _TIMES = (
 
 
 def _check_logging(s: OptionScenario, rank: int, ours: dict[str, Any], theirs: Any) -> None:
-    """Our logging data has torch's values for :data:`_LOGGED`; its sampled iteration is the
+    """Our logging data has torch's values for :data:`_LOGGED`, and, as torch's, no error
+    where none was logged; its sampled iteration is the
     last (the first 10 are all sampled), so each of its times (ns) is the last iteration's
     field (ms), exactly."""
     for key in _LOGGED:
         assert ours[key] == theirs[key], f"rank {rank}: {key} {ours[key]}, torch's {theirs[key]}"
+    for key in ("has_error", "error"):  # no error was logged: neither reports one
+        assert (key in ours) == (key in theirs), f"rank {rank}: {key} {ours.get(key)!r}"
     assert ours["iteration"] == s.steps - 1, ours["iteration"]
     for field, key in _TIMES:
         assert ours[field] == ours[key] * 1e-6, f"rank {rank}: {field} {ours[field]}, {key}"
