@@ -930,7 +930,7 @@ def test_a_group_given_twice_is_refused() -> None:
     ("kwargs", "match"),
     [
         ({"device_ids": [0]}, r"device_ids=\[0\] and output_device=None name a device.*cpu"),
-        ({"output_device": 0}, r"output_device=0 name a device.*CPU module"),
+        ({"output_device": 1}, r"output_device=1 name a device.*CPU module"),
         ({"device_ids": [0, 1]}, r"device_ids=\[0, 1\] names several devices"),
         ({"device_ids": 0}, r"device_ids must be a list of one device"),
     ],
@@ -939,11 +939,14 @@ def test_device_ids_on_a_cpu_module_are_refused_as_by_torch(
     kwargs: dict[str, Any], match: str
 ) -> None:
     """torch's DDP refuses device_ids and output_device for a CPU module (ValueError), and
-    several devices for any module; so does this wrapper, naming the argument."""
+    several devices for any module; so does this wrapper, naming the argument. (torch tests
+    them for truth: ``output_device=0`` on a CPU module is ignored, as here.)"""
     with fakepg.World(1) as world:
         with pytest.raises(reducer.InvalidArgument, match=match):
             DDP(tower(), process_group=world.group(0), **kwargs)
         assert DDP(tower(), None, process_group=world.group(0)).device_ids is None
+        ignored = DDP(tower(), process_group=world.group(0), output_device=0)
+        assert ignored.device_ids is None and ignored.output_device is None
 
 
 def test_inputs_move_to_the_device_as_torchs_ddp_moves_them() -> None:

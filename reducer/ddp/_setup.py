@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from reducer.errors import InvalidArgument, InvalidModel, describe_param
+from reducer.errors import InvalidArgument, InvalidArgumentType, InvalidModel, describe_param
 from reducer.process_group import ProcessGroup, ReduceOp
 from reducer.torch_backend import TorchProcessGroup
 from reducer.validation import check_process_group
@@ -238,7 +238,7 @@ def resolve_devices(
     if device_ids is not None and (
         isinstance(device_ids, int | str | torch.device) or not isinstance(device_ids, Sequence)
     ):
-        raise InvalidArgument(
+        raise InvalidArgumentType(  # a TypeError, as torch's len(device_ids) raises
             f"{_WHO}: device_ids must be a list of one device (device_ids=[local_rank]) or "
             f"None, got {device_ids!r}"
         )
@@ -257,7 +257,8 @@ def resolve_devices(
     device_type = types[0] if types else "cpu"
     devices = sorted({str(p.device) for p in params})
     if not device_ids or device_type == "cpu" or len(devices) > 1:
-        if device_ids or output_device is not None:
+        # torch's test: a falsy output_device (None, or 0) is ignored, not refused.
+        if device_ids or output_device:
             raise InvalidArgument(
                 f"{_WHO}: device_ids={device_ids!r} and output_device={output_device!r} name a "
                 f"device, but the module's parameters are on {', '.join(devices)}: they are "
