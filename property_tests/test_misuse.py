@@ -215,3 +215,37 @@ def test_zero_redundancy_is_refused_as_a_references_optimizer_through_partials(
     case: dict[str, Any],
 ) -> None:
     check_zero_redundancy_refused(case)
+
+
+# What a wrapper factory may return by mistake, and how the refusal describes it.
+_NOT_MODULES: dict[str, tuple[Callable[[nn.Module, Any], object], str]] = {
+    "nothing": (lambda module, pg: None, "None: "),
+    "a number": (lambda module, pg: 3, "an int 3; "),
+    "a tuple": (lambda module, pg: (module,), "a tuple (Linear("),
+    "the group": (lambda module, pg: pg, "a FakeProcessGroup instance; "),
+}
+
+
+def check_wrapper_result(case: dict[str, Any]) -> None:
+    """A wrapper factory that returns anything but a module is refused on its first call,
+    naming the factory and what it returned; one that returned nothing is told to end with
+    ``return module`` (as a factory that wraps in place, like fully_shard, must)."""
+    make_wrapper, shown = _NOT_MODULES[case["returns"]]
+    x = torch.ones(2, 3)
+    scenario = TrainingScenario(_mlp, (tuple((x * (r + 1),) for r in range(case["ranks"])),))
+    with pytest.raises(ValueError, match=r"^make_wrapper \(") as refused:
+        check_data_parallel(make_wrapper, scenario)
+    message = str(refused.value)
+    assert message.startswith(f"make_wrapper (<lambda>) returned {shown}"), message
+    hint = "must still return it, ending with `return module`"
+    assert (hint in message) == (case["returns"] == "nothing"), message
+    assert "expected the nn.Module each rank trains and calls forward on" in message, message
+
+
+@given(
+    st.fixed_dictionaries(
+        {"returns": st.sampled_from(sorted(_NOT_MODULES)), "ranks": st.integers(1, 2)}
+    )
+)
+def test_a_wrapper_factory_that_returns_no_module_is_named(case: dict[str, Any]) -> None:
+    check_wrapper_result(case)
