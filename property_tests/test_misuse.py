@@ -249,3 +249,30 @@ def check_wrapper_result(case: dict[str, Any]) -> None:
 )
 def test_a_wrapper_factory_that_returns_no_module_is_named(case: dict[str, Any]) -> None:
     check_wrapper_result(case)
+
+
+# periodic_averaging's integer arguments, and the least each may be.
+_PERIODIC_COUNTS = {"period": 1, "warmup_steps": 0, "group_size": 1, "gradient_group_size": 1}
+
+
+@given(
+    argument=st.sampled_from(sorted(_PERIODIC_COUNTS)),
+    value=st.integers(-3, 3) | st.sampled_from([2.0, True, "2", None]),
+)
+def test_periodic_averagings_counts_are_refused_by_name(argument: str, value: object) -> None:
+    """Property: each integer argument of ``periodic_averaging`` is taken exactly when it is
+    an int (not a bool) of at least its minimum; else refused naming the function, the
+    argument and the value (``group_size=None``: every rank, its default)."""
+    minimum = _PERIODIC_COUNTS[argument]
+    kwargs: dict[str, Any] = {"period": 2, argument: value}
+    valid = (type(value) is int and value >= minimum) or (
+        argument == "group_size" and value is None
+    )
+    if valid:
+        periodic_averaging(**kwargs)
+        return
+    expected = (
+        f"periodic_averaging: {argument} is {value!r}; expected an integer of {minimum} or more"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
+        periodic_averaging(**kwargs)
