@@ -495,3 +495,53 @@ def check_closing_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
 @settings(max_examples=5, deadline=None)
 def test_closing_a_world_stops_a_stalled_callback(case: tuple[int, int, int]) -> None:
     check_closing_stops_a_stalled_callback(case)
+
+
+def exception_in_the_world_aborts_it(world_size: int, waiting: list[int], text: str) -> None:
+    """Property: an exception raised inside ``with World(...)`` aborts the world with it as
+    the cause: every rank waiting in a collective that cannot complete (not every rank
+    issued it) wakes with WorldAborted naming that exception, whether it issued before the
+    exception or after."""
+    errors: dict[int, BaseException] = {}
+    started = threading.Barrier(len(waiting) + 1, timeout=20)
+
+    def rank_main(world: fakepg.World, rank: int) -> None:
+        started.wait()
+        try:
+            world.group(rank).allreduce([torch.ones(1)]).wait()
+        except fakepg.FakePGError as error:
+            errors[rank] = error
+
+    def user_code(world: fakepg.World) -> None:
+        for thread in threads:
+            thread.start()
+        started.wait()
+        raise KeyError(text)
+
+    world = fakepg.World(world_size, timeout=30)
+    threads = [threading.Thread(target=rank_main, args=(world, r)) for r in waiting]
+    with pytest.raises(KeyError, match=re.escape(text)), world:
+        user_code(world)
+    for thread in threads:
+        thread.join(20)
+    for rank in waiting:
+        error = errors.get(rank)
+        assert isinstance(error, fakepg.WorldAborted), (rank, error)
+        assert "the world was aborted because" in str(error) and text in str(error), error
+
+
+@st.composite
+def worlds_left_by_an_exception(draw: st.DrawFn) -> tuple[int, list[int], str]:
+    world_size = draw(st.integers(2, 4))
+    waiting = draw(st.lists(st.integers(0, world_size - 1), min_size=1, unique=True))
+    waiting = waiting[: world_size - 1]  # not every rank: the collective cannot complete
+    text = draw(st.sampled_from(["a user's bug", "step 3 diverged", "out of data"]))
+    return world_size, sorted(waiting), text
+
+
+@given(worlds_left_by_an_exception())
+@settings(max_examples=20, deadline=None)
+def test_an_exception_inside_the_world_aborts_it_with_that_cause(
+    case: tuple[int, list[int], str],
+) -> None:
+    exception_in_the_world_aborts_it(*case)
