@@ -187,6 +187,39 @@ def test_every_completion_order_is_drawn() -> None:
     every_completion_order_is_drawn()
 
 
+def issues_twice(pg: fakepg.FakeProcessGroup) -> list[float]:
+    """Each rank issues two collectives back to back, then waits for both."""
+    works = [pg.allreduce([torch.ones(1) * (pg.rank() + 1 + k)]) for k in range(2)]
+    for work in works:
+        work.wait()
+    return [float(k) for k in range(2)]
+
+
+def issue_order(schedule: fakepg.Schedule) -> list[tuple[int | None, str]]:
+    fakepg.run(issues_twice, 2, schedule=schedule, timeout=20)
+    return [(e.rank, e.collective[:12]) for e in schedule.timeline if e.event == "issue"]
+
+
+def a_rank_is_preempted_at_its_issue() -> None:
+    """Property: a rank may be preempted right after it issues a collective (an issue is a
+    point at which any other actor may run): some schedule has rank 1 issue its first
+    collective between rank 0's first and second (in the natural order each rank issues
+    both before the other runs), on every replay of it."""
+    wanted = [(0, "allreduce #0"), (1, "allreduce #0"), (0, "allreduce #1"), (1, "allreduce #1")]
+
+    def interleaved(schedule: fakepg.Schedule) -> bool:
+        return issue_order(schedule) == wanted
+
+    assert not interleaved(fakepg.Schedule())
+    found = find(schedules(), interleaved, settings=SEARCH)
+    for _ in range(5):
+        assert interleaved(found.recorded())
+
+
+def test_a_rank_is_preempted_at_its_issue() -> None:
+    a_rank_is_preempted_at_its_issue()
+
+
 PROGRAMS: dict[str, Program] = {
     "two in flight": two_in_flight,
     "write in flight": write_in_flight,
@@ -435,17 +468,32 @@ def callbacks_issue_collectives(pg: fakepg.FakeProcessGroup) -> list[float]:
 _ACTOR = re.compile(r"rank (\d+)( callbacks( \(level ([1-9]\d*)\))?)?")
 
 
+_EVENTS = {"run", "issue", "wait", "resume", "complete", "callback", "return", "blocked outside"}
+
+
 def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -> None:
     """Property: every step of a timeline names who took it as errors and printed schedules
     do: "world" for a completion; "rank r" for a rank's own thread (the only actors that
     return); "rank r callbacks" for its lane of level 0, "rank r callbacks (level k)" for a
     deeper one (the only actors that run callbacks: here #0's at level 0, #1's, which #0's
-    callback issues, a level deeper than that callback ran), r being the step's rank."""
+    callback issues, a level deeper than that callback ran), r being the step's rank. Each
+    step is one of the documented events; a completion and a callback name their collective;
+    a step where the turn goes to an actor ("run", "resume") follows another actor's step;
+    and the steps a choice decided show, in order, the non-zero decisions of the run."""
     results = fakepg.run(callbacks_issue_collectives, world_size, schedule=schedule, timeout=10)
     total = float(sum(range(1, world_size + 1)))
     assert results == [[2 * total * world_size + 1]] * world_size, results
+    marks = [e.choice[0] for e in schedule.timeline if e.choice is not None]
+    assert marks == [c for c in schedule.recorded().choices if c], schedule.format()
     on_lanes: set[int | None] = set()  # the ranks whose #0 callback ran on a lane
+    previous = None
     for e in schedule.timeline:
+        assert e.event in _EVENTS, e
+        if e.event in ("complete", "callback"):
+            assert re.fullmatch(r"allreduce #[01] \(op=SUM\)", e.collective), e
+        if e.event in ("run", "resume"):
+            assert previous is None or previous.actor != e.actor, schedule.format()
+        previous = e
         if e.actor == "world":
             assert e.event == "complete" and e.rank is None, e
             continue
