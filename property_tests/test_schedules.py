@@ -478,7 +478,9 @@ def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -
     deeper one (the only actors that run callbacks: here #0's at level 0, #1's, which #0's
     callback issues, a level deeper than that callback ran), r being the step's rank. Each
     step is one of the documented events; a completion and a callback name their collective;
-    a step where the turn goes to an actor ("run", "resume") follows another actor's step;
+    an issue and a completion show what the collective moves, the other steps nothing (a
+    run, a return, a callback); a step where the turn goes to an actor ("run", "resume")
+    follows another actor's step;
     and the steps a choice decided show, in order, the non-zero decisions of the run."""
     results = fakepg.run(callbacks_issue_collectives, world_size, schedule=schedule, timeout=10)
     total = float(sum(range(1, world_size + 1)))
@@ -491,6 +493,10 @@ def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -
         assert e.event in _EVENTS, e
         if e.event in ("complete", "callback"):
             assert re.fullmatch(r"allreduce #[01] \(op=SUM\)", e.collective), e
+        if e.event in ("complete", "issue"):
+            assert e.tensors == "float32[1]", e
+        if e.event in ("run", "return", "blocked outside", "callback"):
+            assert e.tensors == "" and (e.event == "callback" or e.collective == ""), e
         if e.event in ("run", "resume"):
             assert previous is None or previous.actor != e.actor, schedule.format()
         previous = e
@@ -515,6 +521,63 @@ def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -
 @settings(max_examples=10, deadline=None)
 def test_the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -> None:
     the_timeline_names_every_actor(world_size, schedule)
+
+
+_NOT_CHOICES: list[object] = [[-1], [0, True], [1.0], ["1"], "01", 3, {0: -2}, {-1: 1}, {"a": 1}]
+
+
+def a_schedule_takes_its_arguments_or_names_them(
+    choices: object, adversarial: object, explore: object
+) -> None:
+    """Property: ``Schedule`` takes choices (a sequence of ints >= 0, or a mapping from
+    points >= 0 to such ints), a bool ``adversarial`` and an exploration or None, and refuses
+    anything else with a ValueError that names the argument, the index or point, and what was
+    given; a schedule not yet run has an empty timeline, no choice point used, and prints as
+    its choices (the points that are not 0) and policy, which paste back."""
+    valid_choices = repr(choices) not in {repr(c) for c in _NOT_CHOICES}  # ([1] == [1.0])
+    valid = valid_choices and isinstance(adversarial, bool) and explore is None
+    if valid:
+        schedule = fakepg.Schedule(choices, adversarial=adversarial)  # type: ignore[arg-type]
+        assert schedule.timeline == [] and schedule.used == 0
+        pasted = eval(repr(schedule), {"Schedule": fakepg.Schedule})
+        sparse = {i: c for i, c in enumerate(schedule.choices) if c}  # (trailing zeros: none)
+        assert {i: c for i, c in enumerate(pasted.choices) if c} == sparse, repr(schedule)
+        assert pasted.adversarial == adversarial
+        return
+    if not valid_choices:
+        expected = {
+            repr([-1]): "Schedule: choices[0] must be an int >= 0, got -1",
+            repr([0, True]): "Schedule: choices[1] must be an int >= 0, got True",
+            repr([1.0]): "Schedule: choices[0] must be an int >= 0, got 1.0",
+            repr(["1"]): "Schedule: choices[0] must be an int >= 0, got '1'",
+            repr("01"): "Schedule: choices must be a sequence of ints, got '01'",
+            repr(3): "Schedule: choices must be a sequence of ints, got 3",
+            repr({0: -2}): "Schedule: the choice at point 0 must be an int >= 0, got -2",
+            repr({-1: 1}): "Schedule: a choice's point must be an int >= 0, got -1",
+            repr({"a": 1}): "Schedule: a choice's point must be an int >= 0, got 'a'",
+        }[repr(choices)]
+    elif not isinstance(adversarial, bool):
+        expected = f"Schedule: adversarial must be a bool, got {adversarial!r}"
+    else:
+        expected = (
+            "Schedule: explore must be an exploration (draw one with "
+            f"reducer.testing.schedules()), got {explore!r}"
+        )
+    with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
+        fakepg.Schedule(choices, adversarial=adversarial, explore=explore)  # type: ignore[arg-type]
+
+
+@given(
+    choices=st.sampled_from(_NOT_CHOICES)
+    | st.lists(st.integers(0, 5), max_size=6)
+    | st.dictionaries(st.integers(0, 9), st.integers(0, 5), max_size=3),
+    adversarial=st.sampled_from([False, True, 1, None]),
+    explore=st.sampled_from([None, "walk"]),
+)
+def test_a_schedule_takes_its_arguments_or_names_them(
+    choices: object, adversarial: object, explore: object
+) -> None:
+    a_schedule_takes_its_arguments_or_names_them(choices, adversarial, explore)
 
 
 def the_baton_wakes_its_waiter_however_often_signalled(signals: list[int]) -> None:

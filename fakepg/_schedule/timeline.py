@@ -133,9 +133,9 @@ class Schedule:
         actor: str,
         rank: int | None,
         event: str,
-        collective: str = "",
-        tensors: Tensors = "",
-        choice: tuple[int, int] | None = None,
+        collective: str,
+        tensors: Tensors,
+        choice: tuple[int, int] | None,
     ) -> None:
         """One step of the run (the fields of a :class:`ScheduleEvent`; ``tensors`` may be
         the tensors' specs, written out when the timeline is read)."""
