@@ -523,6 +523,32 @@ def test_the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedu
     the_timeline_names_every_actor(world_size, schedule)
 
 
+def callbacks_run_in_each_policys_order(world_size: int, first: int, adversarial: bool) -> None:
+    """Property: a collective's callbacks, posted to its ranks' lanes in the order the ranks
+    chained them, run oldest first in the natural order, newest first in the adversarial one
+    (Note [Controlled scheduling]), whichever rank runs first (the one choice drawn here)."""
+    schedule = fakepg.Schedule([first], adversarial=adversarial)
+    fakepg.run(callbacks_on_every_lane, world_size, schedule=schedule, timeout=10)
+    for k in range(3):
+        name = f"allreduce #{k} (op=SUM)"
+        issued = [e.rank for e in schedule.timeline if e.event == "issue" and e.collective == name]
+        ran = [e.rank for e in schedule.timeline if e.event == "callback" and e.collective == name]
+        assert sorted(issued) == list(range(world_size)), schedule.format()
+        assert ran == (issued[::-1] if adversarial else issued), schedule.format()
+
+
+@given(
+    world_size=st.integers(2, 4),
+    first=st.integers(0, 3),
+    adversarial=st.booleans(),
+)
+@settings(max_examples=20, deadline=None)
+def test_callbacks_run_in_each_policys_order(
+    world_size: int, first: int, adversarial: bool
+) -> None:
+    callbacks_run_in_each_policys_order(world_size, first, adversarial)
+
+
 _NOT_CHOICES: list[object] = [[-1], [0, True], [1.0], ["1"], "01", 3, {0: -2}, {-1: 1}, {"a": 1}]
 
 
