@@ -479,9 +479,9 @@ def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -
     callback issues, a level deeper than that callback ran), r being the step's rank. Each
     step is one of the documented events; a completion and a callback name their collective;
     an issue and a completion show what the collective moves, the other steps nothing (a
-    run, a return, a callback); a step where the turn goes to an actor ("run", "resume")
-    follows another actor's step;
-    and the steps a choice decided show, in order, the non-zero decisions of the run."""
+    run, a return, a callback); a step where the turn goes to an actor follows another
+    actor's step, and is a "resume" of what it waited for if it waited, else a "run"; and
+    the steps a choice decided show, in order, the non-zero decisions of the run."""
     results = fakepg.run(callbacks_issue_collectives, world_size, schedule=schedule, timeout=10)
     total = float(sum(range(1, world_size + 1)))
     assert results == [[2 * total * world_size + 1]] * world_size, results
@@ -489,8 +489,16 @@ def the_timeline_names_every_actor(world_size: int, schedule: fakepg.Schedule) -
     assert marks == [c for c in schedule.recorded().choices if c], schedule.format()
     on_lanes: set[int | None] = set()  # the ranks whose #0 callback ran on a lane
     previous = None
+    waits: dict[str, str] = {}  # actor -> what it waits for, from its "wait" to its "resume"
     for e in schedule.timeline:
         assert e.event in _EVENTS, e
+        if e.event == "wait":
+            waits[e.actor] = e.collective
+        elif e.event in ("resume", "run"):
+            # The turn goes back to a waiting actor as a "resume" of what it waited for; to
+            # one parked at a point as a "run".
+            assert e.collective == waits.pop(e.actor, ""), schedule.format()
+            assert (e.event == "resume") == bool(e.collective), schedule.format()
         if e.event in ("complete", "callback"):
             assert re.fullmatch(r"allreduce #[01] \(op=SUM\)", e.collective), e
         if e.event in ("complete", "issue"):
