@@ -557,20 +557,60 @@ def test_callbacks_run_in_each_policys_order(
     callbacks_run_in_each_policys_order(world_size, first, adversarial)
 
 
-_NOT_CHOICES: list[object] = [[-1], [0, True], [1.0], ["1"], "01", 3, {0: -2}, {-1: 1}, {"a": 1}]
+# Choices that are not a sequence or mapping of ints, and the message each gets.
+_NOT_CHOICES: dict[str, tuple[object, str]] = {
+    "a string": ("01", "Schedule: choices must be a sequence of ints, got '01'"),
+    "a number": (3, "Schedule: choices must be a sequence of ints, got 3"),
+    "a negative choice at a point": (
+        {0: -2},
+        "Schedule: the choice at point 0 must be an int >= 0, got -2",
+    ),
+    "a negative point": ({-1: 1}, "Schedule: a choice's point must be an int >= 0, got -1"),
+    "a point not an int": ({"a": 1}, "Schedule: a choice's point must be an int >= 0, got 'a'"),
+}
+
+
+@st.composite
+def schedule_arguments(draw: st.DrawFn) -> tuple[object, object, object, str | None]:
+    """Arguments of ``Schedule`` and the message they must get (None: taken): valid choices
+    (a list or a mapping of ints >= 0), or a list with one wrong entry after a drawn prefix
+    of valid ones (the message names its index), or another wrong kind; a bool
+    ``adversarial`` or not; no exploration or a string in its place."""
+    kind = draw(st.sampled_from(["list", "mapping", "one wrong entry", *_NOT_CHOICES]))
+    expected: str | None = None
+    choices: object
+    if kind == "list":
+        choices = draw(st.lists(st.integers(0, 5), max_size=6))
+    elif kind == "mapping":
+        choices = draw(st.dictionaries(st.integers(0, 9), st.integers(0, 5), max_size=3))
+    elif kind == "one wrong entry":
+        prefix = draw(st.lists(st.integers(0, 3), max_size=4))
+        wrong = draw(st.sampled_from([-1, -7, True, False, 1.0, "1", None]))
+        choices = [*prefix, wrong, *draw(st.lists(st.integers(0, 3), max_size=2))]
+        expected = f"Schedule: choices[{len(prefix)}] must be an int >= 0, got {wrong!r}"
+    else:
+        choices, expected = _NOT_CHOICES[kind]
+    adversarial = draw(st.sampled_from([False, True, 1, None]))
+    explore = draw(st.sampled_from([None, "walk"]))
+    if expected is None and not isinstance(adversarial, bool):
+        expected = f"Schedule: adversarial must be a bool, got {adversarial!r}"
+    if expected is None and explore is not None:
+        expected = (
+            "Schedule: explore must be an exploration (draw one with "
+            f"reducer.testing.schedules()), got {explore!r}"
+        )
+    return choices, adversarial, explore, expected
 
 
 def a_schedule_takes_its_arguments_or_names_them(
-    choices: object, adversarial: object, explore: object
+    choices: object, adversarial: object, explore: object, expected: str | None
 ) -> None:
     """Property: ``Schedule`` takes choices (a sequence of ints >= 0, or a mapping from
     points >= 0 to such ints), a bool ``adversarial`` and an exploration or None, and refuses
     anything else with a ValueError that names the argument, the index or point, and what was
     given; a schedule not yet run has an empty timeline, no choice point used, and prints as
     its choices (the points that are not 0) and policy, which paste back."""
-    valid_choices = repr(choices) not in {repr(c) for c in _NOT_CHOICES}  # ([1] == [1.0])
-    valid = valid_choices and isinstance(adversarial, bool) and explore is None
-    if valid:
+    if expected is None:
         schedule = fakepg.Schedule(choices, adversarial=adversarial)  # type: ignore[arg-type]
         assert schedule.timeline == [] and schedule.used == 0
         pasted = eval(repr(schedule), {"Schedule": fakepg.Schedule})
@@ -578,40 +618,15 @@ def a_schedule_takes_its_arguments_or_names_them(
         assert {i: c for i, c in enumerate(pasted.choices) if c} == sparse, repr(schedule)
         assert pasted.adversarial == adversarial
         return
-    if not valid_choices:
-        expected = {
-            repr([-1]): "Schedule: choices[0] must be an int >= 0, got -1",
-            repr([0, True]): "Schedule: choices[1] must be an int >= 0, got True",
-            repr([1.0]): "Schedule: choices[0] must be an int >= 0, got 1.0",
-            repr(["1"]): "Schedule: choices[0] must be an int >= 0, got '1'",
-            repr("01"): "Schedule: choices must be a sequence of ints, got '01'",
-            repr(3): "Schedule: choices must be a sequence of ints, got 3",
-            repr({0: -2}): "Schedule: the choice at point 0 must be an int >= 0, got -2",
-            repr({-1: 1}): "Schedule: a choice's point must be an int >= 0, got -1",
-            repr({"a": 1}): "Schedule: a choice's point must be an int >= 0, got 'a'",
-        }[repr(choices)]
-    elif not isinstance(adversarial, bool):
-        expected = f"Schedule: adversarial must be a bool, got {adversarial!r}"
-    else:
-        expected = (
-            "Schedule: explore must be an exploration (draw one with "
-            f"reducer.testing.schedules()), got {explore!r}"
-        )
     with pytest.raises(ValueError, match="^" + re.escape(expected) + "$"):
         fakepg.Schedule(choices, adversarial=adversarial, explore=explore)  # type: ignore[arg-type]
 
 
-@given(
-    choices=st.sampled_from(_NOT_CHOICES)
-    | st.lists(st.integers(0, 5), max_size=6)
-    | st.dictionaries(st.integers(0, 9), st.integers(0, 5), max_size=3),
-    adversarial=st.sampled_from([False, True, 1, None]),
-    explore=st.sampled_from([None, "walk"]),
-)
+@given(schedule_arguments())
 def test_a_schedule_takes_its_arguments_or_names_them(
-    choices: object, adversarial: object, explore: object
+    case: tuple[object, object, object, str | None],
 ) -> None:
-    a_schedule_takes_its_arguments_or_names_them(choices, adversarial, explore)
+    a_schedule_takes_its_arguments_or_names_them(*case)
 
 
 def the_baton_wakes_its_waiter_however_often_signalled(signals: list[int]) -> None:
