@@ -229,8 +229,13 @@ PROGRAMS: dict[str, Program] = {
 
 def replay_is_the_run(name: str, schedule: fakepg.Schedule) -> None:
     """Property: a schedule that ran prints as one that, pasted back, takes every step the
-    run took (completion policy included) and gives the same results."""
+    run took (completion policy included) and gives the same results. Before its first run,
+    a drawn schedule has taken no decision and prints as drawn as it runs."""
     program = PROGRAMS[name]
+    if schedule.explore is not None:
+        assert schedule.choices == () and schedule.used == 0 and schedule.timeline == []
+        mode = ", adversarial=True" if schedule.adversarial else ""
+        assert repr(schedule).endswith(f", drawn as it runs>{mode})"), repr(schedule)
     first = fakepg.run(program, 2, schedule=schedule, timeout=20)
     pasted = eval(repr(schedule), {"Schedule": fakepg.Schedule})
     assert fakepg.run(program, 2, schedule=pasted, timeout=20) == first, (schedule, pasted)
