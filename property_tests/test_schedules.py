@@ -297,8 +297,8 @@ def sends_first(pg: fakepg.FakeProcessGroup) -> list[float]:
 
 def deadlock_is_reported(world_size: int, schedule: fakepg.Schedule) -> None:
     """Property: under every schedule, a ring of ranks that each send before receiving is a
-    deadlock, reported as one (not a timeout) with its reason: no actor can move; and what
-    each rank waits for."""
+    deadlock, reported as one (not a timeout) with its reason: no actor can move; what each
+    rank waits for; and, in its note, the lowest stuck rank."""
     with pytest.raises(fakepg.ScheduleDeadlock) as failure:
         fakepg.run(sends_first, world_size, schedule=schedule, timeout=20)
     text = str(failure.value)
@@ -307,6 +307,9 @@ def deadlock_is_reported(world_size: int, schedule: fakepg.Schedule) -> None:
     ), text
     for rank in range(world_size):
         assert f"rank {rank} waits for send/recv #0" in text, text
+    # Reported for the lowest stuck rank (every rank is stuck here).
+    notes = getattr(failure.value, "__notes__", [])
+    assert f"raised on rank 0 of {world_size} in fakepg.run" in notes, notes
 
 
 @given(world_size=st.integers(2, 3), schedule=schedules())
