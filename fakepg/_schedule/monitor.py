@@ -23,10 +23,17 @@ monitor decides in its place. See Note [Blocked outside the scheduler] in
 # process's runs are alike (a property replays one check hundreds of times), so after a run
 # that took nobody outside, the next starts without a monitor thread: each hand-over arms
 # one entry on the world's timer (if none is armed), and only a holder that has held the turn
-# for _LAZY_START_S starts the thread, which then looks as above. A run that takes a holder
+# for _LAZY_START_NS (1 ms) starts the thread, which then looks as above. A run that takes a holder
 # outside has its thread from the start in the next run. So a run that blocks outside after
 # runs that did not is seen about 1 ms late, once; only timing depends on this, never a
 # decision (see Note [Blocked outside the scheduler]).
+
+# Note [A holder that never comes back]
+# A holder that neither reaches a point nor looks blocked for the world's timeout (blocked
+# where no look recognizes it, or computing that long) would hold every other actor, and,
+# at one rank with nobody else waiting for the turn, the whole run, for ever. The monitor
+# then reports it as a deadlock of the schedule (the others' waits for the turn do the same
+# after the same timeout), which aborts the world and fails every unfinished collective.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ class Scheduler(Protocol):
 
 
 _FIRST_LOOK_S = 0.0001
-_LAZY_START_NS = 1_000_000  # _LAZY_START_S: a holder held this long starts the monitor thread
+_LAZY_START_NS = 1_000_000  # a holder held this long starts the monitor thread (lazy start)
 _CONFIRM_S = 0.0001
 _LAST_LOOK_S = 0.001
 _LOOKS_TO_STALL = 2

@@ -97,7 +97,7 @@ class Schedule:
                 f"Schedule: explore must be an exploration (draw one with "
                 f"reducer.testing.schedules()), got {explore!r}"
             )
-        self._choices = tuple(choices)
+        self._choices = choices
         self.adversarial = adversarial
         self.explore = explore
         # The run's steps as the scheduler records them (plain tuples: a step costs the
